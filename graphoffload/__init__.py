@@ -1,0 +1,23 @@
+"""graphoffload: compile a whole PyTorch train step into one graph and rewrite it with passes.
+
+    @graphoffload.offload_compile
+    def train_step(model, optimizer, batch):
+        loss = model(batch["input_ids"], labels=batch["labels"])
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss
+"""
+
+from graphoffload.api import CompiledStep, offload_compile
+from graphoffload.config import CompileConfig
+from graphoffload.errors import CaptureError, GraphOffloadError, PassError, StateError, UnsupportedError
+from graphoffload.graph import GraphSignature, InputSpec, OutputSpec, TrainGraph
+from graphoffload.memory import MemoryProfile, analyze_memory
+from graphoffload.passes import Pass, PassContext, PassManager
+
+__all__ = [
+    "CaptureError", "CompileConfig", "CompiledStep", "GraphOffloadError", "GraphSignature", "InputSpec",
+    "MemoryProfile", "OutputSpec", "Pass", "PassContext", "PassError", "PassManager", "StateError",
+    "TrainGraph", "UnsupportedError", "analyze_memory", "offload_compile",
+]

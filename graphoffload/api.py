@@ -1,0 +1,169 @@
+"""`offload_compile` and the `CompiledStep` it returns: the public face of graphoffload."""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, overload
+
+import torch
+import torch.utils._pytree as pytree
+from torch import Tensor
+
+from graphoffload import inspection
+from graphoffload.capture import Capture, capture_step, find_bindings
+from graphoffload.config import CompileConfig
+from graphoffload.graph import TrainGraph
+from graphoffload.optimizer_lowering import is_first_step
+from graphoffload.memory import MemoryProfile, analyze_memory
+from graphoffload.passes.manager import Pass, PassContext, PassFn, PassManager
+from graphoffload.runtime.executor import Executor
+
+
+@dataclass
+class CompiledVariant:
+    """One trace of the step (for one cache key) after all passes."""
+
+    capture: Capture
+    graph: TrainGraph
+    stages: dict[str, TrainGraph]
+    executor: Executor
+    timings: dict[str, float]
+
+
+def _leaf_key(x: Any) -> Any:
+    if isinstance(x, Tensor):
+        return ("tensor", tuple(x.shape), x.dtype, x.device.type, x.device.index, x.requires_grad)
+    if isinstance(x, (torch.nn.Module, torch.optim.Optimizer)):
+        return ("object", id(x))
+    try:
+        hash(x)
+        return ("value", x)
+    except TypeError:
+        return ("object", id(x))
+
+
+def _optimizer_key(opt: torch.optim.Optimizer) -> Any:
+    groups = []
+    for g in opt.param_groups:
+        options = tuple(sorted((k, repr(v)) for k, v in g.items() if k not in ("params", "lr", "initial_lr")))
+        groups.append((options, tuple(id(p) for p in g["params"])))
+    return (type(opt), tuple(groups), is_first_step(opt))
+
+
+class CompiledStep:
+    """A train step compiled by graphoffload. Call it like the original function.
+
+    The first call (and any call with new input shapes, dtypes, devices, train/eval mode or
+    optimizer settings) traces the step and runs the pass pipeline; later calls run the cached
+    graph. Inspection: `graphs`, `explain()`, `print_graph()`, `draw()`, `dump()`,
+    `memory()`.
+    """
+
+    def __init__(self, fn: Callable, passes: Sequence[Pass | PassFn] = (), config: CompileConfig | None = None):
+        self.fn = fn
+        self.config = config or CompileConfig()
+        self.pass_manager = PassManager(passes, disable=self.config.disable_passes)
+        self._variants: dict[Any, CompiledVariant] = {}
+        self._last: CompiledVariant | None = None
+        self.trace_count = 0
+        functools.update_wrapper(self, fn)
+
+    def _key(self, args: tuple, kwargs: dict) -> Any:
+        b = find_bindings(self.fn, args, kwargs)
+        return (
+            tuple(_leaf_key(x) for x in pytree.tree_leaves((args, kwargs))),
+            tuple((n, tuple(p.shape), p.dtype, p.device, p.requires_grad, id(p)) for n, p in b.params.items()),
+            tuple((n, tuple(t.shape), t.dtype, t.device) for n in b.buffers for t in [b.buffer(n)]),
+            tuple(m.training for model in b.modules for m in model.modules()),
+            tuple(_optimizer_key(o) for o in b.optimizers),
+            torch.is_grad_enabled(),
+            torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda"),
+            torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"),
+        )
+
+    def _compile(self, args: tuple, kwargs: dict) -> CompiledVariant:
+        capture = capture_step(self.fn, args, kwargs, self.config)
+        self.trace_count += 1
+        if self.trace_count == self.config.retrace_warning_after:
+            warnings.warn(
+                f"graphoffload traced {self.fn.__name__} {self.trace_count} times: each new input shape, "
+                "dtype, train/eval mode or optimizer setting re-traces the step. Pad inputs to fixed "
+                "shapes to avoid it.", stacklevel=3)
+        params = list(capture.bindings.params.values())
+        device = params[0].device if params else torch.device("cpu")
+        ctx = PassContext(self.config, device)
+        graph, stages = self.pass_manager.run(capture.graph, ctx)
+        return CompiledVariant(capture, graph, stages, Executor(graph, capture), dict(ctx.timings))
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        key = self._key(args, kwargs)
+        variant = self._variants.get(key)
+        if variant is None:
+            variant = self._variants[key] = self._compile(args, kwargs)
+        self._last = variant
+        return variant.executor.run(args, kwargs)
+
+    # ------------------------------------------------------------------ inspection
+
+    @property
+    def last(self) -> CompiledVariant:
+        if self._last is None:
+            raise RuntimeError("the step has not been called yet: call it once to capture its graph")
+        return self._last
+
+    @property
+    def graphs(self) -> dict[str, torch.fx.GraphModule]:
+        """Stage name (``captured``, each pass, ``final``) -> GraphModule, for the last call."""
+        return {name: g.gm for name, g in self.last.stages.items()}
+
+    @property
+    def train_graph(self) -> TrainGraph:
+        return self.last.graph
+
+    def memory(self, stage: str = "final") -> MemoryProfile:
+        """Liveness analysis of a stage: bytes live at each node and the predicted peak."""
+        return analyze_memory(self.last.stages[stage])
+
+    def explain(self, file: Any = None) -> str:
+        """Per stage: node counts by phase, nodes added/removed, predicted peak; pass notes."""
+        return inspection.explain(self.last.stages, self.last.timings, file=file)
+
+    def print_graph(self, stage: str = "final", file: Any = None) -> str:
+        """Readable code of a stage: shapes, dtypes, phase, creating pass, user source line."""
+        return inspection.format_graph(self.last.stages[stage], stage, file=file)
+
+    def draw(self, stage: str = "final", path: str = "graph.dot") -> str:
+        """Write DOT (and SVG beside it when graphviz's `dot` is installed), nodes coloured by phase."""
+        return inspection.draw(self.last.stages[stage], stage, path)
+
+    def dump(self, directory: str) -> list[str]:
+        """Write every stage as readable text and as a re-runnable Python module."""
+        return inspection.dump(self.last.stages, directory)
+
+
+@overload
+def offload_compile(fn: Callable, *, passes: Sequence[Pass | PassFn] = ...,
+                    config: CompileConfig | None = ...) -> CompiledStep: ...
+@overload
+def offload_compile(fn: None = ..., *, passes: Sequence[Pass | PassFn] = ...,
+                    config: CompileConfig | None = ...) -> Callable[[Callable], CompiledStep]: ...
+
+
+def offload_compile(fn: Callable | None = None, *, passes: Sequence[Pass | PassFn] = (),
+                    config: CompileConfig | None = None):
+    """Compile a train step (forward, ``loss.backward()``, ``optimizer.step()``) into one graph.
+
+    Use as ``@offload_compile`` or ``offload_compile(train_step, passes=[...], config=...)``.
+
+    Args:
+        fn: the train step. The model(s) and optimizer(s) it uses are found among its arguments
+            and closure; tensors among its arguments are the batch.
+        passes: extra passes ``(TrainGraph, PassContext) -> TrainGraph`` run after the built-in ones.
+        config: a `CompileConfig`.
+    """
+    if fn is None:
+        return lambda f: CompiledStep(f, passes, config)
+    return CompiledStep(fn, passes, config)

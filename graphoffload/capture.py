@@ -1,0 +1,497 @@
+"""Capture a whole imperative train step (forward, backward, optimizer) as one fx graph.
+
+The user's function runs once under `make_fx` with fake tensors: no real compute, no device
+memory. While it runs, the model's parameters and buffers are swapped for traced tensors
+(parameters as autograd leaves, so `loss.backward()` fills their `.grad`), `optimizer.step()`
+and `zero_grad()` are swapped for graphoffload's lowering (optimizer_lowering.py), and a
+TorchFunctionMode routes `F.scaled_dot_product_attention` to graphoffload's attention op and
+marks everything `backward()` runs as the backward phase. All swaps are undone on exit,
+whatever happens.
+
+The graph is not functionalized: the fused optimizer kernels mutate parameters and state in
+place, as they do eagerly, so a step needs no second copy of them. Mutation is confined to
+placeholders the signature marks mutable; see passes/README.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import os
+import traceback
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx.traceback as fx_traceback
+import torch.nn.functional as F
+import torch.utils._pytree as pytree
+from torch import Tensor, fx, nn
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.overrides import TorchFunctionMode
+
+import graphoffload
+from graphoffload import optimizer_lowering
+from graphoffload.config import CompileConfig
+from graphoffload.errors import CaptureError, GraphOffloadError, UnsupportedError
+from graphoffload.graph import GraphSignature, InputSpec, OutputSpec, TrainGraph
+from graphoffload.runtime import attention as _attention_module
+from graphoffload.runtime.attention import sdpa_via_attention
+
+# frames under these directories are not the user's code
+_OWN_DIRS = tuple(os.path.dirname(m.__file__) + os.sep for m in (torch, graphoffload, _attention_module))
+
+# --------------------------------------------------------------------------- what the step touches
+
+@dataclass
+class StepBindings:
+    """Where every placeholder's tensor lives in the user's objects, for capture and runtime."""
+
+    modules: list[nn.Module]
+    optimizers: list[torch.optim.Optimizer]
+    params: dict[str, nn.Parameter]                       # name -> parameter
+    buffers: dict[str, tuple[nn.Module, str]]             # name -> (owning module, attribute)
+    state_keys: list[tuple[str, str]]                     # (param name, state key)
+    lr_groups: list[tuple[int, int]]                      # (optimizer index, group index)
+    param_names: dict[int, str] = field(default_factory=dict)   # id(param) -> name
+
+    def buffer(self, name: str) -> Tensor:
+        module, attr = self.buffers[name]
+        return module._buffers[attr]
+
+    def state(self, param_name: str, key: str) -> Tensor:
+        param = self.params[param_name]
+        for opt in self.optimizers:
+            if param in opt.state:
+                return opt.state[param][key]
+        raise KeyError((param_name, key))
+
+    def lr(self, opt_index: int, group_index: int) -> float:
+        lr = self.optimizers[opt_index].param_groups[group_index]["lr"]
+        return float(lr.item() if isinstance(lr, Tensor) else lr)
+
+
+def _closure_objects(fn: Callable) -> list[Any]:
+    try:
+        cv = inspect.getclosurevars(fn)
+    except (TypeError, ValueError):
+        return []
+    return list(cv.nonlocals.values()) + list(cv.globals.values())
+
+
+def find_bindings(fn: Callable, args: tuple, kwargs: dict) -> StepBindings:
+    """Find the models and optimizers among the step's arguments and closure."""
+    candidates = pytree.tree_leaves((args, kwargs)) + _closure_objects(fn)
+    modules: list[nn.Module] = []
+    optimizers: list[torch.optim.Optimizer] = []
+    for obj in candidates:
+        if isinstance(obj, nn.Module) and not any(obj is m for m in modules):
+            modules.append(obj)
+        elif isinstance(obj, torch.optim.Optimizer) and not any(obj is o for o in optimizers):
+            optimizers.append(obj)
+    if not modules:
+        raise CaptureError("no nn.Module found among the train step's arguments or closure; pass "
+                           "the model as an argument of the decorated function")
+    # a module that is a submodule of another one found is not a model of its own
+    modules = [m for m in modules if not any(m is not o and any(m is s for s in o.modules()) for o in modules)]
+    prefix = (lambda i: "") if len(modules) == 1 else (lambda i: f"model{i}.")
+    params: dict[str, nn.Parameter] = {}
+    param_names: dict[int, str] = {}
+    buffers: dict[str, tuple[nn.Module, str]] = {}
+    for i, model in enumerate(modules):
+        for name, p in model.named_parameters():
+            if id(p) not in param_names:
+                params[prefix(i) + name] = p
+                param_names[id(p)] = prefix(i) + name
+        for mod_name, mod in model.named_modules():
+            for attr, b in mod._buffers.items():
+                if b is not None:
+                    buffers[prefix(i) + (f"{mod_name}.{attr}" if mod_name else attr)] = (mod, attr)
+    state_keys: list[tuple[str, str]] = []
+    lr_groups: list[tuple[int, int]] = []
+    for oi, opt in enumerate(optimizers):
+        rule = optimizer_lowering.rule_for(opt)
+        for gi, group in enumerate(opt.param_groups):
+            lr_groups.append((oi, gi))
+            for p in group["params"]:
+                if id(p) not in param_names:
+                    raise CaptureError(f"{type(opt).__name__} holds a parameter of shape {tuple(p.shape)} "
+                                       "that belongs to none of the step's models; pass its module too")
+                state_keys.extend((param_names[id(p)], k) for k in rule.state_keys(group))
+    return StepBindings(modules, optimizers, params, buffers, state_keys, lr_groups, param_names)
+
+
+# --------------------------------------------------------------------------- tracing helpers
+
+@contextlib.contextmanager
+def _swapped_module_tensors(b: StepBindings, params: dict[str, Tensor],
+                            buffers: dict[str, Tensor]) -> Iterator[None]:
+    """Point every module's parameters and buffers at traced tensors (tied weights stay tied)."""
+    by_id = {id(p): params[name] for name, p in b.params.items()}
+    saved: list[tuple[dict, str, Any]] = []
+    try:
+        for model in b.modules:
+            for mod in model.modules():
+                for attr, p in list(mod._parameters.items()):
+                    if p is not None and id(p) in by_id:
+                        saved.append((mod._parameters, attr, p))
+                        mod._parameters[attr] = by_id[id(p)]
+        for name, (mod, attr) in b.buffers.items():
+            saved.append((mod._buffers, attr, mod._buffers[attr]))
+            mod._buffers[attr] = buffers[name]
+        yield
+    finally:
+        for store, attr, value in reversed(saved):
+            store[attr] = value
+
+
+@dataclass
+class _StepEvents:
+    order: list[str] = field(default_factory=list)
+    subgroups: int = 0
+
+
+@contextlib.contextmanager
+def _lowered_optimizers(b: StepBindings, leaves: dict[str, Tensor], states: dict[tuple[str, str], Tensor],
+                        lrs: dict[tuple[int, int], Tensor], first_steps: list[bool],
+                        config: CompileConfig, events: _StepEvents) -> Iterator[None]:
+    """Swap each optimizer's step()/zero_grad() for graphoffload's traced lowering."""
+    missing = object()
+    saved = []
+
+    def make_step(oi: int, opt: torch.optim.Optimizer) -> Callable:
+        def step(closure: Callable | None = None) -> None:
+            if closure is not None:
+                raise UnsupportedError("optimizer.step(closure) is not supported in a compiled step")
+            events.order.append("step")
+            updates = []
+            for gi, group in enumerate(opt.param_groups):
+                names = [b.param_names[id(p)] for p in group["params"]]
+                names = [n for n in names if leaves[n].grad is not None]
+                if not names:
+                    continue
+                updates.append(optimizer_lowering.TracedUpdate(
+                    group, names, [leaves[n] for n in names], [leaves[n].grad for n in names],
+                    lambda i, key, names=names: states[(names[i], key)], lrs[(oi, gi)]))
+            with torch.no_grad():
+                events.subgroups += optimizer_lowering.lower_step(
+                    opt, updates, first_steps[oi], config.subgroup_numel, events.subgroups)
+        return step
+
+    def make_zero_grad(opt: torch.optim.Optimizer) -> Callable:
+        def zero_grad(set_to_none: bool = True) -> None:
+            events.order.append("zero_grad")
+            for group in opt.param_groups:
+                for p in group["params"]:
+                    leaves[b.param_names[id(p)]].grad = None
+        return zero_grad
+
+    try:
+        for oi, opt in enumerate(b.optimizers):
+            saved.append((opt, vars(opt).get("step", missing), vars(opt).get("zero_grad", missing)))
+            opt.step = make_step(oi, opt)
+            opt.zero_grad = make_zero_grad(opt)
+        yield
+    finally:
+        for opt, step, zero_grad in saved:
+            for attr, value in (("step", step), ("zero_grad", zero_grad)):
+                if value is missing:
+                    vars(opt).pop(attr, None)
+                else:
+                    setattr(opt, attr, value)
+
+
+def _autograd_nodes(roots: list[Any]) -> Iterator[Any]:
+    seen: set[int] = set()
+    stack = [r for r in roots if r is not None]
+    while stack:
+        node = stack.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        yield node
+        stack.extend(fn for fn, _ in node.next_functions if fn is not None)
+
+
+@contextlib.contextmanager
+def _backward_provenance(outputs: Any) -> Iterator[None]:
+    """While backward runs, stamp each op it traces with the sequence number of the autograd
+    node being differentiated, so capture can point backward nodes at their forward node."""
+    roots = [t.grad_fn for t in pytree.tree_leaves(outputs) if isinstance(t, Tensor)]
+    handles = []
+    if hasattr(fx_traceback, "set_grad_fn_seq_nr"):
+        for node in _autograd_nodes(roots):
+            seq = node._sequence_nr()
+            handles.append(node.register_prehook(lambda _g, seq=seq: fx_traceback.set_grad_fn_seq_nr(seq)))
+            handles.append(node.register_hook(lambda _gi, _go: fx_traceback.reset_grad_fn_seq_nr()))
+    try:
+        with fx_traceback.annotate({"phase": "backward"}):
+            yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+class _StepMode(TorchFunctionMode):
+    """Routes SDPA to graphoffload's attention op and tags backward; everything else passes."""
+
+    def __init__(self, events: _StepEvents):
+        super().__init__()
+        self.events = events
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            return sdpa_via_attention(*args, **kwargs)
+        if func is Tensor.backward or func is torch.autograd.backward:
+            self.events.order.append("backward")
+            with _backward_provenance(args[0] if args else kwargs.get("tensors")):
+                return func(*args, **kwargs)
+        if func is torch.autograd.grad:
+            self.events.order.append("backward")
+            with _backward_provenance(args[0] if args else kwargs.get("outputs")):
+                return func(*args, **kwargs)
+        return func(*args, **kwargs)
+
+
+# --------------------------------------------------------------------------- errors
+
+def user_frame(tb: list[traceback.FrameSummary]) -> traceback.FrameSummary | None:
+    """The innermost frame of user code (not torch, not graphoffload)."""
+    for frame in reversed(tb):
+        if not frame.filename.startswith(_OWN_DIRS) and not frame.filename.startswith("<"):
+            return frame
+    return None
+
+
+def user_line_of_stack_trace(stack_trace: str | None) -> str | None:
+    """'file:line in func' of the innermost user frame of a node's recorded stack trace."""
+    if not stack_trace:
+        return None
+    lines = [ln.strip() for ln in stack_trace.strip().splitlines()]
+    for i in range(len(lines) - 1, -1, -1):
+        ln = lines[i]
+        if ln.startswith('File "'):
+            path = ln.split('"')[1]
+            if not path.startswith(_OWN_DIRS) and not path.startswith("<"):
+                rest = ln.split('"', 2)[2].strip(", ")
+                code = lines[i + 1] if i + 1 < len(lines) and not lines[i + 1].startswith('File "') else ""
+                return f"{os.path.basename(path)}:{rest.replace('line ', '')}" + (f"  {code}" if code else "")
+    return None
+
+
+def _where(exc: BaseException) -> str:
+    frame = user_frame(traceback.extract_tb(exc.__traceback__))
+    if frame is None:
+        return ""
+    return f" at {frame.filename}:{frame.lineno} ({frame.name}): {(frame.line or '').strip()}"
+
+
+def _translate_trace_error(exc: Exception) -> GraphOffloadError:
+    from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
+
+    name = type(exc).__name__
+    if isinstance(exc, (DataDependentOutputException, DynamicOutputShapeException)) or \
+            "GuardOnDataDependent" in name or "data-dependent" in str(exc).lower():
+        return CaptureError(
+            f"the train step depends on tensor values{_where(exc)}. `.item()`, `bool(tensor)`, "
+            "`if tensor > ...` and ops whose output shape depends on values cannot be captured in "
+            "one graph: move them outside the compiled step or express them with tensor ops "
+            f"(torch.where, masking). ({name}: {str(exc).splitlines()[0] if str(exc) else ''})")
+    if isinstance(exc, NotImplementedError) and ("fake impl" in str(exc) or "Meta" in str(exc)):
+        op = str(exc).split(":")[0]
+        return UnsupportedError(
+            f"op {op} cannot be captured{_where(exc)}: it has no fake (meta) kernel, so graphoffload "
+            "cannot trace it without running it. Replace it, or register a fake kernel with "
+            "torch.library.register_fake.")
+    return CaptureError(f"capturing the train step failed{_where(exc)}: {name}: {exc}")
+
+
+# --------------------------------------------------------------------------- capture
+
+@dataclass
+class Capture:
+    """A captured step: its graph, and how to bind and unbind it to the user's objects."""
+
+    graph: TrainGraph
+    bindings: StepBindings
+    out_spec: Any                      # pytree spec of the step's return value
+    out_constants: list[Any]           # its non-tensor leaves (None where a tensor goes)
+    zero_grad_before_backward: bool
+    calls_zero_grad: bool
+    batch_positions: list[int]         # positions of tensor leaves among the (args, kwargs) leaves
+
+
+def capture_step(fn: Callable, args: tuple, kwargs: dict, config: CompileConfig) -> Capture:
+    b = find_bindings(fn, args, kwargs)
+    first_steps = [optimizer_lowering.prepare_state(opt) for opt in b.optimizers]
+    leaves, in_spec = pytree.tree_flatten((args, kwargs))
+    batch_positions = [i for i, x in enumerate(leaves) if isinstance(x, Tensor)]
+    param_names = list(b.params)
+    buffer_names = list(b.buffers)
+    lr_before = [b.lr(oi, gi) for oi, gi in b.lr_groups]
+
+    real_inputs: list[Tensor] = (
+        [p.detach().requires_grad_(p.requires_grad) for p in b.params.values()]
+        + [b.buffer(n) for n in buffer_names]
+        + [b.state(pn, k) for pn, k in b.state_keys]
+        + [torch.tensor(lr, dtype=torch.float64) for lr in lr_before]
+        + [leaves[i].detach() for i in batch_positions])
+    n_p, n_b, n_s, n_lr = len(param_names), len(buffer_names), len(b.state_keys), len(b.lr_groups)
+    events = _StepEvents()
+    result: dict[str, Any] = {}
+
+    def traced(*flat: Tensor) -> list[Tensor]:
+        params = dict(zip(param_names, flat[:n_p]))
+        buffers = dict(zip(buffer_names, flat[n_p:n_p + n_b]))
+        states = dict(zip(b.state_keys, flat[n_p + n_b:n_p + n_b + n_s]))
+        lrs = dict(zip(b.lr_groups, flat[n_p + n_b + n_s:n_p + n_b + n_s + n_lr]))
+        step_leaves = list(leaves)
+        for pos, t in zip(batch_positions, flat[n_p + n_b + n_s + n_lr:]):
+            step_leaves[pos] = t
+        step_args, step_kwargs = pytree.tree_unflatten(step_leaves, in_spec)
+        with _swapped_module_tensors(b, params, buffers), \
+                _lowered_optimizers(b, params, states, lrs, first_steps, config, events), \
+                _StepMode(events):
+            out = fn(*step_args, **step_kwargs)
+            rebound = {n: b.buffer(n) for n in buffer_names}
+        out_leaves, out_spec = pytree.tree_flatten(out)
+        result["out_spec"] = out_spec
+        result["constants"] = [None if isinstance(x, Tensor) else x for x in out_leaves]
+        outputs = [x.detach() for x in out_leaves if isinstance(x, Tensor)]
+        specs = [OutputSpec("user", i) for i in range(len(outputs))]
+        for name in param_names:
+            if params[name].grad is not None:
+                outputs.append(params[name].grad)
+                specs.append(OutputSpec("grad", name))
+        for name in buffer_names:
+            if rebound[name] is not buffers[name]:
+                outputs.append(rebound[name].detach())
+                specs.append(OutputSpec("buffer", name))
+        result["specs"] = specs
+        return outputs
+
+    try:
+        with fx_traceback.preserve_node_meta(), torch.autograd.set_multithreading_enabled(False):
+            gm = make_fx(traced, tracing_mode="fake", record_stack_traces=True)(*real_inputs)
+    except GraphOffloadError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - every tracing failure becomes a graphoffload error
+        raise _translate_trace_error(exc) from exc
+    finally:
+        for (oi, gi), lr in zip(b.lr_groups, lr_before):
+            if b.lr(oi, gi) != lr:
+                raise CaptureError(
+                    "the learning rate changed while the step was traced: call scheduler.step() "
+                    "outside the compiled step (it would run only once, at trace time)")
+
+    if "backward" not in events.order:
+        raise CaptureError("the train step never calls loss.backward(): graphoffload compiles "
+                           "training steps (forward, backward, optimizer.step())")
+    if events.order.count("backward") > 1:
+        raise UnsupportedError("the train step calls backward more than once; gradient accumulation "
+                               "inside one compiled step is not supported yet")
+
+    input_specs = (
+        [InputSpec("param", _placeholder_name("p", n), n) for n in param_names]
+        + [InputSpec("buffer", _placeholder_name("b", n), n) for n in buffer_names]
+        + [InputSpec("state", _placeholder_name(f"s_{k}", pn), (pn, k)) for pn, k in b.state_keys]
+        + [InputSpec("lr", f"lr_{oi}_{gi}", (oi, gi)) for oi, gi in b.lr_groups]
+        + [InputSpec("batch", f"batch_{j}", j) for j in range(len(batch_positions))])
+    graph = _rename_placeholders(gm, [s.name for s in input_specs])
+    _annotate(graph, input_specs)
+    mutated = {n.name for n in graph.graph.nodes if n.op == "placeholder" and _is_mutated(n)}
+    input_specs = [InputSpec(s.kind, s.name, s.target, s.name in mutated) for s in input_specs]
+    signature = GraphSignature(tuple(input_specs), tuple(result["specs"]))
+    train_graph = TrainGraph(graph, signature)
+    train_graph.note("capture", f"{len(param_names)} parameters, {len(buffer_names)} buffers, "
+                     f"{len(b.state_keys)} optimizer-state tensors, {events.subgroups} update subgroups; "
+                     f"step calls: {' -> '.join(events.order)}")
+    first_backward = events.order.index("backward")
+    return Capture(train_graph, b, result["out_spec"], result["constants"],
+                   zero_grad_before_backward="zero_grad" in events.order[:first_backward],
+                   calls_zero_grad="zero_grad" in events.order, batch_positions=batch_positions)
+
+
+def _placeholder_name(prefix: str, name: str) -> str:
+    return f"{prefix}_" + "".join(c if c.isalnum() else "_" for c in name)
+
+
+def _rename_placeholders(gm: fx.GraphModule, names: list[str]) -> fx.GraphModule:
+    graph = fx.Graph()
+    val_map: dict[fx.Node, fx.Node] = {}
+    old_placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for old, name in zip(old_placeholders, names):
+        new = graph.placeholder(name)
+        new.meta = dict(old.meta)
+        val_map[old] = new
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            continue
+        if node.op == "output":
+            graph.output(fx.map_arg(node.args[0], lambda n: val_map[n]))
+            graph.output_node().meta = dict(node.meta)
+            continue
+        val_map[node] = graph.node_copy(node, lambda n: val_map[n])
+    return fx.GraphModule(gm, graph)
+
+
+def _is_mutated(node: fx.Node) -> bool:
+    """Whether an op writes into `node` (an in-place or out= argument of its schema)."""
+    for user in node.users:
+        schema = getattr(user.target, "_schema", None)
+        if schema is None:
+            continue
+        for i, arg in enumerate(schema.arguments):
+            value = user.args[i] if i < len(user.args) else user.kwargs.get(arg.name)
+            hits = value if isinstance(value, (list, tuple)) else [value]
+            if any(h is node for h in hits) and arg.alias_info is not None and arg.alias_info.is_write:
+                return True
+    return False
+
+
+def _annotate(gm: fx.GraphModule, input_specs: list[InputSpec]) -> None:
+    """Turn what tracing recorded into the node meta DESIGN.md fixes."""
+    spec_of = {s.name: s for s in input_specs}
+    forward_by_seq: dict[int, fx.Node] = {}
+    for node in gm.graph.nodes:
+        custom = node.meta.pop("custom", None) or {}
+        node.meta["pass"] = "capture"
+        if node.op == "placeholder":
+            node.meta["phase"] = "input"
+            spec = spec_of[node.name]
+            if spec.kind == "param":
+                node.meta["param"] = (spec.target,)
+            elif spec.kind == "state":
+                node.meta["param"] = (spec.target[0],)
+            continue
+        if node.op == "output":
+            node.meta["phase"] = "output"
+            continue
+        node.meta["phase"] = custom.get("phase", "forward")
+        node.meta.setdefault("val", None)   # ops that return nothing (in-place updates)
+        for key in ("param", "subgroup"):
+            if key in custom:
+                node.meta[key] = custom[key]
+        seq = node.meta.get("seq_nr")
+        if node.meta["phase"] == "forward" and seq is not None:
+            forward_by_seq[seq] = node
+        elif node.meta["phase"] == "backward" and seq in forward_by_seq:
+            fwd = forward_by_seq[seq]
+            node.meta["grad_of"] = fwd.name
+            if fwd.meta.get("stack_trace"):
+                node.meta["stack_trace"] = fwd.meta["stack_trace"]
+    # gradients: the tensors the fused update kernels consume, named by the parameter they update
+    placeholder_param = {n: n.meta["param"][0] for n in gm.graph.nodes
+                         if n.op == "placeholder" and spec_of[n.name].kind == "param"}
+    for node in gm.graph.nodes:
+        if node.meta.get("phase") == "optimizer" and _is_update_kernel(node):
+            for p, g in zip(node.args[0], node.args[1]):
+                if isinstance(g, fx.Node) and p in placeholder_param:
+                    g.meta["param"] = (placeholder_param[p],)
+
+
+def _is_update_kernel(node: fx.Node) -> bool:
+    name = getattr(node.target, "__name__", "")
+    return node.op == "call_function" and name.startswith(("_fused_adam", "_fused_sgd"))

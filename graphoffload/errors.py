@@ -1,0 +1,24 @@
+"""The errors graphoffload raises: each says what is wrong and what to do about it."""
+
+from __future__ import annotations
+
+
+class GraphOffloadError(Exception):
+    """Base class of every graphoffload error."""
+
+
+class CaptureError(GraphOffloadError):
+    """The train step cannot be captured as one graph (data-dependent control flow, `.item()`,
+    no backward, ...). The message names the user's source line where it can."""
+
+
+class UnsupportedError(GraphOffloadError):
+    """An op, optimizer or option graphoffload does not support (yet)."""
+
+
+class PassError(GraphOffloadError):
+    """A pass failed or left the graph broken; the message names the pass."""
+
+
+class StateError(GraphOffloadError):
+    """The model or optimizer is in a state a compiled step cannot start from."""

@@ -1,0 +1,130 @@
+"""The IR every pass reads and writes: a `TrainGraph` is an fx.GraphModule plus its signature.
+
+Graph conventions (see passes/README.md for the full list of invariants):
+  * ATen-level ops, traced with make_fx over the whole step; the only mutations are in-place
+    updates of placeholders the signature lists as mutable (parameters, buffers, optimizer
+    state) by the model's own in-place ops and by optimizer update nodes.
+  * every node carries ``meta["val"]`` (a FakeTensor or a tuple/list of them, or None),
+    ``meta["phase"]`` (one of PHASES), ``meta["pass"]`` (which pass created it: "capture" for
+    captured nodes), ``meta["stack_trace"]`` where the user's source is known, ``meta["param"]``
+    (a tuple of parameter names) on gradient, state and update nodes, and ``meta["grad_of"]``
+    (the name of the forward node) on backward nodes.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal
+
+import torch
+from torch import fx
+
+PHASES = ("input", "forward", "backward", "optimizer", "comm", "transfer", "output")
+Phase = Literal["input", "forward", "backward", "optimizer", "comm", "transfer", "output"]
+
+InputKind = Literal["param", "buffer", "state", "lr", "batch"]
+OutputKind = Literal["user", "grad", "buffer"]
+
+
+@dataclass(frozen=True)
+class InputSpec:
+    """One placeholder: what it holds and where the runtime finds it.
+
+    ``target`` is the parameter or buffer name for params/buffers, ``(param name, state key)``
+    for optimizer state, ``(optimizer index, group index)`` for a learning rate and the index
+    among the flattened tensor arguments of the step for batch inputs.
+    """
+
+    kind: InputKind
+    name: str
+    target: Any
+    mutable: bool = False
+
+
+@dataclass(frozen=True)
+class OutputSpec:
+    """One graph output: the step's own return value (``user``, index into its flattened
+    tensors), a gradient left on ``param.grad`` (``grad``), or a buffer the model rebound to
+    a new tensor (``buffer``)."""
+
+    kind: OutputKind
+    target: Any
+
+
+@dataclass(frozen=True)
+class GraphSignature:
+    inputs: tuple[InputSpec, ...]
+    outputs: tuple[OutputSpec, ...]
+
+    def input(self, name: str) -> InputSpec:
+        for spec in self.inputs:
+            if spec.name == name:
+                return spec
+        raise KeyError(name)
+
+    def names(self, kind: InputKind) -> list[str]:
+        return [s.name for s in self.inputs if s.kind == kind]
+
+    def param_placeholders(self) -> dict[str, str]:
+        """Parameter name -> placeholder name."""
+        return {s.target: s.name for s in self.inputs if s.kind == "param"}
+
+
+@dataclass
+class TrainGraph:
+    """A captured (and possibly transformed) train step."""
+
+    gm: fx.GraphModule
+    signature: GraphSignature
+    notes: dict[str, list[str]] = field(default_factory=dict)
+
+    @property
+    def graph(self) -> fx.Graph:
+        return self.gm.graph
+
+    def placeholders(self) -> dict[str, fx.Node]:
+        return {n.name: n for n in self.graph.nodes if n.op == "placeholder"}
+
+    def phase_counts(self) -> Counter:
+        return Counter(n.meta.get("phase", "?") for n in self.graph.nodes
+                       if n.op == "call_function")
+
+    def copy(self) -> TrainGraph:
+        """A structurally independent copy (node meta dicts are copied, values shared)."""
+        graph = fx.Graph()
+        out = graph.graph_copy(self.graph, {})
+        graph.output(out)
+        for old, new in zip(self.graph.nodes, graph.nodes):
+            new.meta = dict(old.meta)
+        gm = fx.GraphModule(self.gm, graph)
+        return TrainGraph(gm, self.signature, {k: list(v) for k, v in self.notes.items()})
+
+    def with_signature(self, **changes: Any) -> TrainGraph:
+        return TrainGraph(self.gm, replace(self.signature, **changes), self.notes)
+
+    def note(self, pass_name: str, line: str) -> None:
+        """Record a line for `explain()` about what `pass_name` did."""
+        self.notes.setdefault(pass_name, []).append(line)
+
+
+def tensor_vals(node: fx.Node) -> list[torch.Tensor]:
+    """The tensors a node produces, from ``meta["val"]``."""
+    val = node.meta.get("val")
+    if isinstance(val, torch.Tensor):
+        return [val]
+    if isinstance(val, (list, tuple)):
+        return [v for v in val if isinstance(v, torch.Tensor)]
+    return []
+
+
+def describe_val(val: Any) -> str:
+    """`f32[4, 8]@cpu`-style description of a node value."""
+    if isinstance(val, torch.Tensor):
+        dtype = str(val.dtype).replace("torch.", "")
+        short = {"float32": "f32", "float64": "f64", "float16": "f16", "bfloat16": "bf16",
+                 "int64": "i64", "int32": "i32", "bool": "b8"}.get(dtype, dtype)
+        return f"{short}{list(val.shape)}@{val.device.type}"
+    if isinstance(val, (list, tuple)):
+        return "(" + ", ".join(describe_val(v) for v in val) + ")"
+    return "" if val is None else type(val).__name__

@@ -1,0 +1,195 @@
+"""Lower `optimizer.step()` to graph nodes: one rule per supported optimizer class.
+
+graphoffload emits the update itself, per *subgroup* of parameters, on the fused kernels
+`torch.optim` uses with ``fused=True`` (``_fused_adamw_``, ``_fused_adam_``, ``_fused_sgd_``),
+so a compiled step matches ``fused=True`` bit for bit and later passes can move, place and
+offload each subgroup's update on its own. The learning rate of every param group is a graph
+input (a float64 scalar tensor), so an lr scheduler changes it without a re-trace; every other
+hyper-parameter is a constant of the graph and part of the trace cache key.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx.traceback as fx_traceback
+from torch import Tensor
+
+from graphoffload.errors import StateError, UnsupportedError
+
+
+@dataclass
+class TracedUpdate:
+    """What a rule sees of one param group while the step is traced."""
+
+    group: dict[str, Any]
+    names: list[str]            # parameter names, in group order, only those with a gradient
+    params: list[Tensor]        # traced parameters (mutated in place by the update)
+    grads: list[Tensor]
+    state: Callable[[int, str], Tensor]   # (index in params, state key) -> traced state tensor
+    lr: Tensor                  # traced float64 scalar
+
+
+def _adam_state_keys(group: dict[str, Any]) -> tuple[str, ...]:
+    return ("step", "exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if group["amsgrad"] else ())
+
+
+def _sgd_state_keys(group: dict[str, Any]) -> tuple[str, ...]:
+    return ("momentum_buffer",) if group["momentum"] != 0 else ()
+
+
+def _init_adam_state(p: Tensor, group: dict[str, Any], state: dict[str, Any]) -> None:
+    # Same tensors torch.optim creates on its first step; the step counter lives on the
+    # parameter's device as torch's fused path keeps it.
+    state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+    if group["amsgrad"]:
+        state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+
+def _init_sgd_state(p: Tensor, group: dict[str, Any], state: dict[str, Any]) -> None:
+    if group["momentum"] != 0:
+        # Overwritten with the gradient by the first update (is_first_step=True), as torch does.
+        state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+
+def _steps_on(steps: list[Tensor], device: torch.device) -> list[Tensor]:
+    return [s if s.device == device else s.to(device) for s in steps]
+
+
+def _lower_adam_family(u: TracedUpdate, decoupled: bool) -> None:
+    g = u.group
+    beta1, beta2 = (float(b) for b in g["betas"])
+    steps = [u.state(i, "step") for i in range(len(u.params))]
+    torch._foreach_add_(steps, 1)
+    kernel = torch._fused_adamw_ if decoupled else torch._fused_adam_
+    lr = u.lr.to(u.params[0].device)
+    kernel(
+        u.params, u.grads,
+        [u.state(i, "exp_avg") for i in range(len(u.params))],
+        [u.state(i, "exp_avg_sq") for i in range(len(u.params))],
+        [u.state(i, "max_exp_avg_sq") for i in range(len(u.params))] if g["amsgrad"] else [],
+        _steps_on(steps, u.params[0].device),
+        lr=lr, beta1=beta1, beta2=beta2, weight_decay=float(g["weight_decay"]), eps=float(g["eps"]),
+        amsgrad=bool(g["amsgrad"]), maximize=bool(g["maximize"]), grad_scale=None, found_inf=None)
+
+
+def _lower_adamw(u: TracedUpdate, first_step: bool) -> None:
+    _lower_adam_family(u, decoupled=True)
+
+
+def _lower_adam(u: TracedUpdate, first_step: bool) -> None:
+    _lower_adam_family(u, decoupled=bool(u.group.get("decoupled_weight_decay", False)))
+
+
+def _lower_sgd(u: TracedUpdate, first_step: bool) -> None:
+    g = u.group
+    momentum = float(g["momentum"])
+    buffers = [u.state(i, "momentum_buffer") for i in range(len(u.params))] if momentum else []
+    torch._fused_sgd_(
+        u.params, u.grads, buffers, weight_decay=float(g["weight_decay"]), momentum=momentum,
+        lr=u.lr.to(u.params[0].device), dampening=float(g["dampening"]), nesterov=bool(g["nesterov"]),
+        maximize=bool(g["maximize"]), is_first_step=first_step, grad_scale=None, found_inf=None)
+
+
+@dataclass(frozen=True)
+class OptimizerRule:
+    state_keys: Callable[[dict[str, Any]], tuple[str, ...]]
+    init_state: Callable[[Tensor, dict[str, Any], dict[str, Any]], None]
+    lower: Callable[[TracedUpdate, bool], None]   # (update, is the optimizer's first step)
+    # whether the first update differs from later ones (SGD copies the gradient into its
+    # momentum buffer), so the first step gets a graph of its own
+    first_step_differs: bool = False
+    # group options that would change the math and that the fused kernels do not implement
+    rejected_options: tuple[str, ...] = ("differentiable",)
+
+
+OPTIMIZER_RULES: dict[type, OptimizerRule] = {
+    torch.optim.AdamW: OptimizerRule(_adam_state_keys, _init_adam_state, _lower_adamw),
+    torch.optim.Adam: OptimizerRule(_adam_state_keys, _init_adam_state, _lower_adam),
+    torch.optim.SGD: OptimizerRule(_sgd_state_keys, _init_sgd_state, _lower_sgd, first_step_differs=True),
+}
+
+
+def rule_for(optimizer: torch.optim.Optimizer) -> OptimizerRule:
+    rule = OPTIMIZER_RULES.get(type(optimizer))
+    if rule is None:
+        supported = ", ".join(f"torch.optim.{t.__name__}" for t in OPTIMIZER_RULES)
+        raise UnsupportedError(
+            f"optimizer {type(optimizer).__module__}.{type(optimizer).__qualname__} is not supported "
+            f"by graphoffload; supported optimizers: {supported}. Use one of them or run this "
+            "optimizer eagerly outside the compiled step.")
+    for group in optimizer.param_groups:
+        for option in rule.rejected_options:
+            if group.get(option):
+                raise UnsupportedError(f"{type(optimizer).__name__}({option}=True) is not supported")
+        if isinstance(group["lr"], Tensor) and group["lr"].numel() != 1:
+            raise UnsupportedError("a param group's lr must be a number or a one-element tensor")
+    return rule
+
+
+def is_first_step(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether the next step must be traced as a first step (its state is not created yet and
+    the optimizer's first update differs from later ones)."""
+    rule = rule_for(optimizer)
+    return rule.first_step_differs and any(
+        not optimizer.state.get(p) for g in optimizer.param_groups for p in g["params"]
+        if rule.state_keys(g))
+
+
+def prepare_state(optimizer: torch.optim.Optimizer) -> bool:
+    """Create any missing optimizer state the way torch.optim would on its first step.
+
+    Returns `is_first_step(optimizer)` as it was before the state was created."""
+    rule = rule_for(optimizer)
+    first = is_first_step(optimizer)
+    for group in optimizer.param_groups:
+        keys = rule.state_keys(group)
+        for p in group["params"]:
+            state = optimizer.state[p]
+            missing = [k for k in keys if k not in state]
+            if len(missing) == len(keys) and keys:
+                rule.init_state(p, group, state)
+            elif missing:
+                raise StateError(f"optimizer state of a parameter lacks {missing}; was it loaded "
+                                 "from a different optimizer's state_dict?")
+    return first
+
+
+def split_subgroups(numels: Sequence[int], keys: Sequence[Any], subgroup_numel: int) -> list[list[int]]:
+    """Consecutive runs of indices with equal key and at most `subgroup_numel` elements each
+    (a single larger tensor forms a subgroup of its own: tensors are never split)."""
+    subgroups: list[list[int]] = []
+    size = 0
+    for i, (n, key) in enumerate(zip(numels, keys)):
+        if subgroups and keys[subgroups[-1][0]] == key and size + n <= subgroup_numel:
+            subgroups[-1].append(i)
+            size += n
+        else:
+            subgroups.append([i])
+            size = n
+    return subgroups
+
+
+def lower_step(optimizer: torch.optim.Optimizer, updates: list[TracedUpdate], first_step: bool,
+               subgroup_numel: int, subgroup_base: int) -> int:
+    """Emit the update of every param group, one annotated chunk of nodes per subgroup.
+
+    Returns the number of subgroups emitted."""
+    rule = rule_for(optimizer)
+    count = 0
+    for u in updates:
+        keys = [(p.device, p.dtype) for p in u.params]
+        for idx in split_subgroups([p.numel() for p in u.params], keys, subgroup_numel):
+            part = TracedUpdate(u.group, [u.names[i] for i in idx], [u.params[i] for i in idx],
+                                [u.grads[i] for i in idx],
+                                lambda j, key, idx=idx, u=u: u.state(idx[j], key), u.lr)
+            meta = {"phase": "optimizer", "subgroup": subgroup_base + count, "param": tuple(part.names)}
+            with fx_traceback.annotate(meta):
+                rule.lower(part, first_step)
+            count += 1
+    return count

@@ -1,0 +1,134 @@
+"""PassManager: run an ordered list of passes, check their contracts, verify after each.
+
+A pass is a plain function ``(TrainGraph, PassContext) -> TrainGraph``. It may carry
+``requires`` (names of passes that must run before it) as a function attribute or through
+`Pass`. After every pass the manager stamps the nodes the pass created with its name, fills in
+``meta["val"]`` and ``meta["phase"]`` a pass left out (by fake-tensor propagation and from the
+node's inputs), verifies the graph, and keeps a snapshot of it as a stage for inspection, so a
+broken pass is named in the error and every dump says which pass made each node.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import fx
+
+from graphoffload.config import CompileConfig
+from graphoffload.errors import PassError
+from graphoffload.graph import PHASES, TrainGraph
+from graphoffload.passes.verify import verify_train_graph
+
+PassFn = Callable[[TrainGraph, "PassContext"], TrainGraph]
+
+
+@dataclass(frozen=True)
+class Pass:
+    """A pass function with its name and the passes it requires to have run before it."""
+
+    fn: PassFn
+    name: str
+    requires: tuple[str, ...] = ()
+
+    @staticmethod
+    def of(obj: Pass | PassFn) -> Pass:
+        if isinstance(obj, Pass):
+            return obj
+        if not callable(obj):
+            raise TypeError(f"a pass must be a callable (TrainGraph, PassContext) -> TrainGraph, got {obj!r}")
+        return Pass(obj, getattr(obj, "pass_name", obj.__name__), tuple(getattr(obj, "requires", ())))
+
+
+@dataclass
+class PassContext:
+    """What a pass may read besides the graph; no pass keeps state anywhere else."""
+
+    config: CompileConfig
+    device: torch.device
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+def _builtin_passes() -> list[Pass]:
+    from graphoffload.passes.eliminate_dead_code import eliminate_dead_code
+
+    return [Pass(eliminate_dead_code, "eliminate_dead_code")]
+
+
+BUILTIN_PASSES: tuple[str, ...] = ("eliminate_dead_code",)
+
+
+def _fake_mode(graph: fx.Graph):
+    from torch._guards import detect_fake_mode
+
+    return detect_fake_mode([n.meta.get("val") for n in graph.nodes if n.op == "placeholder"])
+
+
+def _fill_missing_meta(graph: TrainGraph, pass_name: str) -> None:
+    fake_mode = None
+    order = {p: i for i, p in enumerate(PHASES)}
+    for node in graph.graph.nodes:
+        node.meta.setdefault("pass", pass_name)
+        if node.op != "call_function":
+            continue
+        if "val" not in node.meta:
+            fake_mode = fake_mode or _fake_mode(graph.graph)
+            args, kwargs = fx.map_arg((node.args, node.kwargs), lambda n: n.meta.get("val"))
+            try:
+                with fake_mode:
+                    node.meta["val"] = node.target(*args, **kwargs)
+            except Exception as exc:  # noqa: BLE001 - reported with the pass's name
+                raise PassError(f"pass {pass_name!r} created node {node.name} ({node.target}) whose "
+                                f"value cannot be inferred: {exc}") from exc
+        if "phase" not in node.meta:
+            phases = [n.meta.get("phase", "forward") for n in node.all_input_nodes] or ["forward"]
+            node.meta["phase"] = max(phases, key=lambda p: order.get(p, 0))
+            if node.meta["phase"] == "input":
+                node.meta["phase"] = "forward"
+
+
+class PassManager:
+    """Runs built-in passes (minus disabled ones) then user passes, in order."""
+
+    def __init__(self, user_passes: Sequence[Pass | PassFn] = (), disable: Sequence[str] = (),
+                 builtin: Sequence[Pass] | None = None):
+        builtin = list(_builtin_passes() if builtin is None else builtin)
+        known = {p.name for p in builtin}
+        unknown = set(disable) - known
+        if unknown:
+            raise PassError(f"cannot disable unknown pass(es) {sorted(unknown)}; built-in passes: {sorted(known)}")
+        self.passes = [p for p in builtin if p.name not in disable] + [Pass.of(p) for p in user_passes]
+        seen: set[str] = set()
+        for p in self.passes:
+            missing = [r for r in p.requires if r not in seen]
+            if missing:
+                raise PassError(f"pass {p.name!r} requires {missing} to run before it; they are disabled "
+                                f"or later in the pipeline {[q.name for q in self.passes]}")
+            seen.add(p.name)
+
+    def run(self, graph: TrainGraph, ctx: PassContext) -> tuple[TrainGraph, dict[str, TrainGraph]]:
+        """Run every pass; return the final graph and a snapshot after each stage."""
+        if ctx.config.verify:
+            verify_train_graph(graph, "capture")
+        stages = {"captured": graph.copy()}
+        for p in self.passes:
+            start = time.perf_counter()
+            try:
+                result = p.fn(graph, ctx)
+            except PassError:
+                raise
+            except Exception as exc:
+                raise PassError(f"pass {p.name!r} raised {type(exc).__name__}: {exc}") from exc
+            if not isinstance(result, TrainGraph):
+                raise PassError(f"pass {p.name!r} returned {type(result).__name__}, expected a TrainGraph")
+            graph = result
+            _fill_missing_meta(graph, p.name)
+            graph.gm.recompile()
+            if ctx.config.verify:
+                verify_train_graph(graph, p.name)
+            ctx.timings[p.name] = time.perf_counter() - start
+            stages[p.name] = graph.copy()
+        stages["final"] = stages[self.passes[-1].name] if self.passes else stages["captured"]
+        return graph, stages

@@ -1,0 +1,38 @@
+"""verify_train_graph: check the invariants of passes/README.md after a pass.
+
+Run by the PassManager after capture and after every pass; an error names the pass that left
+the graph broken, the node, and what is wrong with it.
+"""
+
+from __future__ import annotations
+
+from graphoffload.errors import PassError
+from graphoffload.graph import PHASES, TrainGraph
+
+
+def verify_train_graph(graph: TrainGraph, pass_name: str) -> None:
+    def fail(what: str) -> None:
+        raise PassError(f"after pass {pass_name!r}: {what}")
+
+    try:
+        graph.graph.lint()
+    except Exception as exc:  # noqa: BLE001 - fx raises plain RuntimeErrors
+        fail(f"the fx graph does not lint: {exc}")
+    placeholders = [n for n in graph.graph.nodes if n.op == "placeholder"]
+    names = [s.name for s in graph.signature.inputs]
+    if [n.name for n in placeholders] != names:
+        fail(f"placeholders {[n.name for n in placeholders]} do not match the signature's inputs {names}")
+    outputs = graph.graph.output_node().args[0]
+    if len(outputs) != len(graph.signature.outputs):
+        fail(f"the graph returns {len(outputs)} values but its signature lists {len(graph.signature.outputs)}")
+    for node in graph.graph.nodes:
+        if node.op == "output":
+            continue
+        if node.op != "placeholder" and node.op != "call_function":
+            fail(f"node {node.name} has op {node.op!r}; only placeholders and call_function nodes are allowed")
+        if "val" not in node.meta:
+            fail(f"node {node.name} ({node.target}) has no meta['val']")
+        if node.meta.get("phase") not in PHASES:
+            fail(f"node {node.name} has phase {node.meta.get('phase')!r}, expected one of {PHASES}")
+        if "pass" not in node.meta:
+            fail(f"node {node.name} does not record the pass that created it")

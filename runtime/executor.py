@@ -1,0 +1,82 @@
+"""Executor: run a TrainGraph against the user's model and optimizer, updating them in place.
+
+Parameters, buffers and optimizer state enter the graph as the user's own tensors (parameters
+as `detach()`ed aliases), so the graph's in-place updates land directly in `model` and
+`optimizer`: `model.state_dict()`, `optimizer.state_dict()` and eager code see them at once
+and nothing is copied back. Only what the step rebinds rather than mutates is written back
+after the run: gradients left on `param.grad`, and buffers the model replaced.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch import Tensor
+
+from graphoffload.errors import StateError
+from graphoffload.graph import TrainGraph
+
+if TYPE_CHECKING:
+    from graphoffload.capture import Capture
+
+
+class Executor:
+    def __init__(self, graph: TrainGraph, capture: Capture):
+        self.graph = graph
+        self.capture = capture
+        self.gm = graph.gm
+
+    def inputs(self, args: tuple, kwargs: dict) -> list[Tensor]:
+        b = self.capture.bindings
+        leaves = pytree.tree_leaves((args, kwargs))
+        batch = [leaves[i] for i in self.capture.batch_positions]
+        values: list[Tensor] = []
+        for spec in self.graph.signature.inputs:
+            if spec.kind == "param":
+                values.append(b.params[spec.target].detach())
+            elif spec.kind == "buffer":
+                values.append(b.buffer(spec.target))
+            elif spec.kind == "state":
+                values.append(b.state(*spec.target))
+            elif spec.kind == "lr":
+                values.append(torch.tensor(b.lr(*spec.target), dtype=torch.float64))
+            else:
+                values.append(batch[spec.target].detach())
+        return values
+
+    def check_start_state(self) -> None:
+        if self.capture.zero_grad_before_backward:
+            return
+        for name, p in self.capture.bindings.params.items():
+            if p.grad is not None:
+                raise StateError(
+                    f"parameter {name} has a .grad left from an earlier step and the compiled step does "
+                    "not zero gradients before backward; gradient accumulation across compiled calls is "
+                    "not supported: call optimizer.zero_grad() before calling the step, or inside it")
+
+    def run(self, args: tuple, kwargs: dict) -> Any:
+        self.check_start_state()
+        inputs = self.inputs(args, kwargs)
+        with torch.no_grad():
+            outputs = self.gm(*inputs)
+        return self.write_back(outputs)
+
+    def write_back(self, outputs: list[Tensor]) -> Any:
+        b = self.capture.bindings
+        if self.capture.calls_zero_grad:
+            for p in b.params.values():
+                p.grad = None
+        user: list[Tensor] = []
+        for spec, value in zip(self.graph.signature.outputs, outputs):
+            if spec.kind == "user":
+                user.append(value)
+            elif spec.kind == "grad":
+                b.params[spec.target].grad = value
+            else:
+                module, attr = b.buffers[spec.target]
+                module._buffers[attr] = value
+        it = iter(user)
+        leaves = [next(it) if c is None else c for c in self.capture.out_constants]
+        return pytree.tree_unflatten(leaves, self.capture.out_spec)
