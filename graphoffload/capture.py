@@ -35,7 +35,7 @@ import graphoffload
 from graphoffload import optimizer_lowering
 from graphoffload.config import CompileConfig
 from graphoffload.errors import CaptureError, GraphOffloadError, UnsupportedError
-from graphoffload.graph import GraphSignature, InputSpec, OutputSpec, TrainGraph
+from graphoffload.graph import TENSOR_SLOT, GraphSignature, InputSpec, OutputSpec, TrainGraph, fake_mode_of
 from graphoffload.runtime import attention as _attention_module
 from graphoffload.runtime.attention import sdpa_via_attention
 
@@ -310,6 +310,7 @@ def _translate_trace_error(exc: Exception) -> GraphOffloadError:
 
 # --------------------------------------------------------------------------- capture
 
+
 @dataclass
 class Capture:
     """A captured step: its graph, and how to bind and unbind it to the user's objects."""
@@ -317,7 +318,7 @@ class Capture:
     graph: TrainGraph
     bindings: StepBindings
     out_spec: Any                      # pytree spec of the step's return value
-    out_constants: list[Any]           # its non-tensor leaves (None where a tensor goes)
+    out_constants: list[Any]           # its non-tensor leaves (TENSOR_SLOT where a tensor goes)
     zero_grad_before_backward: bool
     calls_zero_grad: bool
     batch_positions: list[int]         # positions of tensor leaves among the (args, kwargs) leaves
@@ -358,7 +359,7 @@ def capture_step(fn: Callable, args: tuple, kwargs: dict, config: CompileConfig)
             rebound = {n: b.buffer(n) for n in buffer_names}
         out_leaves, out_spec = pytree.tree_flatten(out)
         result["out_spec"] = out_spec
-        result["constants"] = [None if isinstance(x, Tensor) else x for x in out_leaves]
+        result["constants"] = [TENSOR_SLOT if isinstance(x, Tensor) else x for x in out_leaves]
         outputs = [x.detach() for x in out_leaves if isinstance(x, Tensor)]
         specs = [OutputSpec("user", i) for i in range(len(outputs))]
         for name in param_names:
@@ -454,6 +455,7 @@ def _is_mutated(node: fx.Node) -> bool:
 def _annotate(gm: fx.GraphModule, input_specs: list[InputSpec]) -> None:
     """Turn what tracing recorded into the node meta DESIGN.md fixes."""
     spec_of = {s.name: s for s in input_specs}
+    fake_mode = fake_mode_of(gm.graph)
     forward_by_seq: dict[int, fx.Node] = {}
     for node in gm.graph.nodes:
         custom = node.meta.pop("custom", None) or {}
@@ -468,6 +470,10 @@ def _annotate(gm: fx.GraphModule, input_specs: list[InputSpec]) -> None:
             continue
         if node.op == "output":
             node.meta["phase"] = "output"
+            continue
+        if node.op == "get_attr":   # a tensor constant the step created
+            node.meta["phase"] = "input"
+            node.meta["val"] = fake_mode.from_tensor(getattr(gm, node.target))
             continue
         node.meta["phase"] = custom.get("phase", "forward")
         node.meta.setdefault("val", None)   # ops that return nothing (in-place updates)

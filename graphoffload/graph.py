@@ -23,6 +23,8 @@ from torch import fx
 PHASES = ("input", "forward", "backward", "optimizer", "comm", "transfer", "output")
 Phase = Literal["input", "forward", "backward", "optimizer", "comm", "transfer", "output"]
 
+TENSOR_SLOT = object()   # marks where a graph output goes in the step's return value
+
 InputKind = Literal["param", "buffer", "state", "lr", "batch"]
 OutputKind = Literal["user", "grad", "buffer"]
 
@@ -106,6 +108,13 @@ class TrainGraph:
     def note(self, pass_name: str, line: str) -> None:
         """Record a line for `explain()` about what `pass_name` did."""
         self.notes.setdefault(pass_name, []).append(line)
+
+
+def fake_mode_of(graph: fx.Graph):
+    """The FakeTensorMode the graph's placeholder values were traced under."""
+    from torch._guards import detect_fake_mode
+
+    return detect_fake_mode([n.meta.get("val") for n in graph.nodes if n.op == "placeholder"])
 
 
 def tensor_vals(node: fx.Node) -> list[torch.Tensor]:

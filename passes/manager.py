@@ -19,7 +19,7 @@ from torch import fx
 
 from graphoffload.config import CompileConfig
 from graphoffload.errors import PassError
-from graphoffload.graph import PHASES, TrainGraph
+from graphoffload.graph import PHASES, TrainGraph, fake_mode_of
 from graphoffload.passes.verify import verify_train_graph
 
 PassFn = Callable[[TrainGraph, "PassContext"], TrainGraph]
@@ -60,12 +60,6 @@ def _builtin_passes() -> list[Pass]:
 BUILTIN_PASSES: tuple[str, ...] = ("eliminate_dead_code",)
 
 
-def _fake_mode(graph: fx.Graph):
-    from torch._guards import detect_fake_mode
-
-    return detect_fake_mode([n.meta.get("val") for n in graph.nodes if n.op == "placeholder"])
-
-
 def _fill_missing_meta(graph: TrainGraph, pass_name: str) -> None:
     fake_mode = None
     order = {p: i for i, p in enumerate(PHASES)}
@@ -74,7 +68,7 @@ def _fill_missing_meta(graph: TrainGraph, pass_name: str) -> None:
         if node.op != "call_function":
             continue
         if "val" not in node.meta:
-            fake_mode = fake_mode or _fake_mode(graph.graph)
+            fake_mode = fake_mode or fake_mode_of(graph.graph)
             args, kwargs = fx.map_arg((node.args, node.kwargs), lambda n: n.meta.get("val"))
             try:
                 with fake_mode:

@@ -28,8 +28,9 @@ def verify_train_graph(graph: TrainGraph, pass_name: str) -> None:
     for node in graph.graph.nodes:
         if node.op == "output":
             continue
-        if node.op != "placeholder" and node.op != "call_function":
-            fail(f"node {node.name} has op {node.op!r}; only placeholders and call_function nodes are allowed")
+        if node.op not in ("placeholder", "get_attr", "call_function"):
+            fail(f"node {node.name} has op {node.op!r}; only placeholder, get_attr (constants) and "
+                 "call_function nodes are allowed")
         if "val" not in node.meta:
             fail(f"node {node.name} ({node.target}) has no meta['val']")
         if node.meta.get("phase") not in PHASES:

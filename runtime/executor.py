@@ -16,7 +16,7 @@ import torch.utils._pytree as pytree
 from torch import Tensor
 
 from graphoffload.errors import StateError
-from graphoffload.graph import TrainGraph
+from graphoffload.graph import TENSOR_SLOT, TrainGraph
 
 if TYPE_CHECKING:
     from graphoffload.capture import Capture
@@ -78,5 +78,5 @@ class Executor:
                 module, attr = b.buffers[spec.target]
                 module._buffers[attr] = value
         it = iter(user)
-        leaves = [next(it) if c is None else c for c in self.capture.out_constants]
+        leaves = [next(it) if c is TENSOR_SLOT else c for c in self.capture.out_constants]
         return pytree.tree_unflatten(leaves, self.capture.out_spec)
