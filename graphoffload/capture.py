@@ -33,6 +33,7 @@ from torch.overrides import TorchFunctionMode
 
 import graphoffload
 from graphoffload import optimizer_lowering
+from graphoffload.aliasing import written_args
 from graphoffload.config import CompileConfig
 from graphoffload.errors import CaptureError, GraphOffloadError, UnsupportedError
 from graphoffload.graph import TENSOR_SLOT, GraphSignature, InputSpec, OutputSpec, TrainGraph, fake_mode_of
@@ -439,17 +440,8 @@ def _rename_placeholders(gm: fx.GraphModule, names: list[str]) -> fx.GraphModule
 
 
 def _is_mutated(node: fx.Node) -> bool:
-    """Whether an op writes into `node` (an in-place or out= argument of its schema)."""
-    for user in node.users:
-        schema = getattr(user.target, "_schema", None)
-        if schema is None:
-            continue
-        for i, arg in enumerate(schema.arguments):
-            value = user.args[i] if i < len(user.args) else user.kwargs.get(arg.name)
-            hits = value if isinstance(value, (list, tuple)) else [value]
-            if any(h is node for h in hits) and arg.alias_info is not None and arg.alias_info.is_write:
-                return True
-    return False
+    """Whether an op writes into `node` (an in-place argument of its schema)."""
+    return any(node in written_args(user) for user in node.users)
 
 
 def _annotate(gm: fx.GraphModule, input_specs: list[InputSpec]) -> None:
@@ -457,6 +449,7 @@ def _annotate(gm: fx.GraphModule, input_specs: list[InputSpec]) -> None:
     spec_of = {s.name: s for s in input_specs}
     fake_mode = fake_mode_of(gm.graph)
     forward_by_seq: dict[int, fx.Node] = {}
+    after_backward = False
     for node in gm.graph.nodes:
         custom = node.meta.pop("custom", None) or {}
         node.meta["pass"] = "capture"
@@ -475,7 +468,13 @@ def _annotate(gm: fx.GraphModule, input_specs: list[InputSpec]) -> None:
             node.meta["phase"] = "input"
             node.meta["val"] = fake_mode.from_tensor(getattr(gm, node.target))
             continue
-        node.meta["phase"] = custom.get("phase", "forward")
+        if "phase" in custom:
+            node.meta["phase"] = custom["phase"]
+        elif after_backward and any(i.meta.get("phase") in ("backward", "optimizer") for i in node.all_input_nodes):
+            node.meta["phase"] = "optimizer"   # gradient post-processing, e.g. clip_grad_norm_
+        else:
+            node.meta["phase"] = "forward"
+        after_backward = after_backward or node.meta["phase"] == "backward"
         node.meta.setdefault("val", None)   # ops that return nothing (in-place updates)
         for key in ("param", "subgroup"):
             if key in custom:
