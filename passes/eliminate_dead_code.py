@@ -8,11 +8,15 @@ impure, so side effects survive without relying on node order.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import fx
 
 from graphoffload.graph import TrainGraph
-from graphoffload.passes.manager import PassContext
+
+if TYPE_CHECKING:
+    from graphoffload.passes.manager import PassContext
 
 
 def _has_side_effect(node: fx.Node) -> bool:

@@ -20,6 +20,8 @@ from torch import fx
 from graphoffload.config import CompileConfig
 from graphoffload.errors import PassError
 from graphoffload.graph import PHASES, TrainGraph, fake_mode_of
+from graphoffload.passes.eliminate_dead_code import eliminate_dead_code
+from graphoffload.passes.fuse_optimizer import fuse_optimizer
 from graphoffload.passes.verify import verify_train_graph
 
 PassFn = Callable[[TrainGraph, "PassContext"], TrainGraph]
@@ -52,12 +54,11 @@ class PassContext:
 
 
 def _builtin_passes() -> list[Pass]:
-    from graphoffload.passes.eliminate_dead_code import eliminate_dead_code
+    # fusion moves updates before dead-code elimination so the nodes it leaves unused go too
+    return [Pass(fuse_optimizer, "fuse_optimizer"), Pass(eliminate_dead_code, "eliminate_dead_code")]
 
-    return [Pass(eliminate_dead_code, "eliminate_dead_code")]
 
-
-BUILTIN_PASSES: tuple[str, ...] = ("eliminate_dead_code",)
+BUILTIN_PASSES: tuple[str, ...] = tuple(p.name for p in _builtin_passes())
 
 
 def _fill_missing_meta(graph: TrainGraph, pass_name: str) -> None:

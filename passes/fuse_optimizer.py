@@ -1,0 +1,216 @@
+"""fuse_optimizer: run each parameter's update inside backward, as soon as its gradient is final.
+
+Eagerly, every gradient lives until `optimizer.step()`, so the end of backward holds the whole
+gradient set beside the optimizer state. This pass splits each subgroup's fused update kernel
+into buckets of parameters whose gradients become final close together in backward, and moves
+each bucket's update to the earliest point where it computes exactly what it computed before:
+after the last write of its gradients (their producer, gradient accumulation, clipping) and
+after the last read of the parameters and state it overwrites (the backward of a matmul still
+reads its weight). Its gradients then die there. The fused kernels are elementwise per tensor,
+so splitting a kernel's tensor lists changes no result bit.
+
+What keeps an update late is reported per bucket in `explain()`: global-norm clipping writes
+every gradient after the whole backward, so every update waits for it (the exact semantics
+cost the memory win; see FuseOptimizer.clip in config.py); a gradient read after the update
+(e.g. returned from the step) stays alive until that read even though its update moved.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from dataclasses import dataclass
+
+import torch
+from torch import fx
+
+from graphoffload.aliasing import StorageMap, written_args
+from graphoffload.capture import user_line_of_stack_trace
+from graphoffload.graph import TrainGraph
+
+if TYPE_CHECKING:
+    from graphoffload.passes.manager import PassContext
+
+aten = torch.ops.aten
+
+# update kernel -> positions of its per-parameter list arguments, and of its step counters
+UPDATE_KERNELS: dict[object, tuple[tuple[int, ...], int | None]] = {
+    aten._fused_adamw_: ((0, 1, 2, 3, 4, 5), 5),
+    aten._fused_adam_: ((0, 1, 2, 3, 4, 5), 5),
+    aten._fused_sgd_: ((0, 1, 2), None),
+}
+
+
+def _kernel_rule(node: fx.Node) -> tuple[tuple[int, ...], int | None] | None:
+    packet = getattr(node.target, "overloadpacket", None)
+    return UPDATE_KERNELS.get(packet) if node.op == "call_function" else None
+
+
+@dataclass
+class _Update:
+    """One parameter's slice of an update kernel and where it could run."""
+
+    index: int
+    name: str
+    numel: int
+    anchor: fx.Node             # the update must come after this node
+    held_by: str | None         # what reads the gradient after the original update, if anything
+
+
+def _step_counter_update(kernel: fx.Node, steps_pos: int | None) -> fx.Node | None:
+    """The `_foreach_add_(steps, 1)` node that increments the kernel's step counters."""
+    if steps_pos is None:
+        return None
+    steps = kernel.args[steps_pos]
+    roots = {s if s.op == "placeholder" else s.args[0] for s in steps}
+    for node in reversed(list(kernel.graph.nodes)):
+        if node is kernel:
+            continue
+        if getattr(node.target, "overloadpacket", None) is aten._foreach_add_ and \
+                roots <= set(node.args[0]) and node.meta.get("subgroup") == kernel.meta.get("subgroup"):
+            return node
+    return None
+
+
+def _latest(storages: StorageMap, nodes: list[fx.Node]) -> fx.Node:
+    return max(nodes, key=storages.position.__getitem__)
+
+
+def _plan_updates(storages: StorageMap, kernel: fx.Node, counter: fx.Node | None,
+                  list_pos: tuple[int, ...], steps_pos: int | None) -> list[_Update]:
+    """For each parameter of `kernel`, the latest node its update must follow."""
+    kernel_pos = storages.position[kernel]
+    copies = [s for s in kernel.args[steps_pos] if s.op != "placeholder"] if steps_pos is not None else []
+    own = {kernel, *copies} | ({counter} if counter is not None else set())
+    scalars = [n for n in kernel.kwargs.values() if isinstance(n, fx.Node)]
+    updates = []
+    for i, param in enumerate(kernel.args[0]):
+        must_follow = list(scalars)
+        for pos in list_pos:
+            if not kernel.args[pos]:
+                continue
+            value = kernel.args[pos][i]
+            if pos == steps_pos and value.op != "placeholder":
+                value = value.args[0]   # a device copy of the counter: it moves along
+            # the kernel (or the counter, for state_steps) overwrites every list it gets
+            writes = pos != steps_pos or counter is not None
+            for sid in storages.of(value):
+                for acc in storages.accesses[sid]:
+                    if acc.node not in own and acc.position < kernel_pos and (acc.writes or writes):
+                        must_follow.append(acc.node)
+        grad = kernel.args[1][i]
+        late = [a.node for sid in storages.of(grad) for a in storages.accesses[sid]
+                if a.position > kernel_pos and a.node not in own]
+        held_by = _describe(late[0]) if late else \
+            "the step's outputs (param.grad)" if set(storages.of(grad)) & storages.output_reads else None
+        name = (kernel.meta.get("param") or ("?",) * len(kernel.args[0]))[i]
+        updates.append(_Update(i, name, param.meta["val"].numel(), _latest(storages, must_follow), held_by))
+    return updates
+
+
+def _hoist_scalar_inputs(graph: fx.Graph, kernels: list[fx.Node]) -> None:
+    """Move the kernels' scalar inputs computed from placeholders alone (the lr copied to the
+    device) to the top, so they do not pin the updates after them."""
+    last_placeholder = [n for n in graph.nodes if n.op == "placeholder"][-1]
+    for kernel in kernels:
+        for value in kernel.kwargs.values():
+            if isinstance(value, fx.Node) and value.op == "call_function" and \
+                    all(i.op == "placeholder" for i in value.all_input_nodes) and not written_args(value):
+                last_placeholder.append(value)
+
+
+def _buckets(updates: list[_Update], position: dict[fx.Node, int], bucket_numel: int) -> list[list[_Update]]:
+    """Group updates that become ready in order, at most `bucket_numel` elements a bucket."""
+    ordered = sorted(updates, key=lambda u: (position[u.anchor], u.index))
+    buckets: list[list[_Update]] = []
+    size = 0
+    for u in ordered:
+        if buckets and size + u.numel <= bucket_numel:
+            buckets[-1].append(u)
+            size += u.numel
+        else:
+            buckets.append([u])
+            size = u.numel
+    return buckets
+
+
+def _emit_bucket(graph: fx.Graph, kernel: fx.Node, counter: fx.Node | None, bucket: list[_Update],
+                 list_pos: tuple[int, ...], steps_pos: int | None, after: fx.Node, number: int) -> fx.Node:
+    idx = sorted(u.index for u in bucket)
+    args = list(kernel.args)
+    for pos in list_pos:
+        args[pos] = [kernel.args[pos][i] for i in idx] if kernel.args[pos] else []
+    names = tuple(kernel.meta["param"][i] for i in idx) if kernel.meta.get("param") else None
+    meta = {"phase": "optimizer", "subgroup": kernel.meta.get("subgroup"), "bucket": number,
+            "val": None, "stack_trace": kernel.meta.get("stack_trace")}
+    if names:
+        meta["param"] = names
+    last = after
+    if counter is not None:
+        steps = [s if s.op == "placeholder" else s.args[0] for s in args[steps_pos]]
+        with graph.inserting_after(last):
+            new_counter = graph.call_function(counter.target, (steps, *counter.args[1:]), dict(counter.kwargs))
+        new_counter.meta.update(meta)
+        last = new_counter
+        for s in args[steps_pos]:   # device copies of the counters follow their increment
+            if s.op != "placeholder":
+                last.append(s)
+                last = s
+    with graph.inserting_after(last):
+        new_kernel = graph.call_function(kernel.target, tuple(args), dict(kernel.kwargs))
+    new_kernel.meta.update(meta)
+    return new_kernel
+
+
+def _describe(node: fx.Node) -> str:
+    where = user_line_of_stack_trace(node.meta.get("stack_trace"))
+    return f"{node.name} [{node.meta.get('phase')}]" + (f" at {where}" if where else "")
+
+
+def fuse_optimizer(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
+    cfg = ctx.config.fuse_optimizer
+    g = graph.graph
+    kernels = [n for n in g.nodes if _kernel_rule(n)]
+    if not kernels:
+        graph.note("fuse_optimizer", "no optimizer update in the step: nothing to fuse")
+        return graph
+    total = sum(p.meta["val"].numel() for k in kernels for p in k.args[0])
+    bucket_numel = cfg.bucket_numel or min(max(total // 32, 1 << 16), 1 << 24)
+    _hoist_scalar_inputs(g, kernels)
+    storages = StorageMap(g)
+    backward = [n for n in g.nodes if n.meta.get("phase") == "backward"]
+    last_backward = backward[-1] if backward else None
+    plans = []
+    for kernel in kernels:
+        list_pos, steps_pos = _kernel_rule(kernel)
+        counter = _step_counter_update(kernel, steps_pos)
+        updates = _plan_updates(storages, kernel, counter, list_pos, steps_pos)
+        plans.append((kernel, counter, list_pos, steps_pos, _buckets(updates, storages.position, bucket_numel)))
+
+    number, in_backward, held = 0, 0, []
+    for kernel, counter, list_pos, steps_pos, buckets in plans:
+        for bucket in buckets:
+            anchor = _latest(storages, [u.anchor for u in bucket])
+            _emit_bucket(g, kernel, counter, bucket, list_pos, steps_pos, anchor, number)
+            ready_in_backward = last_backward is not None and \
+                storages.position[anchor] <= storages.position[last_backward]
+            in_backward += ready_in_backward
+            names = [u.name for u in bucket]
+            label = f"bucket {number}: {names[0]}" + (f" +{len(names) - 1}" if len(names) > 1 else "")
+            numel = sum(u.numel for u in bucket)
+            if ready_in_backward:
+                graph.note("fuse_optimizer", f"{label} ({numel:,} elements) runs in backward after {_describe(anchor)}")
+            else:
+                graph.note("fuse_optimizer", f"{label} ({numel:,} elements) stays after backward: it must follow "
+                           f"{_describe(anchor)}, which writes or reads its gradients, parameters or state "
+                           "after the last backward op (e.g. global-norm gradient clipping)")
+            held += [f"{u.name} (read by {u.held_by})" for u in bucket if u.held_by]
+            number += 1
+        for node in (kernel, counter):
+            if node is not None:
+                g.erase_node(node)
+    graph.note("fuse_optimizer", f"{number} update buckets (bucket_numel={bucket_numel:,}), "
+               f"{in_backward} run inside backward")
+    if held:
+        graph.note("fuse_optimizer", "gradients read after their update stay alive until then: " + ", ".join(held))
+    return graph
