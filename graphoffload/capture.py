@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import linecache
 import os
+import sys
 import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -243,17 +245,32 @@ class _StepMode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is F.scaled_dot_product_attention:
-            return sdpa_via_attention(*args, **kwargs)
-        if func is Tensor.backward or func is torch.autograd.backward:
-            self.events.order.append("backward")
-            with _backward_provenance(args[0] if args else kwargs.get("tensors")):
-                return func(*args, **kwargs)
-        if func is torch.autograd.grad:
-            self.events.order.append("backward")
-            with _backward_provenance(args[0] if args else kwargs.get("outputs")):
-                return func(*args, **kwargs)
-        return func(*args, **kwargs)
+        # make_fx records stack traces only inside modules' forward(); this covers the rest of
+        # the step (loss, clipping, optimizer.step()) with the user's calling line
+        with fx_traceback.annotate({"source": _calling_user_line()}):
+            if func is F.scaled_dot_product_attention:
+                return sdpa_via_attention(*args, **kwargs)
+            if func is Tensor.backward or func is torch.autograd.backward:
+                self.events.order.append("backward")
+                with _backward_provenance(args[0] if args else kwargs.get("tensors")):
+                    return func(*args, **kwargs)
+            if func is torch.autograd.grad:
+                self.events.order.append("backward")
+                with _backward_provenance(args[0] if args else kwargs.get("outputs")):
+                    return func(*args, **kwargs)
+            return func(*args, **kwargs)
+
+
+def _calling_user_line() -> str | None:
+    """`File "...", line N, in name` + code of the innermost frame outside torch and graphoffload."""
+    frame = sys._getframe(2)
+    while frame is not None and frame.f_code.co_filename.startswith(_OWN_DIRS):
+        frame = frame.f_back
+    if frame is None:
+        return None
+    code = frame.f_code
+    text = linecache.getline(code.co_filename, frame.f_lineno).strip()
+    return f'File "{code.co_filename}", line {frame.f_lineno}, in {code.co_name}\n    {text}'
 
 
 # --------------------------------------------------------------------------- errors
@@ -479,6 +496,8 @@ def _annotate(gm: fx.GraphModule, input_specs: list[InputSpec]) -> None:
         for key in ("param", "subgroup"):
             if key in custom:
                 node.meta[key] = custom[key]
+        if not node.meta.get("stack_trace") and custom.get("source"):
+            node.meta["stack_trace"] = custom["source"]
         seq = node.meta.get("seq_nr")
         if node.meta["phase"] == "forward" and seq is not None:
             forward_by_seq[seq] = node
