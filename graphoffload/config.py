@@ -9,6 +9,10 @@ from dataclasses import dataclass, field
 class FuseOptimizer:
     """Options of the `fuse_optimizer` pass (updates run inside backward).
 
+    The pass never changes results. With global-norm clipping in the step, updates must wait
+    for every gradient: only the per-gradient norms move into backward, and the gradients'
+    memory is not freed early (the cost of exact clipping).
+
     Attributes:
         bucket_numel: most elements one fused update kernel covers. Smaller buckets free
             gradients sooner; larger ones launch fewer kernels. None: 1/32 of all parameters,

@@ -9,16 +9,21 @@ after the last read of the parameters and state it overwrites (the backward of a
 reads its weight). Its gradients then die there. The fused kernels are elementwise per tensor,
 so splitting a kernel's tensor lists changes no result bit.
 
-What keeps an update late is reported per bucket in `explain()`: global-norm clipping writes
-every gradient after the whole backward, so every update waits for it (the exact semantics
-cost the memory win; see FuseOptimizer.clip in config.py); a gradient read after the update
-(e.g. returned from the step) stays alive until that read even though its update moved.
+What keeps an update late is reported per bucket in `explain()`. Global-norm clipping
+(`clip_grad_norm_` in the step) scales every gradient by a factor that needs all of them, so
+with it every update waits for the end of backward and the gradients are not freed early:
+exact results cost the memory win. The pass still moves what need not wait: the norm of each
+gradient is computed right after that gradient is final, inside backward, so after backward
+only the total norm, the scaling and the updates remain. A gradient read after its update
+(e.g. left on `param.grad` because the step zeroes gradients first) stays alive until that read
+even though its update moved; explain() lists them.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -167,6 +172,55 @@ def _describe(node: fx.Node) -> str:
     return f"{node.name} [{node.meta.get('phase')}]" + (f" at {where}" if where else "")
 
 
+def _is_pure(node: fx.Node) -> bool:
+    tags = getattr(node.target, "tags", ())
+    return node.op == "call_function" and not written_args(node) and torch.Tag.nondeterministic_seeded not in tags
+
+
+def _split_foreach_reductions(graph: fx.Graph) -> None:
+    """`_foreach_norm(grads)` over many gradients becomes one call per gradient, so each can
+    run as soon as its own gradient is final (the kernel computes each tensor independently,
+    so results do not change)."""
+    for node in list(graph.nodes):
+        if getattr(node.target, "overloadpacket", None) is not aten._foreach_norm or \
+                node.meta.get("phase") != "optimizer" or len(node.args[0]) < 2:
+            continue
+        parts = []
+        for tensor in node.args[0]:
+            with graph.inserting_before(node):
+                part = graph.call_function(node.target, ([tensor], *node.args[1:]), dict(node.kwargs))
+                item = graph.call_function(operator.getitem, (part, 0))
+            part.meta.update({k: v for k, v in node.meta.items() if k != "val"})
+            item.meta.update({k: v for k, v in node.meta.items() if k != "val"})
+            parts.append(item)
+        for user in list(node.users):
+            if user.target is operator.getitem:
+                user.replace_all_uses_with(parts[user.args[1]])
+                graph.erase_node(user)
+        if not node.users:
+            graph.erase_node(node)
+
+
+def _hoist_gradient_reductions(graph: fx.Graph) -> int:
+    """Move pure post-backward ops that read only gradients (the per-gradient norms of
+    clip_grad_norm_) to right after their gradient's last write, inside backward."""
+    storages = StorageMap(graph)
+    moved = 0
+    for node in list(graph.nodes):
+        inputs = node.all_input_nodes
+        if node.meta.get("phase") != "optimizer" or not _is_pure(node) or not inputs or \
+                any(i.meta.get("phase") != "backward" for i in inputs):
+            continue
+        pos = storages.position[node]
+        writes = [a.node for i in inputs for sid in storages.of(i) for a in storages.accesses[sid]
+                  if a.writes and a.position < pos]
+        anchor = _latest(storages, writes + inputs)
+        if anchor.next is not node:
+            anchor.append(node)
+            moved += 1
+    return moved
+
+
 def fuse_optimizer(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
     cfg = ctx.config.fuse_optimizer
     g = graph.graph
@@ -177,6 +231,11 @@ def fuse_optimizer(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
     total = sum(p.meta["val"].numel() for k in kernels for p in k.args[0])
     bucket_numel = cfg.bucket_numel or min(max(total // 32, 1 << 16), 1 << 24)
     _hoist_scalar_inputs(g, kernels)
+    _split_foreach_reductions(g)
+    hoisted = _hoist_gradient_reductions(g)
+    if hoisted:
+        graph.note("fuse_optimizer", f"{hoisted} reductions of single gradients (clip_grad_norm_'s norms) "
+                   "moved into backward, each right after its gradient is final")
     storages = StorageMap(g)
     backward = [n for n in g.nodes if n.meta.get("phase") == "backward"]
     last_backward = backward[-1] if backward else None

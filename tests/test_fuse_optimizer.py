@@ -178,3 +178,32 @@ def test_gradient_left_on_param_grad_is_kept_and_reported():
     for pa, pb in zip(eager.parameters(), compiled.parameters()):
         assert torch.equal(pa.grad, pb.grad)
     assert any("stay alive" in line for line in step.train_graph.notes["fuse_optimizer"])
+
+
+def test_foreach_clipping_norms_move_into_backward_and_results_stay_exact():
+    def train_step(model, optimizer, batch):   # clip_grad_norm_ as its foreach (GPU) path runs it
+        loss = model(batch["input_ids"], labels=batch["labels"])
+        loss.backward()
+        grads = [p.grad for p in model.parameters()]
+        total = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2.0)), 2.0)
+        torch._foreach_mul_(grads, torch.clamp(0.5 / (total + 1e-6), max=1.0))
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss
+
+    torch.manual_seed(0)
+    eager = GPT(TINY)
+    compiled = copy.deepcopy(eager)
+    step = graphoffload.offload_compile(train_step)
+    batches = list(_batches(5, TINY.vocab_size, TINY.seq_len))
+    eager_losses, eager_opt = _train(eager, OPTIMIZERS["adamw"], train_step, batches)
+    compiled_losses, compiled_opt = _train(compiled, OPTIMIZERS["adamw"], step, batches)
+    assert compiled_losses == eager_losses
+    _assert_same(eager, compiled, eager_opt, compiled_opt, exact=True)
+
+    nodes = list(step.train_graph.graph.nodes)
+    last_backward = max(i for i, n in enumerate(nodes) if n.meta["phase"] == "backward")
+    norms = [i for i, n in enumerate(nodes)
+             if getattr(n.target, "overloadpacket", None) is torch.ops.aten._foreach_norm]
+    assert len(norms) == len(list(compiled.parameters()))   # one per gradient
+    assert sum(i < last_backward for i in norms) >= len(norms) - 1
