@@ -10,7 +10,7 @@
 """
 
 from graphoffload.api import CompiledStep, offload_compile
-from graphoffload.config import CompileConfig, FuseOptimizer
+from graphoffload.config import CompileConfig, FuseOptimizer, Offload
 from graphoffload.errors import CaptureError, GraphOffloadError, PassError, StateError, UnsupportedError
 from graphoffload.graph import GraphSignature, InputSpec, OutputSpec, TrainGraph
 from graphoffload.memory import MemoryProfile, analyze_memory
@@ -18,6 +18,6 @@ from graphoffload.passes import Pass, PassContext, PassManager
 
 __all__ = [
     "CaptureError", "CompileConfig", "CompiledStep", "FuseOptimizer", "GraphOffloadError", "GraphSignature", "InputSpec",
-    "MemoryProfile", "OutputSpec", "Pass", "PassContext", "PassError", "PassManager", "StateError",
+    "MemoryProfile", "Offload", "OutputSpec", "Pass", "PassContext", "PassError", "PassManager", "StateError",
     "TrainGraph", "UnsupportedError", "analyze_memory", "offload_compile",
 ]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import warnings
 from collections.abc import Callable, Sequence
@@ -14,11 +15,12 @@ from torch import Tensor
 
 from graphoffload import inspection
 from graphoffload.capture import Capture, capture_step, find_bindings
-from graphoffload.config import CompileConfig
+from graphoffload.checkpoint import load_optimizer_state_exactly
+from graphoffload.config import CompileConfig, Offload
 from graphoffload.graph import TrainGraph
 from graphoffload.optimizer_lowering import is_first_step
 from graphoffload.memory import MemoryProfile, analyze_memory
-from graphoffload.passes.manager import Pass, PassContext, PassFn, PassManager
+from graphoffload.passes.manager import Pass, PassContext, PassFn, PassManager, builtin_passes
 from graphoffload.runtime.executor import Executor
 
 
@@ -62,10 +64,14 @@ class CompiledStep:
     `memory()`.
     """
 
-    def __init__(self, fn: Callable, passes: Sequence[Pass | PassFn] = (), config: CompileConfig | None = None):
+    def __init__(self, fn: Callable, passes: Sequence[Pass | PassFn] = (), config: CompileConfig | None = None,
+                 offload: Offload | None = None):
         self.fn = fn
         self.config = config or CompileConfig()
-        self.pass_manager = PassManager(passes, disable=self.config.disable_passes)
+        if offload is not None:
+            self.config = dataclasses.replace(self.config, offload=offload)
+        self.pass_manager = PassManager(passes, disable=self.config.disable_passes,
+                                        builtin=builtin_passes(self.config))
         self._variants: dict[Any, CompiledVariant] = {}
         self._last: CompiledVariant | None = None
         self.trace_count = 0
@@ -96,7 +102,7 @@ class CompiledStep:
         device = params[0].device if params else torch.device("cpu")
         ctx = PassContext(self.config, device)
         graph, stages = self.pass_manager.run(capture.graph, ctx)
-        return CompiledVariant(capture, graph, stages, Executor(graph, capture), dict(ctx.timings))
+        return CompiledVariant(capture, graph, stages, Executor(graph, capture, self.config.offload), dict(ctx.timings))
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         key = self._key(args, kwargs)
@@ -105,6 +111,27 @@ class CompiledStep:
             variant = self._variants[key] = self._compile(args, kwargs)
         self._last = variant
         return variant.executor.run(args, kwargs)
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def state_dict(self) -> dict[str, Any]:
+        """The state of every optimizer the step drives, as `optimizer.state_dict()` gives it:
+        offloaded state (fp32 master weights, moments) stays in host memory."""
+        return {"optimizers": [opt.state_dict() for opt in self.last.capture.bindings.optimizers]}
+
+    def load_state_dict(self, state: dict[str, Any],
+                        optimizers: Sequence[torch.optim.Optimizer] | None = None) -> None:
+        """Load what `state_dict()` returned, exactly: tensors keep their dtype and stay where they
+        were saved (unlike `optimizer.load_state_dict`, which casts state to each parameter's
+        device and dtype, so offloaded fp32 state would land on the GPU in bf16). Before the
+        step's first call, pass the optimizers it will drive."""
+        if optimizers is None:
+            optimizers = self.last.capture.bindings.optimizers
+        saved = state["optimizers"]
+        if len(saved) != len(optimizers):
+            raise ValueError(f"the checkpoint holds {len(saved)} optimizers, the step drives {len(optimizers)}")
+        for opt, opt_state in zip(optimizers, saved):
+            load_optimizer_state_exactly(opt, opt_state)
 
     # ------------------------------------------------------------------ inspection
 
@@ -146,14 +173,15 @@ class CompiledStep:
 
 @overload
 def offload_compile(fn: Callable, *, passes: Sequence[Pass | PassFn] = ...,
-                    config: CompileConfig | None = ...) -> CompiledStep: ...
+                    config: CompileConfig | None = ..., offload: Offload | None = ...) -> CompiledStep: ...
 @overload
 def offload_compile(fn: None = ..., *, passes: Sequence[Pass | PassFn] = ...,
-                    config: CompileConfig | None = ...) -> Callable[[Callable], CompiledStep]: ...
+                    config: CompileConfig | None = ...,
+                    offload: Offload | None = ...) -> Callable[[Callable], CompiledStep]: ...
 
 
 def offload_compile(fn: Callable | None = None, *, passes: Sequence[Pass | PassFn] = (),
-                    config: CompileConfig | None = None):
+                    config: CompileConfig | None = None, offload: Offload | None = None):
     """Compile a train step (forward, ``loss.backward()``, ``optimizer.step()``) into one graph.
 
     Use as ``@offload_compile`` or ``offload_compile(train_step, passes=[...], config=...)``.
@@ -163,7 +191,9 @@ def offload_compile(fn: Callable | None = None, *, passes: Sequence[Pass | PassF
             and closure; tensors among its arguments are the batch.
         passes: extra passes ``(TrainGraph, PassContext) -> TrainGraph`` run after the built-in ones.
         config: a `CompileConfig`.
+        offload: keep optimizer state in host memory and update on the CPU (`Offload`);
+            shorthand for ``config.offload``.
     """
     if fn is None:
-        return lambda f: CompiledStep(f, passes, config)
-    return CompiledStep(fn, passes, config)
+        return lambda f: CompiledStep(f, passes, config, offload)
+    return CompiledStep(fn, passes, config, offload)

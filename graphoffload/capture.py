@@ -63,12 +63,15 @@ class StepBindings:
         module, attr = self.buffers[name]
         return module._buffers[attr]
 
-    def state(self, param_name: str, key: str) -> Tensor:
+    def optimizer_of(self, param_name: str) -> torch.optim.Optimizer:
         param = self.params[param_name]
         for opt in self.optimizers:
-            if param in opt.state:
-                return opt.state[param][key]
-        raise KeyError((param_name, key))
+            if any(p is param for g in opt.param_groups for p in g["params"]):
+                return opt
+        raise KeyError(param_name)
+
+    def state(self, param_name: str, key: str) -> Tensor:
+        return self.optimizer_of(param_name).state[self.params[param_name]][key]
 
     def lr(self, opt_index: int, group_index: int) -> float:
         lr = self.optimizers[opt_index].param_groups[group_index]["lr"]

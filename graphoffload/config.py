@@ -26,6 +26,51 @@ class FuseOptimizer:
             raise ValueError(f"bucket_numel must be positive, got {self.bucket_numel}")
 
 
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(size: int | str) -> int:
+    """`20GiB`, `512 MB`, `1e9` or an int -> bytes."""
+    if isinstance(size, int):
+        return size
+    text = size.strip().lower().replace(" ", "")
+    number = text.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = text[len(number):]
+    if unit not in _UNITS or not number:
+        raise ValueError(f"cannot read {size!r} as a size: use bytes or a number with one of "
+                         "KiB, MiB, GiB, TiB, KB, MB, GB, TB")
+    return int(float(number) * _UNITS[unit])
+
+
+@dataclass(frozen=True)
+class Offload:
+    """Keep optimizer state in host memory and update on the CPU (the `offload_optimizer` pass).
+
+    fp32 master weights and optimizer moments live in pinned host memory; parameters stay on
+    the device in their own dtype (e.g. bf16 for mixed precision).
+
+    Attributes:
+        gpu_memory_budget: most device memory the step may use (bytes or "20GiB"); compiling
+            fails with the minimum needed when the predicted peak exceeds it. None: no check.
+        cpu_workers: threads that run host updates (each update kernel also uses torch's
+            intra-op threads, so one is usually right).
+        pin_memory: allocate host state in pinned memory (needed for asynchronous copies).
+    """
+
+    gpu_memory_budget: int | str | None = None
+    cpu_workers: int = 1
+    pin_memory: bool = True
+
+    def __post_init__(self) -> None:
+        self.budget_bytes()   # validate early
+        if self.cpu_workers < 1:
+            raise ValueError("cpu_workers must be at least 1")
+
+    def budget_bytes(self) -> int | None:
+        return None if self.gpu_memory_budget is None else parse_bytes(self.gpu_memory_budget)
+
+
 @dataclass(frozen=True)
 class CompileConfig:
     """Options of a compiled train step.
@@ -36,6 +81,8 @@ class CompileConfig:
             and offload each subgroup on its own.
         disable_passes: names of built-in passes to skip (e.g. ``("fuse_optimizer",)``).
         fuse_optimizer: options of the `fuse_optimizer` pass.
+        offload: options of optimizer offload to host memory; None (default) keeps state on
+            the device.
         verify: verify the graph after every pass (lint, ``meta["val"]``, signature).
         retrace_warning_after: warn once a step has been traced this many times (new input
             shapes, dtypes, train/eval mode or optimizer settings each cause a re-trace).
@@ -44,6 +91,7 @@ class CompileConfig:
     subgroup_numel: int = 32 * 1024 * 1024
     disable_passes: tuple[str, ...] = ()
     fuse_optimizer: FuseOptimizer = field(default_factory=FuseOptimizer)
+    offload: Offload | None = None
     verify: bool = True
     retrace_warning_after: int = 8
 

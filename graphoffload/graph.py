@@ -25,7 +25,7 @@ Phase = Literal["input", "forward", "backward", "optimizer", "comm", "transfer",
 
 TENSOR_SLOT = object()   # marks where a graph output goes in the step's return value
 
-InputKind = Literal["param", "buffer", "state", "lr", "batch"]
+InputKind = Literal["param", "buffer", "state", "lr", "batch", "host_scratch"]
 OutputKind = Literal["user", "grad", "buffer"]
 
 
@@ -34,14 +34,18 @@ class InputSpec:
     """One placeholder: what it holds and where the runtime finds it.
 
     ``target`` is the parameter or buffer name for params/buffers, ``(param name, state key)``
-    for optimizer state, ``(optimizer index, group index)`` for a learning rate and the index
-    among the flattened tensor arguments of the step for batch inputs.
+    for optimizer state, ``(optimizer index, group index)`` for a learning rate, the index
+    among the flattened tensor arguments of the step for batch inputs, and ``(param name,
+    purpose)`` for host scratch buffers the runtime allocates once (e.g. a gradient's pinned
+    landing buffer). ``host`` marks tensors kept in (pinned) host memory rather than on the
+    model's device; the runtime moves them there once and memory analysis does not count them.
     """
 
     kind: InputKind
     name: str
     target: Any
     mutable: bool = False
+    host: bool = False
 
 
 @dataclass(frozen=True)

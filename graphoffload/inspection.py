@@ -17,7 +17,7 @@ from torch import fx
 
 from graphoffload.capture import user_line_of_stack_trace
 from graphoffload.graph import PHASES, TrainGraph, describe_val
-from graphoffload.memory import analyze_memory
+from graphoffload.memory import analyze_memory, format_bytes
 
 PHASE_COLOURS = {"input": "#e0e0e0", "forward": "#9ecae1", "backward": "#fdae6b", "optimizer": "#a1d99b",
                  "comm": "#bcbddc", "transfer": "#fa9fb5", "output": "#e0e0e0"}
@@ -27,10 +27,6 @@ def _emit(text: str, file: Any) -> str:
     if file is not None:
         print(text, file=file)
     return text
-
-
-def _mib(n: int) -> str:
-    return f"{n / 2**20:.2f} MiB"
 
 
 def explain_rows(stages: dict[str, TrainGraph]) -> list[dict[str, Any]]:
@@ -55,7 +51,7 @@ def explain(stages: dict[str, TrainGraph], timings: dict[str, float], file: Any 
     phases = [p for p in PHASES if p not in ("input", "output")]
     header = ["stage", "nodes", *phases, "added", "removed", "predicted peak", "pass time"]
     table = [[r["stage"], r["nodes"], *[r[p] for p in phases], f"+{r['added']}", f"-{r['removed']}",
-              _mib(r["peak"]), f"{timings[r['stage']] * 1e3:.1f} ms" if r["stage"] in timings else ""]
+              format_bytes(r["peak"]), f"{timings[r['stage']] * 1e3:.1f} ms" if r["stage"] in timings else ""]
              for r in rows]
     widths = [max(len(str(x)) for x in col) for col in zip(header, *table)]
     lines = ["  ".join(str(x).rjust(w) for x, w in zip(row, widths)) for row in [header, *table]]

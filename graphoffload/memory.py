@@ -3,7 +3,8 @@
 Every node output either aliases an argument (views, in-place ops: the op schema says so) or
 owns a new storage. A storage lives from the node that creates it to the last node that reads
 it or any alias of it; graph outputs live to the end. Inputs (parameters, buffers, optimizer
-state, the batch) are owned by the user and count as resident for the whole step. Sizes are
+state, the batch) are owned by the user and count as resident for the whole step; inputs the
+signature places in host memory (offloaded state) are not counted. Sizes are
 rounded up to the CUDA caching allocator's 512-byte blocks, so the prediction is comparable
 with `torch.cuda.max_memory_allocated`. Later passes (fusion, offload) plan against this.
 """
@@ -28,6 +29,13 @@ def _nbytes(t: torch.Tensor) -> int:
     return -(-n // _BLOCK) * _BLOCK
 
 
+def format_bytes(n: int) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n} B"
+
+
 @dataclass(frozen=True)
 class MemoryProfile:
     """Predicted memory of one run of a graph, in bytes."""
@@ -45,6 +53,7 @@ class MemoryProfile:
 def analyze_memory(graph: TrainGraph) -> MemoryProfile:
     storages = StorageMap(graph.graph)
     nodes = storages.nodes
+    on_host = {s.name for s in graph.signature.inputs if s.host}
     end = len(nodes)
     delta = [0] * (end + 2)
     resident = 0
@@ -53,6 +62,8 @@ def analyze_memory(graph: TrainGraph) -> MemoryProfile:
         tensor = val if isinstance(val, torch.Tensor) else next(
             v for v, i in zip(val, storages.ids[creator]) if i == sid)
         nbytes = _nbytes(tensor)
+        if creator.name in on_host and creator.op == "placeholder":
+            continue
         if creator.op in ("placeholder", "get_attr"):
             resident += nbytes
             continue

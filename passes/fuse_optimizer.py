@@ -32,24 +32,12 @@ from torch import fx
 from graphoffload.aliasing import StorageMap, written_args
 from graphoffload.capture import user_line_of_stack_trace
 from graphoffload.graph import TrainGraph
+from graphoffload.passes.update_kernels import UpdateKernel, find_update_kernels
 
 if TYPE_CHECKING:
     from graphoffload.passes.manager import PassContext
 
 aten = torch.ops.aten
-
-# update kernel -> positions of its per-parameter list arguments, and of its step counters
-UPDATE_KERNELS: dict[object, tuple[tuple[int, ...], int | None]] = {
-    aten._fused_adamw_: ((0, 1, 2, 3, 4, 5), 5),
-    aten._fused_adam_: ((0, 1, 2, 3, 4, 5), 5),
-    aten._fused_sgd_: ((0, 1, 2), None),
-}
-
-
-def _kernel_rule(node: fx.Node) -> tuple[tuple[int, ...], int | None] | None:
-    packet = getattr(node.target, "overloadpacket", None)
-    return UPDATE_KERNELS.get(packet) if node.op == "call_function" else None
-
 
 @dataclass
 class _Update:
@@ -62,31 +50,16 @@ class _Update:
     held_by: str | None         # what reads the gradient after the original update, if anything
 
 
-def _step_counter_update(kernel: fx.Node, steps_pos: int | None) -> fx.Node | None:
-    """The `_foreach_add_(steps, 1)` node that increments the kernel's step counters."""
-    if steps_pos is None:
-        return None
-    steps = kernel.args[steps_pos]
-    roots = {s if s.op == "placeholder" else s.args[0] for s in steps}
-    for node in reversed(list(kernel.graph.nodes)):
-        if node is kernel:
-            continue
-        if getattr(node.target, "overloadpacket", None) is aten._foreach_add_ and \
-                roots <= set(node.args[0]) and node.meta.get("subgroup") == kernel.meta.get("subgroup"):
-            return node
-    return None
-
-
 def _latest(storages: StorageMap, nodes: list[fx.Node]) -> fx.Node:
     return max(nodes, key=storages.position.__getitem__)
 
 
-def _plan_updates(storages: StorageMap, kernel: fx.Node, counter: fx.Node | None,
-                  list_pos: tuple[int, ...], steps_pos: int | None) -> list[_Update]:
-    """For each parameter of `kernel`, the latest node its update must follow."""
+def _plan_updates(storages: StorageMap, k: UpdateKernel) -> list[_Update]:
+    """For each parameter of the kernel, the latest node its update must follow."""
+    kernel, counter = k.node, k.counter
+    list_pos, steps_pos = k.rule.list_positions, k.rule.steps_position
     kernel_pos = storages.position[kernel]
-    copies = [s for s in kernel.args[steps_pos] if s.op != "placeholder"] if steps_pos is not None else []
-    own = {kernel, *copies} | ({counter} if counter is not None else set())
+    own = {kernel, *k.step_copies()} | ({counter} if counter is not None else set())
     scalars = [n for n in kernel.kwargs.values() if isinstance(n, fx.Node)]
     updates = []
     for i, param in enumerate(kernel.args[0]):
@@ -139,8 +112,9 @@ def _buckets(updates: list[_Update], position: dict[fx.Node, int], bucket_numel:
     return buckets
 
 
-def _emit_bucket(graph: fx.Graph, kernel: fx.Node, counter: fx.Node | None, bucket: list[_Update],
-                 list_pos: tuple[int, ...], steps_pos: int | None, after: fx.Node, number: int) -> fx.Node:
+def _emit_bucket(graph: fx.Graph, k: UpdateKernel, bucket: list[_Update], after: fx.Node, number: int) -> fx.Node:
+    kernel, counter = k.node, k.counter
+    list_pos, steps_pos = k.rule.list_positions, k.rule.steps_position
     idx = sorted(u.index for u in bucket)
     args = list(kernel.args)
     for pos in list_pos:
@@ -224,13 +198,13 @@ def _hoist_gradient_reductions(graph: fx.Graph) -> int:
 def fuse_optimizer(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
     cfg = ctx.config.fuse_optimizer
     g = graph.graph
-    kernels = [n for n in g.nodes if _kernel_rule(n)]
+    kernels = find_update_kernels(g)
     if not kernels:
         graph.note("fuse_optimizer", "no optimizer update in the step: nothing to fuse")
         return graph
-    total = sum(p.meta["val"].numel() for k in kernels for p in k.args[0])
+    total = sum(p.meta["val"].numel() for k in kernels for p in k.params)
     bucket_numel = cfg.bucket_numel or min(max(total // 32, 1 << 16), 1 << 24)
-    _hoist_scalar_inputs(g, kernels)
+    _hoist_scalar_inputs(g, [k.node for k in kernels])
     _split_foreach_reductions(g)
     hoisted = _hoist_gradient_reductions(g)
     if hoisted:
@@ -239,18 +213,13 @@ def fuse_optimizer(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
     storages = StorageMap(g)
     backward = [n for n in g.nodes if n.meta.get("phase") == "backward"]
     last_backward = backward[-1] if backward else None
-    plans = []
-    for kernel in kernels:
-        list_pos, steps_pos = _kernel_rule(kernel)
-        counter = _step_counter_update(kernel, steps_pos)
-        updates = _plan_updates(storages, kernel, counter, list_pos, steps_pos)
-        plans.append((kernel, counter, list_pos, steps_pos, _buckets(updates, storages.position, bucket_numel)))
+    plans = [(k, _buckets(_plan_updates(storages, k), storages.position, bucket_numel)) for k in kernels]
 
     number, in_backward, held = 0, 0, []
-    for kernel, counter, list_pos, steps_pos, buckets in plans:
+    for k, buckets in plans:
         for bucket in buckets:
             anchor = _latest(storages, [u.anchor for u in bucket])
-            _emit_bucket(g, kernel, counter, bucket, list_pos, steps_pos, anchor, number)
+            _emit_bucket(g, k, bucket, anchor, number)
             ready_in_backward = last_backward is not None and \
                 storages.position[anchor] <= storages.position[last_backward]
             in_backward += ready_in_backward
@@ -265,9 +234,9 @@ def fuse_optimizer(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
                            "after the last backward op (e.g. global-norm gradient clipping)")
             held += [f"{u.name} (read by {u.held_by})" for u in bucket if u.held_by]
             number += 1
-        for node in (kernel, counter):
-            if node is not None:
-                g.erase_node(node)
+        g.erase_node(k.node)
+        if k.counter is not None:
+            g.erase_node(k.counter)
     graph.note("fuse_optimizer", f"{number} update buckets (bucket_numel={bucket_numel:,}), "
                f"{in_backward} run inside backward")
     if held:

@@ -18,10 +18,11 @@ import torch
 from torch import fx
 
 from graphoffload.config import CompileConfig
-from graphoffload.errors import PassError
+from graphoffload.errors import GraphOffloadError, PassError
 from graphoffload.graph import PHASES, TrainGraph, fake_mode_of
 from graphoffload.passes.eliminate_dead_code import eliminate_dead_code
 from graphoffload.passes.fuse_optimizer import fuse_optimizer
+from graphoffload.passes.offload_optimizer import offload_optimizer
 from graphoffload.passes.verify import verify_train_graph
 
 PassFn = Callable[[TrainGraph, "PassContext"], TrainGraph]
@@ -53,12 +54,17 @@ class PassContext:
     timings: dict[str, float] = field(default_factory=dict)
 
 
-def _builtin_passes() -> list[Pass]:
-    # fusion moves updates before dead-code elimination so the nodes it leaves unused go too
-    return [Pass(fuse_optimizer, "fuse_optimizer"), Pass(eliminate_dead_code, "eliminate_dead_code")]
+def builtin_passes(config: CompileConfig) -> list[Pass]:
+    """The built-in pipeline for a config, in order. Offload works on fusion's buckets, so its
+    transfers start during backward; dead-code elimination runs last to drop what they leave."""
+    passes = [Pass(fuse_optimizer, "fuse_optimizer")]
+    if config.offload is not None:
+        passes.append(Pass(offload_optimizer, "offload_optimizer"))
+    passes.append(Pass(eliminate_dead_code, "eliminate_dead_code"))
+    return passes
 
 
-BUILTIN_PASSES: tuple[str, ...] = tuple(p.name for p in _builtin_passes())
+BUILTIN_PASSES: tuple[str, ...] = ("fuse_optimizer", "offload_optimizer", "eliminate_dead_code")
 
 
 def _fill_missing_meta(graph: TrainGraph, pass_name: str) -> None:
@@ -89,8 +95,8 @@ class PassManager:
 
     def __init__(self, user_passes: Sequence[Pass | PassFn] = (), disable: Sequence[str] = (),
                  builtin: Sequence[Pass] | None = None):
-        builtin = list(_builtin_passes() if builtin is None else builtin)
-        known = {p.name for p in builtin}
+        builtin = list(builtin_passes(CompileConfig()) if builtin is None else builtin)
+        known = set(BUILTIN_PASSES) | {p.name for p in builtin}
         unknown = set(disable) - known
         if unknown:
             raise PassError(f"cannot disable unknown pass(es) {sorted(unknown)}; built-in passes: {sorted(known)}")
@@ -112,8 +118,8 @@ class PassManager:
             start = time.perf_counter()
             try:
                 result = p.fn(graph, ctx)
-            except PassError:
-                raise
+            except GraphOffloadError:
+                raise   # already says what is wrong and what to do
             except Exception as exc:
                 raise PassError(f"pass {p.name!r} raised {type(exc).__name__}: {exc}") from exc
             if not isinstance(result, TrainGraph):

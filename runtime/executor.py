@@ -9,24 +9,38 @@ after the run: gradients left on `param.grad`, and buffers the model replaced.
 
 from __future__ import annotations
 
+import contextlib
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.utils._pytree as pytree
 from torch import Tensor
 
+from graphoffload.config import Offload
 from graphoffload.errors import StateError
 from graphoffload.graph import TENSOR_SLOT, TrainGraph
+
+from graphoffload.runtime.host_offload import OffloadRuntime
+from graphoffload.runtime.host_state import HostState
 
 if TYPE_CHECKING:
     from graphoffload.capture import Capture
 
 
 class Executor:
-    def __init__(self, graph: TrainGraph, capture: Capture):
+    def __init__(self, graph: TrainGraph, capture: Capture, offload: Offload | None = None):
         self.graph = graph
         self.capture = capture
         self.gm = graph.gm
+        self.vals = {n.name: n.meta.get("val") for n in graph.graph.nodes if n.op == "placeholder"}
+        self.offload_runtime: OffloadRuntime | None = None
+        self.host_state: HostState | None = None
+        if any(s.host for s in graph.signature.inputs):
+            params = list(capture.bindings.params.values())
+            device = params[0].device if params else torch.device("cpu")
+            offload = offload or Offload()
+            self.offload_runtime = OffloadRuntime(device, offload.cpu_workers)
+            self.host_state = HostState(capture.bindings, pin_memory=offload.pin_memory and device.type == "cuda")
 
     def inputs(self, args: tuple, kwargs: dict) -> list[Tensor]:
         b = self.capture.bindings
@@ -34,7 +48,9 @@ class Executor:
         batch = [leaves[i] for i in self.capture.batch_positions]
         values: list[Tensor] = []
         for spec in self.graph.signature.inputs:
-            if spec.kind == "param":
+            if spec.host:
+                values.append(self.host_state.tensor(spec, self.vals[spec.name]))
+            elif spec.kind == "param":
                 values.append(b.params[spec.target].detach())
             elif spec.kind == "buffer":
                 values.append(b.buffer(spec.target))
@@ -59,8 +75,11 @@ class Executor:
     def run(self, args: tuple, kwargs: dict) -> Any:
         self.check_start_state()
         inputs = self.inputs(args, kwargs)
-        with torch.no_grad():
+        offload = self.offload_runtime.active() if self.offload_runtime else contextlib.nullcontext()
+        with torch.no_grad(), offload:
             outputs = self.gm(*inputs)
+        if self.host_state is not None:
+            self.host_state.record_versions()
         return self.write_back(outputs)
 
     def write_back(self, outputs: list[Tensor]) -> Any:

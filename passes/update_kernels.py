@@ -1,0 +1,132 @@
+"""The optimizer update kernels in a graph, as units that scheduling passes move and rewrite.
+
+One rule per fused kernel (which arguments are per-parameter lists, which is the step
+counter list, and its host variant), and `UpdateKernel`: a kernel node with the
+`_foreach_add_` that increments its step counters and the device copies of those counters.
+fuse_optimizer splits and moves these units; offload_optimizer turns them into host updates.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import fx
+
+aten = torch.ops.aten
+graphoffload_ops = torch.ops.graphoffload
+
+
+def _host_adam(decoupled: bool) -> Callable:
+    def emit(g: fx.Graph, k: UpdateKernel, after: fx.Node, masters: list[fx.Node], host_grads: list[fx.Node],
+             lr: fx.Node) -> fx.Node:
+        kw = k.node.kwargs
+        return g.call_function(graphoffload_ops.host_adam_.default, (
+            after, masters, host_grads, list(k.node.args[2]), list(k.node.args[3]), list(k.node.args[4]),
+            k.step_placeholders(), lr, kw["beta1"], kw["beta2"], kw["weight_decay"], kw["eps"], kw["amsgrad"],
+            kw["maximize"], decoupled))
+    return emit
+
+
+def _host_sgd(g: fx.Graph, k: UpdateKernel, after: fx.Node, masters: list[fx.Node], host_grads: list[fx.Node],
+              lr: fx.Node) -> fx.Node:
+    kw = k.node.kwargs
+    return g.call_function(graphoffload_ops.host_sgd_.default, (
+        after, masters, host_grads, list(k.node.args[2]), lr, kw["weight_decay"], kw["momentum"],
+        kw["dampening"], kw["nesterov"], kw["maximize"], kw["is_first_step"]))
+
+
+@dataclass(frozen=True)
+class KernelRule:
+    list_positions: tuple[int, ...]      # per-parameter list arguments
+    steps_position: int | None           # the step counters, incremented before the kernel
+    emit_host_update: Callable
+
+
+UPDATE_KERNELS: dict[object, KernelRule] = {
+    aten._fused_adamw_: KernelRule((0, 1, 2, 3, 4, 5), 5, _host_adam(decoupled=True)),
+    aten._fused_adam_: KernelRule((0, 1, 2, 3, 4, 5), 5, _host_adam(decoupled=False)),
+    aten._fused_sgd_: KernelRule((0, 1, 2), None, _host_sgd),
+}
+
+
+def kernel_rule(node: fx.Node) -> KernelRule | None:
+    if node.op != "call_function":
+        return None
+    return UPDATE_KERNELS.get(getattr(node.target, "overloadpacket", None))
+
+
+@dataclass
+class UpdateKernel:
+    node: fx.Node
+    rule: KernelRule
+    counter: fx.Node | None      # `_foreach_add_(steps, 1)` of this kernel, if any
+
+    @property
+    def params(self) -> list[fx.Node]:
+        return list(self.node.args[0])
+
+    @property
+    def grads(self) -> list[fx.Node]:
+        return list(self.node.args[1])
+
+    def step_copies(self) -> list[fx.Node]:
+        """Device copies of the step counters (when the counters live elsewhere)."""
+        if self.rule.steps_position is None:
+            return []
+        return [s for s in self.node.args[self.rule.steps_position] if s.op != "placeholder"]
+
+    def step_placeholders(self) -> list[fx.Node]:
+        if self.rule.steps_position is None:
+            return []
+        return [s if s.op == "placeholder" else s.args[0] for s in self.node.args[self.rule.steps_position]]
+
+    def state_placeholders(self) -> list[fx.Node]:
+        """Optimizer-state placeholders the kernel updates (moments, momentum, step counters)."""
+        out = []
+        for pos in self.rule.list_positions[2:]:
+            if pos == self.rule.steps_position:
+                out += self.step_placeholders()
+            else:
+                out += list(self.node.args[pos] or [])
+        return out
+
+    @property
+    def first_node(self) -> fx.Node:
+        return self.counter if self.counter is not None else self.node
+
+    def emit_host_update(self, g: fx.Graph, after: fx.Node, masters: list[fx.Node], host_grads: list[fx.Node],
+                         host_lr: Callable[[fx.Node], fx.Node]) -> fx.Node:
+        return self.rule.emit_host_update(g, self, after, masters, host_grads, host_lr(self.node.kwargs["lr"]))
+
+    def erase(self) -> None:
+        g = self.node.graph
+        copies = self.step_copies()
+        g.erase_node(self.node)
+        for copy in copies:
+            if not copy.users:
+                g.erase_node(copy)
+        if self.counter is not None:
+            g.erase_node(self.counter)
+
+
+def find_update_kernels(graph: fx.Graph) -> list[UpdateKernel]:
+    counters: dict[fx.Node, fx.Node] = {}   # step-counter placeholder -> its `_foreach_add_`
+    for node in graph.nodes:
+        if getattr(node.target, "overloadpacket", None) is aten._foreach_add_:
+            for t in node.args[0]:
+                counters[t] = node
+    out = []
+    for node in graph.nodes:
+        rule = kernel_rule(node)
+        if rule is None:
+            continue
+        counter = None
+        if rule.steps_position is not None:
+            roots = [s if s.op == "placeholder" else s.args[0] for s in node.args[rule.steps_position]]
+            candidates = {counters.get(r) for r in roots}
+            if len(candidates) == 1 and None not in candidates:
+                counter = candidates.pop()
+        out.append(UpdateKernel(node, rule, counter))
+    return out

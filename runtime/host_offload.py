@@ -1,0 +1,240 @@
+"""Host offload runtime: copy streams, CPU update worker, and the graph ops that drive them.
+
+The `offload_optimizer` pass rewrites each update bucket into four graph nodes:
+
+    t1 = graphoffload.copy_to_host(grads, host_grads)           # D2H on the d2h stream
+    t2 = graphoffload.host_adamw_(t1, master, host_grads, ...)   # CPU update on a worker thread
+    t3 = graphoffload.copy_to_device(t2, master, staging, params)  # H2D on the h2d stream
+    graphoffload.wait_device(t3, params)                         # compute stream waits
+
+Each launch returns a *ticket* (an int64 scalar) that the next op consumes, so the order is a
+data edge, and every op that fills a tensor lists it as mutated, so alias analysis and
+dead-code elimination see the writes. Launches never block the graph thread: the CPU update
+and the upload run on the worker, which waits for the D2H copy's event; only `wait_device`
+blocks, where the graph needs the uploaded parameters.
+
+Races this avoids (each one shipped in another offload implementation): the d2h stream waits
+for the compute stream before reading a gradient, and the gradient's block is kept from reuse
+with `record_stream` until the copy is done; the h2d stream waits for an event recorded where
+the graph issued the upload, after every reader of the parameter on the compute stream; the
+compute stream waits for the upload's event before anything reads the parameter again.
+
+On a machine without CUDA the same ops run with CPU tensors: copies are real copies into
+separate buffers and the update still runs on the worker thread, so tests exercise the whole
+schedule. The runtime in use is the one activated by the executor (`with runtime.active()`),
+a context variable rather than process-global state.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+from torch import Tensor
+
+_ACTIVE: contextvars.ContextVar[OffloadRuntime | None] = contextvars.ContextVar("graphoffload_offload", default=None)
+
+
+def _done(value: object) -> Future:
+    fut: Future = Future()
+    fut.set_result(value)
+    return fut
+
+
+class OffloadRuntime:
+    """Streams, the CPU worker and in-flight tickets of one compiled step."""
+
+    def __init__(self, device: torch.device, cpu_workers: int = 1):
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        self.d2h = torch.cuda.Stream(self.device) if self.cuda else None
+        self.h2d = torch.cuda.Stream(self.device) if self.cuda else None
+        # one worker by default: buckets update in FIFO order and the fused CPU kernel already
+        # uses torch's intra-op threads
+        self.pool = ThreadPoolExecutor(max_workers=cpu_workers, thread_name_prefix="graphoffload-host")
+        self._tickets: dict[int, Future] = {}
+        self._next = 0
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[OffloadRuntime]:
+        token = _ACTIVE.set(self)
+        try:
+            yield self
+        finally:
+            _ACTIVE.reset(token)
+            self.drain()
+
+    def drain(self) -> None:
+        """Wait for every in-flight task (after a step, or when a step failed half-way)."""
+        pending, self._tickets = list(self._tickets.values()), {}
+        for fut in pending:
+            fut.exception()
+
+    def issue(self, fut: Future) -> Tensor:
+        ticket = self._next
+        self._next += 1
+        self._tickets[ticket] = fut
+        return torch.tensor(ticket, dtype=torch.int64)
+
+    def redeem(self, ticket: Tensor) -> Future:
+        return self._tickets.pop(int(ticket))
+
+    # ---------------------------------------------------------------- the ops' bodies
+
+    def copy_to_host(self, device_tensors: list[Tensor], host: list[Tensor]) -> Tensor:
+        if not self.cuda:
+            for d, h in zip(device_tensors, host):
+                h.copy_(d)
+            return self.issue(_done(None))
+        self.d2h.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.d2h):
+            for d, h in zip(device_tensors, host):
+                h.copy_(d, non_blocking=True)
+                d.record_stream(self.d2h)
+            event = torch.cuda.Event()
+            event.record(self.d2h)
+        return self.issue(_done(event))
+
+    def run_on_host(self, after: Tensor, work) -> Tensor:
+        dependency = self.redeem(after)
+
+        def task():
+            event = dependency.result()
+            if event is not None:
+                event.synchronize()
+            return work()
+        return self.issue(self.pool.submit(task))
+
+    def copy_to_device(self, after: Tensor, master: list[Tensor], staging: list[Tensor],
+                       device_tensors: list[Tensor]) -> Tensor:
+        dependency = self.redeem(after)
+        issued_at = None
+        if self.cuda:
+            issued_at = torch.cuda.Event()
+            issued_at.record(torch.cuda.current_stream(self.device))
+
+        def task():
+            dependency.result()
+            sources = master
+            if staging:
+                for s, m in zip(staging, master):
+                    s.copy_(m)
+                sources = staging
+            if not self.cuda:
+                for d, s in zip(device_tensors, sources):
+                    d.copy_(s)
+                return None
+            self.h2d.wait_event(issued_at)
+            with torch.cuda.stream(self.h2d):
+                for d, s in zip(device_tensors, sources):
+                    d.copy_(s, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(self.h2d)
+            return event
+        return self.issue(self.pool.submit(task))
+
+    def wait_device(self, ticket: Tensor) -> None:
+        event = self.redeem(ticket).result()
+        if event is not None:
+            torch.cuda.current_stream(self.device).wait_event(event)
+
+
+def active_runtime() -> OffloadRuntime:
+    runtime = _ACTIVE.get()
+    if runtime is None:
+        raise RuntimeError("graphoffload offload ops run inside a compiled step's executor (or `with "
+                           "OffloadRuntime(device).active():`), which owns their streams and worker")
+    return runtime
+
+
+def _ticket_fake() -> Tensor:
+    return torch.empty((), dtype=torch.int64)
+
+
+# ------------------------------------------------------------------ graph ops
+
+@torch.library.custom_op("graphoffload::copy_to_host", mutates_args=("host",))
+def copy_to_host(grads: list[Tensor], host: list[Tensor]) -> Tensor:
+    """Start copying device tensors into host buffers; returns a ticket."""
+    return active_runtime().copy_to_host(grads, host)
+
+
+@copy_to_host.register_fake
+def _(grads, host):
+    return _ticket_fake()
+
+
+def _host_fp32_grads(params: list[Tensor], grads: list[Tensor]) -> list[Tensor]:
+    # low-precision gradients land as they are and are widened here, on the host
+    return [g if g.dtype == p.dtype else g.to(p.dtype) for p, g in zip(params, grads)]
+
+
+@torch.library.custom_op("graphoffload::host_adam_",
+                         mutates_args=("params", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs", "steps"))
+def host_adam_(after: Tensor, params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor],
+               exp_avg_sqs: list[Tensor], max_exp_avg_sqs: list[Tensor], steps: list[Tensor], lr: Tensor,
+               beta1: float, beta2: float, weight_decay: float, eps: float, amsgrad: bool, maximize: bool,
+               decoupled: bool) -> Tensor:
+    """Adam/AdamW on host tensors, on the worker, once `after` is done; returns a ticket."""
+    lr = lr.clone()   # the graph's lr tensor may be gone by the time the worker runs
+
+    def work():
+        torch._foreach_add_(steps, 1)
+        kernel = torch._fused_adamw_ if decoupled else torch._fused_adam_
+        kernel(params, _host_fp32_grads(params, grads), exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps,
+               lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps, amsgrad=amsgrad,
+               maximize=maximize)
+    return active_runtime().run_on_host(after, work)
+
+
+@host_adam_.register_fake
+def _(after, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, lr, beta1, beta2, weight_decay,
+      eps, amsgrad, maximize, decoupled):
+    return _ticket_fake()
+
+
+@torch.library.custom_op("graphoffload::host_sgd_", mutates_args=("params", "momentum_buffers"))
+def host_sgd_(after: Tensor, params: list[Tensor], grads: list[Tensor], momentum_buffers: list[Tensor],
+              lr: Tensor, weight_decay: float, momentum: float, dampening: float, nesterov: bool,
+              maximize: bool, is_first_step: bool) -> Tensor:
+    """SGD on host tensors, on the worker, once `after` is done; returns a ticket."""
+    lr = lr.clone()
+
+    def work():
+        torch._fused_sgd_(params, _host_fp32_grads(params, grads), momentum_buffers, weight_decay=weight_decay,
+                          momentum=momentum, lr=lr, dampening=dampening, nesterov=nesterov, maximize=maximize,
+                          is_first_step=is_first_step)
+    return active_runtime().run_on_host(after, work)
+
+
+@host_sgd_.register_fake
+def _(after, params, grads, momentum_buffers, lr, weight_decay, momentum, dampening, nesterov, maximize,
+      is_first_step):
+    return _ticket_fake()
+
+
+@torch.library.custom_op("graphoffload::copy_to_device", mutates_args=("staging",))
+def copy_to_device(after: Tensor, master: list[Tensor], staging: list[Tensor], params: list[Tensor]) -> Tensor:
+    """Once `after` is done, copy host master weights (through low-precision staging buffers
+    when the parameters are narrower) into the device parameters; returns a ticket. The
+    parameters count as written by `wait_device`, where the data is there."""
+    return active_runtime().copy_to_device(after, master, staging, params)
+
+
+@copy_to_device.register_fake
+def _(after, master, staging, params):
+    return _ticket_fake()
+
+
+@torch.library.custom_op("graphoffload::wait_device", mutates_args=("params",))
+def wait_device(ticket: Tensor, params: list[Tensor]) -> None:
+    """Make the compute stream wait until the upload behind `ticket` has landed in `params`."""
+    active_runtime().wait_device(ticket)
+
+
+@wait_device.register_fake
+def _(ticket, params):
+    return None

@@ -1,0 +1,58 @@
+"""Where offloaded tensors live: optimizer state moved to (pinned) host memory, fp32 master
+weights, and the host scratch buffers transfers land in.
+
+Offloaded state stays in `optimizer.state`, so `optimizer.state_dict()` shows it; it is moved
+to the host the first time a compiled step needs it there, and again whenever something (for
+instance `optimizer.load_state_dict`, which casts state to each parameter's device) put it
+back on the device. The master weights (`state["master_param"]`) mirror the device
+parameters: they are created from them, and refreshed from them when the parameter was changed
+outside the compiled step (its version counter moved). Scratch buffers are allocated once.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from graphoffload.graph import InputSpec
+
+
+class HostState:
+    def __init__(self, bindings, pin_memory: bool):
+        self.bindings = bindings
+        self.pin = pin_memory
+        self.scratch: dict[tuple[str, str], Tensor] = {}
+        self.versions: dict[str, int] = {}
+
+    def _empty(self, like: Tensor) -> Tensor:
+        return torch.empty(like.shape, dtype=like.dtype, device="cpu", pin_memory=self.pin)
+
+    def _is_placed(self, t: Tensor | None, like: Tensor) -> bool:
+        return (t is not None and t.device.type == "cpu" and t.dtype == like.dtype and t.shape == like.shape
+                and (t.is_pinned() or not self.pin))
+
+    def tensor(self, spec: InputSpec, like: Tensor) -> Tensor:
+        """The host tensor for a placeholder, placed as the graph expects (`like`: its meta val)."""
+        if spec.kind == "host_scratch":
+            if spec.target not in self.scratch:
+                self.scratch[spec.target] = self._empty(like)
+            return self.scratch[spec.target]
+        name, key = spec.target
+        param = self.bindings.params[name]
+        state = self.bindings.optimizer_of(name).state[param]
+        current = state.get(key)
+        if key == "master_param" and (current is None or self.versions.get(name) != param._version):
+            current = None    # new, or the parameter changed outside the step: mirror it again
+            source = param.detach()
+        else:
+            source = current
+        if not self._is_placed(current, like):
+            placed = self._empty(like)
+            placed.copy_(source)
+            state[key] = placed
+        return state[key]
+
+    def record_versions(self) -> None:
+        """Remember each offloaded parameter's version after the step's own upload."""
+        for name, param in self.bindings.params.items():
+            self.versions[name] = param._version

@@ -1,0 +1,194 @@
+"""offload_optimizer on the CPU path: the whole schedule (copies into separate host buffers,
+updates on the worker thread, uploads, waits) runs with CPU tensors and must match eager."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from gpt import GPT, GPTConfig
+
+import graphoffload
+from graphoffload import CompileConfig, FuseOptimizer, Offload
+
+TINY = GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=2, d_model=32)
+OFFLOAD_OPS = {"copy_to_host", "host_adam_", "host_sgd_", "copy_to_device", "wait_device"}
+
+
+def train_step(model, optimizer, batch):
+    loss = model(batch["input_ids"], labels=batch["labels"])
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss
+
+
+def clipped_step(model, optimizer, batch):
+    loss = model(batch["input_ids"], labels=batch["labels"])
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss
+
+
+def batches(n: int, seed: int = 0, vocab: int = 64, seq: int = 16):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        x = torch.randint(0, vocab, (2, seq), generator=g)
+        out.append({"input_ids": x, "labels": torch.roll(x, -1, dims=1)})
+    return out
+
+
+def offloaded(step_fn=train_step, **fuse):
+    config = CompileConfig(fuse_optimizer=FuseOptimizer(**fuse)) if fuse else None
+    return graphoffload.offload_compile(step_fn, config=config, offload=Offload())
+
+
+OPTIMIZERS = {
+    "adamw": lambda ps: torch.optim.AdamW(ps, lr=3e-3, weight_decay=0.1, fused=True),
+    "adam": lambda ps: torch.optim.Adam(ps, lr=3e-3, weight_decay=0.01, amsgrad=True, fused=True),
+    "sgd": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.01, fused=True),
+}
+
+
+@pytest.mark.parametrize("opt_name", sorted(OPTIMIZERS))
+@pytest.mark.parametrize("step_fn", [train_step, clipped_step], ids=["plain", "clip"])
+def test_offloaded_fp32_training_matches_eager_bit_for_bit(opt_name, step_fn):
+    torch.manual_seed(0)
+    eager = GPT(TINY)
+    compiled = copy.deepcopy(eager)
+    opt_e, opt_c = OPTIMIZERS[opt_name](eager.parameters()), OPTIMIZERS[opt_name](compiled.parameters())
+    step = offloaded(step_fn, bucket_numel=4096)   # several buckets, so several host updates in flight
+    for b in batches(10):
+        assert step_fn(eager, opt_e, b).item() == step(compiled, opt_c, b).item()
+    for (name, pe), pc in zip(eager.named_parameters(), compiled.parameters()):
+        assert torch.equal(pe, pc), name
+        for key, value in opt_e.state[pe].items():
+            assert torch.equal(value.cpu(), opt_c.state[pc][key]), (name, key)
+    ops = {getattr(n.target, "name", lambda: "")().split("::")[-1] for n in step.train_graph.graph.nodes}
+    assert {"copy_to_host", "copy_to_device", "wait_device"} <= ops
+    assert len([n for n in step.train_graph.graph.nodes if n.meta["phase"] == "transfer"]) >= 3 * 2
+
+
+def test_offloaded_state_lives_in_host_memory_and_leaves_the_device_peak():
+    torch.manual_seed(0)
+    model = GPT(TINY)
+    opt = OPTIMIZERS["adamw"](model.parameters())
+    plain = graphoffload.offload_compile(train_step)
+    twin = copy.deepcopy(model)
+    plain(twin, OPTIMIZERS["adamw"](twin.parameters()), batches(1)[0])
+    step = offloaded()
+    step(model, opt, batches(1)[0])
+    signature = step.train_graph.signature
+    host = [s for s in signature.inputs if s.host]
+    assert {s.target[1] for s in host if s.kind == "state"} == {"exp_avg", "exp_avg_sq", "step", "master_param"}
+    assert all(s.kind in ("state", "host_scratch") for s in host)
+    for p in model.parameters():
+        assert set(opt.state[p]) == {"exp_avg", "exp_avg_sq", "step", "master_param"}
+        assert opt.state[p]["master_param"].dtype == torch.float32
+    param_bytes = sum(p.numel() * 4 for p in model.parameters())
+    # exp_avg and exp_avg_sq (2 x 4 bytes a parameter) no longer count on the device
+    assert plain.memory().resident - step.memory().resident >= 2 * param_bytes
+
+
+def test_mixed_precision_matches_eager_bf16_params_with_fp32_master():
+    torch.manual_seed(0)
+    base = GPT(TINY)
+    compiled = copy.deepcopy(base).to(torch.bfloat16)
+    eager = copy.deepcopy(base).to(torch.bfloat16)
+    master = [p.detach().float().clone().requires_grad_() for p in eager.parameters()]
+    opt_master = torch.optim.AdamW(master, lr=3e-3, weight_decay=0.1, fused=True)
+    opt_c = torch.optim.AdamW(compiled.parameters(), lr=3e-3, weight_decay=0.1)
+    step = offloaded(bucket_numel=4096)
+    for b in batches(10):
+        loss_e = eager(b["input_ids"], labels=b["labels"])
+        loss_e.backward()
+        for m, p in zip(master, eager.parameters()):
+            m.grad = p.grad.float()
+            p.grad = None
+        opt_master.step()
+        opt_master.zero_grad()
+        with torch.no_grad():
+            for m, p in zip(master, eager.parameters()):
+                p.copy_(m)
+        loss_c = step(compiled, opt_c, b)
+        torch.testing.assert_close(loss_c.float(), loss_e.float(), rtol=1e-2, atol=1e-2)
+    for (name, pe), pc, m in zip(eager.named_parameters(), compiled.parameters(), master):
+        assert pc.dtype == torch.bfloat16
+        # same kernels on the same fp32 master: identical up to bf16 rounding of the upload
+        torch.testing.assert_close(pc, pe, rtol=0, atol=0, msg=name)
+        torch.testing.assert_close(opt_c.state[pc]["master_param"], m.detach(), rtol=0, atol=0)
+        assert opt_c.state[pc]["exp_avg"].dtype == torch.float32
+
+
+def test_checkpoint_round_trip_resumes_bit_identically():
+    torch.manual_seed(0)
+    model = GPT(TINY)
+    opt = OPTIMIZERS["adamw"](model.parameters())
+    step = offloaded()
+    data = batches(6)
+    for b in data[:3]:
+        step(model, opt, b)
+    saved_model = copy.deepcopy(model.state_dict())
+    saved_state = copy.deepcopy(step.state_dict())
+    for b in data[3:]:
+        step(model, opt, b)
+
+    resumed = GPT(TINY)
+    resumed.load_state_dict(saved_model)
+    resumed_opt = OPTIMIZERS["adamw"](resumed.parameters())
+    resumed_step = offloaded()
+    resumed_step.load_state_dict(saved_state, optimizers=[resumed_opt])
+    for b in data[3:]:
+        resumed_step(resumed, resumed_opt, b)
+    for (name, p), q in zip(model.named_parameters(), resumed.parameters()):
+        assert torch.equal(p, q), name
+        for key in opt.state[p]:
+            assert torch.equal(opt.state[p][key], resumed_opt.state[q][key]), (name, key)
+
+
+def test_param_changed_between_steps_refreshes_its_master_copy():
+    torch.manual_seed(0)
+    eager = GPT(TINY)
+    compiled = copy.deepcopy(eager)
+    opt_e, opt_c = OPTIMIZERS["sgd"](eager.parameters()), OPTIMIZERS["sgd"](compiled.parameters())
+    step = offloaded()
+    data = batches(3)
+    train_step(eager, opt_e, data[0])
+    step(compiled, opt_c, data[0])
+    with torch.no_grad():   # e.g. the user re-initialises or loads weights between steps
+        for p, q in zip(eager.parameters(), compiled.parameters()):
+            p.mul_(0.5)
+            q.mul_(0.5)
+    for b in data[1:]:
+        train_step(eager, opt_e, b)
+        step(compiled, opt_c, b)
+    for p, q in zip(eager.parameters(), compiled.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_budget_too_small_fails_at_compile_time_with_the_minimum():
+    torch.manual_seed(0)
+    model = GPT(TINY)
+    opt = OPTIMIZERS["adamw"](model.parameters())
+    before = [p.detach().clone() for p in model.parameters()]
+    step = graphoffload.offload_compile(train_step, offload=Offload(gpu_memory_budget="1KiB"))
+    with pytest.raises(graphoffload.UnsupportedError, match=r"1KiB cannot be met.*at least [0-9.]+ KiB \([0-9,]+ bytes\)"):
+        step(model, opt, batches(1)[0])
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    assert all(not opt.state[p] or opt.state[p]["exp_avg"].abs().sum() == 0 for p in model.parameters())
+
+    fits = graphoffload.offload_compile(train_step, offload=Offload(gpu_memory_budget="64MiB"))
+    fits(model, opt, batches(1)[0])
+    assert fits.memory().peak <= 64 * 2**20
+
+
+def test_offload_options_are_validated():
+    with pytest.raises(ValueError, match="cannot read"):
+        Offload(gpu_memory_budget="lots")
+    with pytest.raises(ValueError, match="cpu_workers"):
+        Offload(cpu_workers=0)
+    assert Offload(gpu_memory_budget="1.5 GiB").budget_bytes() == int(1.5 * 2**30)
