@@ -195,8 +195,11 @@ def example_inputs():
 
 
 if __name__ == "__main__":
-    with torch.no_grad():
-        result = GraphModule()(*example_inputs())
+    from graphoffload.runtime.host_offload import OffloadRuntime   # streams/worker of offload ops
+
+    inputs = example_inputs()
+    with torch.no_grad(), OffloadRuntime(inputs[0].device if inputs else "cpu").active():
+        result = GraphModule()(*inputs)
     print("ran stage {stage}:", [tuple(r.shape) for r in result if isinstance(r, torch.Tensor)])
 '''
 
