@@ -6,11 +6,34 @@ import json
 import os
 import platform
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+
+from gpt import GPT, GPTConfig  # noqa: E402
+
+
+def build_gpt(args: Any, device: torch.device) -> tuple[GPT, GPTConfig]:
+    """The benchmark GPT from the common command-line sizes (--layers, --d-model, ...)."""
+    cfg = GPTConfig(vocab_size=args.vocab, seq_len=args.seq, n_layer=args.layers, n_head=args.heads,
+                    d_model=args.d_model)
+    torch.manual_seed(0)
+    return GPT(cfg).to(device), cfg
+
+
+def autocast_train_step(model, optimizer, batch):
+    """The step every benchmark times: bf16 autocast on a GPU, plain fp32 on a CPU."""
+    with torch.autocast(batch.device.type, dtype=torch.bfloat16, enabled=batch.device.type == "cuda"):
+        loss = model(batch, labels=batch)
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss
 
 
 def device_name(device: torch.device) -> str:

@@ -18,23 +18,13 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 sys.path.insert(0, os.path.dirname(__file__))
 
-from common import device_name, median, print_table, time_interleaved, write_json  # noqa: E402
-from gpt import GPT, GPTConfig  # noqa: E402
+from common import (autocast_train_step, build_gpt, device_name, median, print_table,  # noqa: E402
+                    time_interleaved, write_json)
 
 import graphoffload  # noqa: E402
 from graphoffload import CompileConfig  # noqa: E402
-
-
-def train_step(model, optimizer, batch):
-    with torch.autocast(batch.device.type, dtype=torch.bfloat16, enabled=batch.device.type == "cuda"):
-        loss = model(batch, labels=batch)
-    loss.backward()
-    optimizer.step()
-    optimizer.zero_grad()
-    return loss
 
 
 def peak_row(step, model, opt, batch, device) -> dict:
@@ -70,18 +60,15 @@ def main() -> None:
         args.device, args.layers, args.d_model, args.heads, args.vocab, args.seq = "cpu", 4, 128, 4, 256, 32
         args.steps, args.warmup = 3, 1
     device = torch.device(args.device)
-    cfg = GPTConfig(vocab_size=args.vocab, seq_len=args.seq, n_layer=args.layers, n_head=args.heads,
-                    d_model=args.d_model)
-    torch.manual_seed(0)
-    base = GPT(cfg).to(device)
+    base, cfg = build_gpt(args, device)
     batch = torch.randint(0, args.vocab, (args.batch, args.seq), device=device)
     n_params = sum(p.numel() for p in base.parameters())
     grad_mib = sum(p.numel() * p.element_size() for p in base.parameters()) / 2**20
 
-    compiled = graphoffload.offload_compile(train_step, config=CompileConfig(disable_passes=("fuse_optimizer",)))
-    fused = graphoffload.offload_compile(train_step)
+    compiled = graphoffload.offload_compile(autocast_train_step, config=CompileConfig(disable_passes=("fuse_optimizer",)))
+    fused = graphoffload.offload_compile(autocast_train_step)
     variants = {}
-    for name, step in (("eager", train_step), ("compiled", compiled), ("compiled+fused", fused)):
+    for name, step in (("eager", autocast_train_step), ("compiled", compiled), ("compiled+fused", fused)):
         model = copy.deepcopy(base)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=True)
         variants[name] = (step, model, opt)
