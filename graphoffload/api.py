@@ -13,7 +13,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import Tensor
 
-from graphoffload import inspection
+from graphoffload import inspection, timeline
 from graphoffload.capture import Capture, capture_step, find_bindings
 from graphoffload.checkpoint import load_optimizer_state_exactly
 from graphoffload.config import CompileConfig, Offload
@@ -134,6 +134,19 @@ class CompiledStep:
             load_optimizer_state_exactly(opt, opt_state)
 
     # ------------------------------------------------------------------ inspection
+
+    def timeline(self, path: str = "timeline.json") -> str:
+        """Write a Chrome/Perfetto trace of the last step: the offload planner's predicted
+        timeline beside the measured spans of the last run, one track per stream and CPU worker."""
+        runtime = self.last.executor.offload_runtime
+        return timeline.write_chrome_trace(path, self.last.graph.schedule, runtime.spans if runtime else [])
+
+    def plot(self, path: str = "schedule.png") -> str:
+        """Write a PNG of the planned schedule with device memory over the step."""
+        if self.last.graph.schedule is None:
+            raise RuntimeError("no planned schedule: plot() needs offload=Offload(...) with device_updates "
+                               "'auto' or k (and a GPU or an explicit calibration)")
+        return timeline.plot(path, self.last.graph.schedule, self.fn.__name__)
 
     @property
     def last(self) -> CompiledVariant:

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
+
+from graphoffload.calibration import Calibration
 
 
 @dataclass(frozen=True)
@@ -56,16 +59,28 @@ class Offload:
         cpu_workers: threads that run host updates (each update kernel also uses torch's
             intra-op threads, so one is usually right).
         pin_memory: allocate host state in pinned memory (needed for asynchronous copies).
+        device_updates: which buckets update on the device instead of the CPU. "auto" (default):
+            chosen per bucket by the performance model from a calibration of this machine (on a
+            machine without a GPU every bucket takes the CPU path unless a calibration is given);
+            "never": all on the CPU (ZeRO-Offload); an int k: one bucket in every k on the device
+            (Deep Optimizer States' fixed schedule).
+        calibration: rates for the performance model; None measures this machine once and
+            caches the result (see `Calibration.load_or_measure`).
     """
 
     gpu_memory_budget: int | str | None = None
     cpu_workers: int = 1
     pin_memory: bool = True
+    device_updates: Literal["auto", "never"] | int = "auto"
+    calibration: Calibration | None = None
 
     def __post_init__(self) -> None:
         self.budget_bytes()   # validate early
         if self.cpu_workers < 1:
             raise ValueError("cpu_workers must be at least 1")
+        if self.device_updates not in ("auto", "never") and not (
+                isinstance(self.device_updates, int) and self.device_updates >= 1):
+            raise ValueError(f"device_updates must be 'auto', 'never' or a stride k >= 1, got {self.device_updates!r}")
 
     def budget_bytes(self) -> int | None:
         return None if self.gpu_memory_budget is None else parse_bytes(self.gpu_memory_budget)

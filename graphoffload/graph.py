@@ -20,6 +20,8 @@ from typing import Any, Literal
 import torch
 from torch import fx
 
+from graphoffload.errors import PassError
+
 PHASES = ("input", "forward", "backward", "optimizer", "comm", "transfer", "output")
 Phase = Literal["input", "forward", "backward", "optimizer", "comm", "transfer", "output"]
 
@@ -84,6 +86,7 @@ class TrainGraph:
     gm: fx.GraphModule
     signature: GraphSignature
     notes: dict[str, list[str]] = field(default_factory=dict)
+    schedule: Any = None      # the offload planner's predicted timeline, when one was made
 
     @property
     def graph(self) -> fx.Graph:
@@ -104,10 +107,10 @@ class TrainGraph:
         for old, new in zip(self.graph.nodes, graph.nodes):
             new.meta = dict(old.meta)
         gm = fx.GraphModule(self.gm, graph)
-        return TrainGraph(gm, self.signature, {k: list(v) for k, v in self.notes.items()})
+        return TrainGraph(gm, self.signature, {k: list(v) for k, v in self.notes.items()}, self.schedule)
 
     def with_signature(self, **changes: Any) -> TrainGraph:
-        return TrainGraph(self.gm, replace(self.signature, **changes), self.notes)
+        return TrainGraph(self.gm, replace(self.signature, **changes), self.notes, self.schedule)
 
     def note(self, pass_name: str, line: str) -> None:
         """Record a line for `explain()` about what `pass_name` did."""
@@ -119,6 +122,31 @@ def fake_mode_of(graph: fx.Graph):
     from torch._guards import detect_fake_mode
 
     return detect_fake_mode([n.meta.get("val") for n in graph.nodes if n.op == "placeholder"])
+
+
+def fill_missing_meta(graph: TrainGraph, pass_name: str) -> None:
+    """Stamp nodes a pass created: `pass`, `val` (the op run on fake tensors) and `phase`
+    (the latest phase among its inputs). Passes call it before analysing what they built."""
+    fake_mode = None
+    order = {p: i for i, p in enumerate(PHASES)}
+    for node in graph.graph.nodes:
+        node.meta.setdefault("pass", pass_name)
+        if node.op != "call_function":
+            continue
+        if "val" not in node.meta:
+            fake_mode = fake_mode or fake_mode_of(graph.graph)
+            args, kwargs = fx.map_arg((node.args, node.kwargs), lambda n: n.meta.get("val"))
+            try:
+                with fake_mode:
+                    node.meta["val"] = node.target(*args, **kwargs)
+            except Exception as exc:  # noqa: BLE001 - reported with the pass's name
+                raise PassError(f"pass {pass_name!r} created node {node.name} ({node.target}) whose "
+                                f"value cannot be inferred: {exc}") from exc
+        if "phase" not in node.meta:
+            phases = [n.meta.get("phase", "forward") for n in node.all_input_nodes] or ["forward"]
+            node.meta["phase"] = max(phases, key=lambda p: order.get(p, 0))
+            if node.meta["phase"] == "input":
+                node.meta["phase"] = "forward"
 
 
 def tensor_vals(node: fx.Node) -> list[torch.Tensor]:

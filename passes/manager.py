@@ -19,7 +19,7 @@ from torch import fx
 
 from graphoffload.config import CompileConfig
 from graphoffload.errors import GraphOffloadError, PassError
-from graphoffload.graph import PHASES, TrainGraph, fake_mode_of
+from graphoffload.graph import TrainGraph, fill_missing_meta
 from graphoffload.passes.eliminate_dead_code import eliminate_dead_code
 from graphoffload.passes.fuse_optimizer import fuse_optimizer
 from graphoffload.passes.offload_optimizer import offload_optimizer
@@ -67,29 +67,6 @@ def builtin_passes(config: CompileConfig) -> list[Pass]:
 BUILTIN_PASSES: tuple[str, ...] = ("fuse_optimizer", "offload_optimizer", "eliminate_dead_code")
 
 
-def _fill_missing_meta(graph: TrainGraph, pass_name: str) -> None:
-    fake_mode = None
-    order = {p: i for i, p in enumerate(PHASES)}
-    for node in graph.graph.nodes:
-        node.meta.setdefault("pass", pass_name)
-        if node.op != "call_function":
-            continue
-        if "val" not in node.meta:
-            fake_mode = fake_mode or fake_mode_of(graph.graph)
-            args, kwargs = fx.map_arg((node.args, node.kwargs), lambda n: n.meta.get("val"))
-            try:
-                with fake_mode:
-                    node.meta["val"] = node.target(*args, **kwargs)
-            except Exception as exc:  # noqa: BLE001 - reported with the pass's name
-                raise PassError(f"pass {pass_name!r} created node {node.name} ({node.target}) whose "
-                                f"value cannot be inferred: {exc}") from exc
-        if "phase" not in node.meta:
-            phases = [n.meta.get("phase", "forward") for n in node.all_input_nodes] or ["forward"]
-            node.meta["phase"] = max(phases, key=lambda p: order.get(p, 0))
-            if node.meta["phase"] == "input":
-                node.meta["phase"] = "forward"
-
-
 class PassManager:
     """Runs built-in passes (minus disabled ones) then user passes, in order."""
 
@@ -125,7 +102,7 @@ class PassManager:
             if not isinstance(result, TrainGraph):
                 raise PassError(f"pass {p.name!r} returned {type(result).__name__}, expected a TrainGraph")
             graph = result
-            _fill_missing_meta(graph, p.name)
+            fill_missing_meta(graph, p.name)
             graph.gm.recompile()
             if ctx.config.verify:
                 verify_train_graph(graph, p.name)

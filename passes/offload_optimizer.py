@@ -8,21 +8,31 @@ device-to-host, the CPU updates the master weights with the same fused kernel to
 narrowed through a pinned staging buffer when the parameters are bf16/fp16. Each step is an
 explicit node (runtime/host_offload.py), so the printed graph shows the schedule.
 
-The device then holds parameters, activations and gradients in flight only. The pass checks
+Where `Offload.device_updates` allows (default "auto" on a GPU), a performance model picks,
+per bucket, the device path instead (graphoffload/offload_planner.py): the bucket's state is
+prefetched into device buffers while backward runs, the original fused kernel updates it when
+its gradients are final (so they never leave the device), and the state goes back to the host.
+explain() lists each bucket's path, predicted start and end, and bytes moved.
+
+The device then holds parameters, activations, gradients and prefetched state in flight only. The pass checks
 the predicted device peak against `Offload.gpu_memory_budget` and fails at compile time, with
 the minimum the step needs, when the budget cannot be met.
 """
 
 from __future__ import annotations
 
+import operator
 from typing import TYPE_CHECKING
 
 import torch
 from torch import fx
 
 from graphoffload.errors import UnsupportedError
-from graphoffload.graph import InputSpec, TrainGraph, fake_mode_of
+from graphoffload.graph import InputSpec, TrainGraph, fake_mode_of, fill_missing_meta
 from graphoffload.memory import analyze_memory, format_bytes
+from graphoffload.calibration import Calibration
+from graphoffload.cost_model import node_seconds
+from graphoffload.offload_planner import BucketCost, StepCosts, plan, predict
 from graphoffload.passes.update_kernels import UpdateKernel, find_update_kernels
 from graphoffload.runtime import host_offload  # noqa: F401  (registers the ops)
 
@@ -56,6 +66,119 @@ def _host_lr(lr: fx.Node) -> fx.Node:
     return lr if lr.op == "placeholder" else lr.all_input_nodes[0]
 
 
+def _tag(nodes: list[fx.Node], meta: dict, phase: str) -> None:
+    for node in nodes:
+        node.meta.update(meta)
+        node.meta["phase"] = phase
+
+
+def _emit_cpu_path(g: fx.Graph, k: UpdateKernel, masters: list[fx.Node], host_grads: list[fx.Node],
+                   staging: list[fx.Node], meta: dict) -> None:
+    with g.inserting_before(k.first_node):
+        to_host = g.call_function(ops.copy_to_host.default, (k.grads, host_grads))
+        update = k.emit_host_update(g, to_host, masters, host_grads, _host_lr)
+        to_device = g.call_function(ops.copy_to_device.default, (update, masters, staging, k.params))
+    with g.inserting_before(g.output_node()):
+        waited = g.call_function(ops.wait_device.default, (to_device, k.params))
+    _tag([to_host, to_device, waited], meta, "transfer")
+    _tag([update], meta, "optimizer")
+
+
+def _emit_device_path(g: fx.Graph, k: UpdateKernel, masters: list[fx.Node], prefetch_after: fx.Node,
+                      device: torch.device, meta: dict) -> None:
+    """Prefetch the bucket's state, update it on the device with the original kernel when its
+    gradients are final, write the state (and the master weights) back to the host."""
+    states = [list(k.node.args[pos] or []) if pos != k.rule.steps_position else k.step_placeholders()
+              for pos in k.rule.list_positions[2:]]
+    narrow = masters and masters[0].meta["val"].dtype != k.params[0].meta["val"].dtype
+    host = [t for lst in states for t in lst] + (masters if narrow else [])
+    if prefetch_after.op == "placeholder":   # new placeholders (the master weights) go there too
+        prefetch_after = next(nd for nd in g.nodes if nd.op != "placeholder").prev
+    with g.inserting_after(prefetch_after):
+        fetched = g.call_function(ops.prefetch_to_device.default, (host, device))
+    with g.inserting_after(fetched):
+        items = [g.call_function(operator.getitem, (fetched, i)) for i in range(len(host) + 1)]
+    ticket, on_device = items[-1], dict(zip(host, items))
+    args = list(k.node.args)
+    for pos, lst in zip(k.rule.list_positions[2:], states):
+        args[pos] = [on_device[t] for t in lst]
+    targets = [on_device[m] for m in masters] if narrow else k.params
+    args[0] = targets
+    with g.inserting_before(k.first_node):
+        waited = g.call_function(ops.wait_device.default, (ticket, items[:-1]))
+        nodes = [waited]
+        if narrow:   # the fp32 master weights take fp32 gradients
+            args[1] = [g.call_function(torch.ops.aten._to_copy.default, (gr,), {"dtype": MASTER_DTYPE})
+                       for gr in k.grads]
+            nodes += args[1]
+        if k.counter is not None:
+            steps = args[k.rule.steps_position]
+            nodes.append(g.call_function(k.counter.target, (steps, *k.counter.args[1:]), dict(k.counter.kwargs)))
+        update = g.call_function(k.node.target, tuple(args), dict(k.node.kwargs))
+        if narrow:
+            nodes.append(g.call_function(torch.ops.aten._foreach_copy_.default, (k.params, targets)))
+        back_from = [on_device[t] for lst in states for t in lst] + targets
+        back_to = [t for lst in states for t in lst] + masters
+        write_back = g.call_function(ops.copy_to_host.default, (back_from, back_to))
+    with g.inserting_before(g.output_node()):
+        landed = g.call_function(ops.wait_host.default, (write_back, back_to))
+    _tag([fetched, *items, waited, write_back, landed], meta, "transfer")
+    _tag([n for n in nodes if n is not waited] + [update], meta, "optimizer")
+
+
+def _choose_paths(graph: TrainGraph, kernels: list[UpdateKernel], ctx: PassContext,
+                  state_bytes_on_device: int) -> tuple[list[str], dict[int, int]]:
+    """CPU or device path per bucket, and where device-path prefetches start (node index)."""
+    offload = ctx.config.offload
+    n = len(kernels)
+    mode = offload.device_updates
+    if mode == "never" or (mode == "auto" and offload.calibration is None and ctx.device.type != "cuda"):
+        if mode == "auto":
+            graph.note("offload_optimizer", "no accelerator: every bucket takes the CPU path")
+        return ["cpu"] * n, {}
+    cal = offload.calibration or Calibration.load_or_measure(ctx.device)
+    nodes = [nd for nd in graph.graph.nodes if nd.op != "output"]
+    index = {nd: i for i, nd in enumerate(nodes)}
+    live = [lv - state_bytes_on_device for lv in analyze_memory(graph).live]
+    buckets = []
+    for b, k in enumerate(kernels):
+        numel = sum(p.meta["val"].numel() for p in k.params)
+        param_bytes = sum(p.meta["val"].numel() * p.meta["val"].element_size() for p in k.params)
+        grad_bytes = sum(gr.meta["val"].numel() * gr.meta["val"].element_size() for gr in k.grads)
+        n_states = len([pos for pos in k.rule.list_positions[2:] if pos != k.rule.steps_position and k.node.args[pos]])
+        narrow = k.params[0].meta["val"].dtype != MASTER_DTYPE
+        state = numel * 4 * (n_states + (1 if narrow else 0))
+        buckets.append(BucketCost(f"bucket {k.node.meta.get('bucket', b)}", numel, index[k.first_node] - 1,
+                                  grad_bytes, param_bytes, state))
+    costs = StepCosts(node_seconds(graph.graph, cal), live, buckets)
+    if isinstance(mode, int):
+        chosen = predict(costs, [("device" if i % mode == mode - 1 else "cpu") for i in range(n)], cal,
+                         offload.budget_bytes())
+        candidates = {}
+        if chosen is None:
+            raise UnsupportedError(f"device_updates={mode} cannot meet gpu_memory_budget {offload.gpu_memory_budget}")
+    else:
+        chosen, candidates = plan(costs, cal, offload.budget_bytes())
+    graph.note("offload_optimizer", f"plan: {chosen.assignment.count('device')} of {n} buckets on the device, "
+               f"predicted step {chosen.step_seconds * 1e3:.3g} ms" + "".join(
+                   f"; {name} {t * 1e3:.3g} ms" for name, t in candidates.items()))
+    for b, bucket in enumerate(buckets):
+        spans = [e for e in chosen.events if e.bucket == b]
+        graph.note("offload_optimizer", f"{bucket.name}: {chosen.assignment[b]} path, "
+                   f"{min(e.start for e in spans) * 1e3:.3g}-{max(e.end for e in spans) * 1e3:.3g} ms, "
+                   f"{sum(_moved(e, bucket) for e in spans) / 2**20:.2f} MiB moved")
+    graph.schedule = chosen
+    return list(chosen.assignment), chosen.prefetch_node
+
+
+def _moved(event, bucket: BucketCost) -> int:
+    if event.track == "d2h":
+        return bucket.grad_bytes if event.name.startswith("grads") else bucket.state_bytes
+    if event.track == "h2d":
+        return bucket.upload_bytes if event.name.startswith("upload") else bucket.state_bytes
+    return 0
+
+
 def offload_optimizer(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
     offload = ctx.config.offload
     g = graph.graph
@@ -65,21 +188,25 @@ def offload_optimizer(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
         return graph
     specs = list(graph.signature.inputs)
     spec_of = {s.name: i for i, s in enumerate(specs)}
-    output = g.output_node()
+    state_bytes = sum(st.meta["val"].numel() * st.meta["val"].element_size()
+                      for k in kernels for st in k.state_placeholders())
+    paths, prefetch_at = _choose_paths(graph, kernels, ctx, state_bytes)
+    nodes = [nd for nd in g.nodes if nd.op != "output"]
     moved_bytes = 0
-    for k in kernels:
-        names = [spec.target for spec in (specs[spec_of[p.name]] for p in k.params)]
+    for b, k in enumerate(kernels):
+        names = [specs[spec_of[p.name]].target for p in k.params]
         masters, host_grads, staging = [], [], []
         for name, param, grad in zip(names, k.params, k.grads):
             pv, gv = param.meta["val"], grad.meta["val"]
             safe = "".join(c if c.isalnum() else "_" for c in name)
             masters.append(_host_placeholder(graph, specs, InputSpec(
                 "state", f"s_master_param_{safe}", (name, "master_param"), True, True), pv, MASTER_DTYPE))
-            host_grads.append(_host_placeholder(graph, specs, InputSpec(
-                "host_scratch", f"h_grad_{safe}", (name, "grad"), True, True), pv, gv.dtype))
-            if pv.dtype != MASTER_DTYPE:
-                staging.append(_host_placeholder(graph, specs, InputSpec(
-                    "host_scratch", f"h_upload_{safe}", (name, "upload"), True, True), pv, pv.dtype))
+            if paths[b] == "cpu":
+                host_grads.append(_host_placeholder(graph, specs, InputSpec(
+                    "host_scratch", f"h_grad_{safe}", (name, "grad"), True, True), pv, gv.dtype))
+                if pv.dtype != MASTER_DTYPE:
+                    staging.append(_host_placeholder(graph, specs, InputSpec(
+                        "host_scratch", f"h_upload_{safe}", (name, "upload"), True, True), pv, pv.dtype))
             moved_bytes += pv.numel() * 4
         for state in k.state_placeholders():
             i = spec_of[state.name]
@@ -87,18 +214,12 @@ def offload_optimizer(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
             _move_to_host(state, None if specs[i].target[1] == "step" else MASTER_DTYPE)
             moved_bytes += state.meta["val"].numel() * 4
         meta = {key: k.node.meta[key] for key in ("param", "subgroup", "bucket", "stack_trace") if key in k.node.meta}
-        with g.inserting_before(k.first_node):
-            to_host = g.call_function(ops.copy_to_host.default, (list(k.grads), host_grads))
-            update = k.emit_host_update(g, to_host, masters, host_grads, _host_lr)
-            to_device = g.call_function(ops.copy_to_device.default, (update, masters, staging, list(k.params)))
-        with g.inserting_before(output):
-            waited = g.call_function(ops.wait_device.default, (to_device, list(k.params)))
-        for node, phase in ((to_host, "transfer"), (update, "optimizer"), (to_device, "transfer"), (waited, "transfer")):
-            node.meta.update(meta)
-            node.meta["phase"] = phase
+        if paths[b] == "cpu":
+            _emit_cpu_path(g, k, masters, host_grads, staging, meta)
+        else:
+            _emit_device_path(g, k, masters, nodes[prefetch_at[b]], ctx.device, meta)
         k.erase()
     graph = graph.with_signature(inputs=tuple(specs))
-
     device_peak = analyze_memory(graph).peak
     graph.note("offload_optimizer", f"{len(kernels)} update buckets offloaded: {format_bytes(moved_bytes)} of "
                f"master weights and optimizer state in host memory; predicted device peak "

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import time
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -57,15 +58,22 @@ class OffloadRuntime:
         self.pool = ThreadPoolExecutor(max_workers=cpu_workers, thread_name_prefix="graphoffload-host")
         self._tickets: dict[int, Future] = {}
         self._next = 0
+        self.spans: list[tuple[str, str, float, float]] = []   # (track, name, start, end) of the last step
+        self._t0 = time.perf_counter()
+
+    def _span(self, track: str, name: str, start: float) -> None:
+        self.spans.append((track, name, start - self._t0, time.perf_counter() - self._t0))
 
     @contextlib.contextmanager
     def active(self) -> Iterator[OffloadRuntime]:
         token = _ACTIVE.set(self)
+        self.spans, self._t0 = [], time.perf_counter()
         try:
             yield self
         finally:
             _ACTIVE.reset(token)
             self.drain()
+            self._span("compute", "step", self._t0)
 
     def drain(self) -> None:
         """Wait for every in-flight task (after a step, or when a step failed half-way)."""
@@ -86,8 +94,10 @@ class OffloadRuntime:
 
     def copy_to_host(self, device_tensors: list[Tensor], host: list[Tensor]) -> Tensor:
         if not self.cuda:
+            start = time.perf_counter()
             for d, h in zip(device_tensors, host):
                 h.copy_(d)
+            self._span("d2h", "copy", start)
             return self.issue(_done(None))
         self.d2h.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.d2h):
@@ -105,7 +115,10 @@ class OffloadRuntime:
             event = dependency.result()
             if event is not None:
                 event.synchronize()
-            return work()
+            start = time.perf_counter()
+            result = work()
+            self._span("cpu", "update", start)
+            return result
         return self.issue(self.pool.submit(task))
 
     def copy_to_device(self, after: Tensor, master: list[Tensor], staging: list[Tensor],
@@ -124,8 +137,10 @@ class OffloadRuntime:
                     s.copy_(m)
                 sources = staging
             if not self.cuda:
+                start = time.perf_counter()
                 for d, s in zip(device_tensors, sources):
                     d.copy_(s)
+                self._span("h2d", "upload", start)
                 return None
             self.h2d.wait_event(issued_at)
             with torch.cuda.stream(self.h2d):
@@ -135,6 +150,28 @@ class OffloadRuntime:
                 event.record(self.h2d)
             return event
         return self.issue(self.pool.submit(task))
+
+    def prefetch(self, host: list[Tensor]) -> list[Tensor]:
+        """Copies of host tensors on the device, filled asynchronously; the ticket comes last."""
+        out = [torch.empty_like(h, device=self.device) for h in host]
+        if not self.cuda:
+            for o, h in zip(out, host):
+                o.copy_(h)
+            return out + [self.issue(_done(None))]
+        # the buffers may reuse blocks that held activations the compute stream still reads
+        self.h2d.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.h2d):
+            for o, h in zip(out, host):
+                o.copy_(h, non_blocking=True)
+                o.record_stream(self.h2d)
+            event = torch.cuda.Event()
+            event.record(self.h2d)
+        return out + [self.issue(_done(event))]
+
+    def wait_host(self, ticket: Tensor) -> None:
+        event = self.redeem(ticket).result()
+        if event is not None:
+            event.synchronize()
 
     def wait_device(self, ticket: Tensor) -> None:
         event = self.redeem(ticket).result()
@@ -227,6 +264,29 @@ def copy_to_device(after: Tensor, master: list[Tensor], staging: list[Tensor], p
 @copy_to_device.register_fake
 def _(after, master, staging, params):
     return _ticket_fake()
+
+
+@torch.library.custom_op("graphoffload::prefetch_to_device", mutates_args=())
+def prefetch_to_device(host: list[Tensor], device: torch.device) -> list[Tensor]:
+    """Start copying host tensors into new device buffers; returns the buffers, then a ticket
+    that `wait_device` redeems before anything reads them."""
+    return active_runtime().prefetch(host)
+
+
+@prefetch_to_device.register_fake
+def _(host, device):
+    return [torch.empty_like(h, device=device) for h in host] + [_ticket_fake()]
+
+
+@torch.library.custom_op("graphoffload::wait_host", mutates_args=("host",))
+def wait_host(ticket: Tensor, host: list[Tensor]) -> None:
+    """Block until the device-to-host copy behind `ticket` has landed in `host`."""
+    active_runtime().wait_host(ticket)
+
+
+@wait_host.register_fake
+def _(ticket, host):
+    return None
 
 
 @torch.library.custom_op("graphoffload::wait_device", mutates_args=("params",))
