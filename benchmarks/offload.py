@@ -6,9 +6,12 @@ state on the host, against all-on-GPU eager training and the offload anchors.
     python benchmarks/offload.py --smoke            # tiny model on the CPU (the offload schedule runs
                                                     # with real copies and the CPU worker)
 
-Rows: `gpu` (eager, everything on the device, fused AdamW), `graphoffload` (this project's
-`offload_optimizer`), `torchao` (`torchao.optim.CPUOffloadOptimizer`) and `deepspeed` (ZeRO-2
-with `offload_optimizer: cpu`) where they import. Every row runs in its own process, so its
+Rows: `gpu` (eager, everything on the device, fused AdamW), `graphoffload-cpu` (this
+project's `offload_optimizer`, every update on the CPU), `graphoffload-hybrid` (the performance
+model picks CPU or device per bucket; `predicted_s` is its prediction), `fixed-k2` (one bucket in
+two on the device, Deep Optimizer States' schedule), `torchao`
+(`torchao.optim.CPUOffloadOptimizer`) and `deepspeed` (ZeRO-2 with `offload_optimizer: cpu`)
+where they import. Every row runs in its own process, so its
 peak (`torch.cuda.max_memory_allocated`) is its own; rows of one invocation run back to back on
 the same machine. All use bf16 autocast and AdamW(lr=1e-4, weight_decay=0.1).
 """
@@ -36,12 +39,21 @@ def _gpu_eager(model, device):
     return lambda batch: autocast_train_step(model, opt, batch)
 
 
-def _graphoffload(model, device):
-    import graphoffload
+def _graphoffload(device_updates):
+    def build(model, device):
+        import graphoffload
 
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
-    step = graphoffload.offload_compile(autocast_train_step, offload=graphoffload.Offload())
-    return lambda batch: step(model, opt, batch)
+        opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+        step = graphoffload.offload_compile(autocast_train_step,
+                                            offload=graphoffload.Offload(device_updates=device_updates))
+
+        def run(batch):
+            loss = step(model, opt, batch)
+            schedule = step.train_graph.schedule
+            run.predicted_s = schedule.step_seconds if schedule is not None else None
+            return loss
+        return run
+    return build
 
 
 def _torchao(model, device):
@@ -75,7 +87,8 @@ def _deepspeed(model, device):
     return step
 
 
-MODES = {"gpu": _gpu_eager, "graphoffload": _graphoffload, "torchao": _torchao, "deepspeed": _deepspeed}
+MODES = {"gpu": _gpu_eager, "graphoffload-cpu": _graphoffload("never"), "graphoffload-hybrid": _graphoffload("auto"),
+         "fixed-k2": _graphoffload(2), "torchao": _torchao, "deepspeed": _deepspeed}
 
 
 def run_one(args) -> dict:
@@ -93,7 +106,8 @@ def run_one(args) -> dict:
         return {**row, "status": f"not installed ({exc.name})"}
     except torch.cuda.OutOfMemoryError:
         return {**row, "status": "out of memory"}
-    row.update(status="ok", step_s=median(times), tokens_per_s=args.batch * args.seq / median(times))
+    row.update(status="ok", step_s=median(times), tokens_per_s=args.batch * args.seq / median(times),
+               predicted_s=getattr(step, "predicted_s", None))
     if device.type == "cuda":
         row["peak_GiB"] = torch.cuda.max_memory_allocated(device) / 2**30
     return row
@@ -117,7 +131,7 @@ def main() -> None:
     args = p.parse_args()
     if args.smoke:
         args.device, args.layers, args.d_model, args.heads, args.vocab, args.seq, args.batch = "cpu", 2, 64, 2, 256, 64, 2
-        args.steps, args.warmup, args.modes = 3, 1, "gpu,graphoffload"
+        args.steps, args.warmup, args.modes = 3, 1, "gpu,graphoffload-cpu"
     if args.mode:
         print("ROW " + json.dumps(run_one(args)))
         return
@@ -137,7 +151,7 @@ def main() -> None:
     device = torch.device(args.device)
     print(f"GPT {rows[0].get('params', 0) / 1e9:.2f}B params ({args.layers} layers, d={args.d_model}), "
           f"batch {args.batch}x{args.seq}, on {device_name(device)}")
-    print_table(rows, ["mode", "status", "step_s", "vs_gpu", "tokens_per_s", "peak_GiB"])
+    print_table(rows, ["mode", "status", "step_s", "predicted_s", "vs_gpu", "tokens_per_s", "peak_GiB"])
     write_json(args.out, {"benchmark": "offload", "device": device_name(device), "config": vars(args), "rows": rows})
 
 

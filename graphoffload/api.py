@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import statistics
+import time
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -33,6 +35,8 @@ class CompiledVariant:
     stages: dict[str, TrainGraph]
     executor: Executor
     timings: dict[str, float]
+    step_seconds: list[float] = dataclasses.field(default_factory=list)   # timed steps since the last plan
+    replans: int = 0
 
 
 def _leaf_key(x: Any) -> Any:
@@ -110,7 +114,42 @@ class CompiledStep:
         if variant is None:
             variant = self._variants[key] = self._compile(args, kwargs)
         self._last = variant
-        return variant.executor.run(args, kwargs)
+        offload = self.config.offload
+        if variant.graph.schedule is None or offload is None or not offload.replan_after or variant.replans >= 3:
+            return variant.executor.run(args, kwargs)
+        if len(variant.step_seconds) < offload.replan_after:
+            return self._timed_run(variant, args, kwargs)
+        measured = statistics.median(variant.step_seconds)
+        predicted = variant.graph.schedule.step_seconds
+        if abs(measured - predicted) <= offload.replan_threshold * predicted:
+            variant.replans = 3    # the plan holds: stop timing steps
+            return variant.executor.run(args, kwargs)
+        node_seconds: dict[str, float] = {}
+        result = variant.executor.run(args, kwargs, profile=node_seconds)
+        self._replan(key, variant, node_seconds, measured)
+        return result
+
+    def _timed_run(self, variant: CompiledVariant, args: tuple, kwargs: dict) -> Any:
+        device = variant.executor.device
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        result = variant.executor.run(args, kwargs)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        variant.step_seconds.append(time.perf_counter() - start)
+        return result
+
+    def _replan(self, key: Any, old: CompiledVariant, node_seconds: dict[str, float], measured: float) -> None:
+        """Run the passes again on the captured graph with measured node times."""
+        ctx = PassContext(self.config, old.executor.device, measured_node_seconds=node_seconds)
+        graph, stages = self.pass_manager.run(old.stages["captured"].copy(), ctx)
+        for g in {id(graph): graph, id(stages["final"]): stages["final"]}.values():
+            g.note("offload_optimizer", f"re-planned from measured node times: the last plan predicted "
+                   f"{old.graph.schedule.step_seconds * 1e3:.3g} ms a step, {measured * 1e3:.3g} ms were measured")
+        executor = Executor(graph, old.capture, self.config.offload, host_state=old.executor.host_state)
+        new = CompiledVariant(old.capture, graph, stages, executor, dict(ctx.timings), replans=old.replans + 1)
+        self._variants[key] = new    # `last` stays the variant that ran until the next call
 
     # ------------------------------------------------------------------ checkpoints
 

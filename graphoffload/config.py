@@ -66,6 +66,10 @@ class Offload:
             (Deep Optimizer States' fixed schedule).
         calibration: rates for the performance model; None measures this machine once and
             caches the result (see `Calibration.load_or_measure`).
+        replan_after: with a planned schedule, time this many steps after each plan; if their
+            median drifts from the prediction by more than `replan_threshold` (a fraction),
+            profile the next step node by node and plan again from the measured times (at most
+            three times). 0 turns this off.
     """
 
     gpu_memory_budget: int | str | None = None
@@ -73,6 +77,8 @@ class Offload:
     pin_memory: bool = True
     device_updates: Literal["auto", "never"] | int = "auto"
     calibration: Calibration | None = None
+    replan_after: int = 3
+    replan_threshold: float = 0.25
 
     def __post_init__(self) -> None:
         self.budget_bytes()   # validate early

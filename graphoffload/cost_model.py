@@ -48,21 +48,25 @@ def _is_view(node: fx.Node) -> bool:
         r.alias_info is not None for r in schema.returns) and not written_args(node)
 
 
+def estimate_seconds(node: fx.Node, cal: Calibration) -> float:
+    """Roofline time of one node on the device."""
+    if node.op != "call_function" or _is_view(node):
+        return 0.0
+    rule = FLOP_RULES.get(getattr(node.target, "overloadpacket", None))
+    flops = rule(node) if rule else 0.0
+    nbytes = sum(t.numel() * t.element_size() for t in tensor_vals(node))
+    nbytes += sum(t.numel() * t.element_size() for i in node.all_input_nodes for t in tensor_vals(i))
+    return max(flops / cal.device_flops, nbytes / cal.device_bytes_per_s)
+
+
 def node_seconds(graph: fx.Graph, cal: Calibration, measured: Mapping[str, float] | None = None) -> list[float]:
-    """Seconds each node (every node but the output, in graph order) keeps the compute stream busy."""
-    out = []
-    for node in graph.nodes:
-        if node.op == "output":
-            continue
-        if measured and node.name in measured:
-            out.append(measured[node.name])
-            continue
-        if node.op != "call_function" or _is_view(node):
-            out.append(0.0)
-            continue
-        rule = FLOP_RULES.get(getattr(node.target, "overloadpacket", None))
-        flops = rule(node) if rule else 0.0
-        nbytes = sum(t.numel() * t.element_size() for t in tensor_vals(node))
-        nbytes += sum(t.numel() * t.element_size() for i in node.all_input_nodes for t in tensor_vals(i))
-        out.append(max(flops / cal.device_flops, nbytes / cal.device_bytes_per_s))
-    return out
+    """Seconds each node (every node but the output, in graph order) keeps the compute stream
+    busy. Measured nodes take their measured time; the others take the estimate scaled by how
+    far the estimate was off on the measured ones, so a wrong calibration is corrected too."""
+    nodes = [n for n in graph.nodes if n.op != "output"]
+    estimates = [estimate_seconds(n, cal) for n in nodes]
+    if not measured:
+        return estimates
+    hits = [(measured[n.name], e) for n, e in zip(nodes, estimates) if n.name in measured]
+    scale = sum(m for m, _ in hits) / max(sum(e for _, e in hits), 1e-30) if hits else 1.0
+    return [measured.get(n.name, e * scale) for n, e in zip(nodes, estimates)]

@@ -52,6 +52,8 @@ class PassContext:
     config: CompileConfig
     device: torch.device
     timings: dict[str, float] = field(default_factory=dict)
+    # measured seconds of each node of an earlier run (profile-guided planning), by node name
+    measured_node_seconds: dict[str, float] | None = None
 
 
 def builtin_passes(config: CompileConfig) -> list[Pass]:

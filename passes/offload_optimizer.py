@@ -150,7 +150,12 @@ def _choose_paths(graph: TrainGraph, kernels: list[UpdateKernel], ctx: PassConte
         state = numel * 4 * (n_states + (1 if narrow else 0))
         buckets.append(BucketCost(f"bucket {k.node.meta.get('bucket', b)}", numel, index[k.first_node] - 1,
                                   grad_bytes, param_bytes, state))
-    costs = StepCosts(node_seconds(graph.graph, cal), live, buckets)
+    seconds = node_seconds(graph.graph, cal, ctx.measured_node_seconds)
+    for k in kernels:   # the update kernels themselves are what the plan replaces
+        for node in (k.node, k.counter):
+            if node is not None:
+                seconds[index[node]] = 0.0
+    costs = StepCosts(seconds, live, buckets)
     if isinstance(mode, int):
         chosen = predict(costs, [("device" if i % mode == mode - 1 else "cpu") for i in range(n)], cal,
                          offload.budget_bytes())

@@ -22,13 +22,15 @@ from graphoffload.graph import TENSOR_SLOT, TrainGraph
 
 from graphoffload.runtime.host_offload import OffloadRuntime
 from graphoffload.runtime.host_state import HostState
+from graphoffload.runtime.profiling import TimingInterpreter
 
 if TYPE_CHECKING:
     from graphoffload.capture import Capture
 
 
 class Executor:
-    def __init__(self, graph: TrainGraph, capture: Capture, offload: Offload | None = None):
+    def __init__(self, graph: TrainGraph, capture: Capture, offload: Offload | None = None,
+                 host_state: HostState | None = None):
         self.graph = graph
         self.capture = capture
         self.gm = graph.gm
@@ -40,7 +42,11 @@ class Executor:
             device = params[0].device if params else torch.device("cpu")
             offload = offload or Offload()
             self.offload_runtime = OffloadRuntime(device, offload.cpu_workers)
-            self.host_state = HostState(capture.bindings, pin_memory=offload.pin_memory and device.type == "cuda")
+            # a re-planned graph keeps the host state, whose master weights are authoritative
+            self.host_state = host_state or HostState(capture.bindings,
+                                                      pin_memory=offload.pin_memory and device.type == "cuda")
+        self.device = next(iter(capture.bindings.params.values())).device if capture.bindings.params else \
+            torch.device("cpu")
 
     def inputs(self, args: tuple, kwargs: dict) -> list[Tensor]:
         b = self.capture.bindings
@@ -72,12 +78,18 @@ class Executor:
                     "not zero gradients before backward; gradient accumulation across compiled calls is "
                     "not supported: call optimizer.zero_grad() before calling the step, or inside it")
 
-    def run(self, args: tuple, kwargs: dict) -> Any:
+    def run(self, args: tuple, kwargs: dict, profile: dict[str, float] | None = None) -> Any:
+        """Run one step. With `profile` (a dict), time every node into it instead (slower)."""
         self.check_start_state()
         inputs = self.inputs(args, kwargs)
         offload = self.offload_runtime.active() if self.offload_runtime else contextlib.nullcontext()
         with torch.no_grad(), offload:
-            outputs = self.gm(*inputs)
+            if profile is None:
+                outputs = self.gm(*inputs)
+            else:
+                timer = TimingInterpreter(self.gm, self.device)
+                outputs = timer.run(*inputs)
+                profile.update(timer.seconds)
         if self.host_state is not None:
             self.host_state.record_versions()
         return self.write_back(outputs)

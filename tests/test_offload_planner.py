@@ -133,3 +133,30 @@ def test_calibration_is_measured_once_and_cached(tmp_path, monkeypatch):
     assert json.loads(open(path).read())["cpu_update_params_per_s"] == first.cpu_update_params_per_s
     assert first.cpu_update_params_per_s > 0 and first.h2d_bytes_per_s > 0
     assert Calibration.load_or_measure("cpu") == first
+
+
+def test_drifting_prediction_is_replanned_from_measured_node_times():
+    torch.manual_seed(0)
+    eager = GPT(TINY)
+    compiled = copy.deepcopy(eager)
+    opt_e = torch.optim.AdamW(eager.parameters(), lr=3e-3, fused=True)
+    opt_c = torch.optim.AdamW(compiled.parameters(), lr=3e-3, fused=True)
+    wrong = dataclasses.replace(BALANCED, device_flops=1e3, device_bytes_per_s=1e3)   # predicts hours
+    step = graphoffload.offload_compile(train_step, offload=Offload(device_updates="auto", calibration=wrong,
+                                                                     replan_after=2))
+    data = _batches(5)
+    for b in data[:3]:
+        train_step(eager, opt_e, b)
+        step(compiled, opt_c, b)
+    first = step.last
+    assert first.replans == 0 and len(first.step_seconds) == 2
+    for b in data[3:]:
+        train_step(eager, opt_e, b)
+        step(compiled, opt_c, b)
+    replanned = step.last
+    assert replanned is not first and replanned.replans == 1
+    assert replanned.graph.schedule.step_seconds < first.graph.schedule.step_seconds / 100
+    assert any("re-planned from measured node times" in line
+               for line in replanned.stages["final"].notes["offload_optimizer"])
+    for pe, pc in zip(eager.parameters(), compiled.parameters()):
+        assert torch.equal(pe, pc)
