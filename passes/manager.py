@@ -15,7 +15,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
-from torch import fx
 
 from graphoffload.config import CompileConfig
 from graphoffload.errors import GraphOffloadError, PassError

@@ -225,6 +225,7 @@ def offload_optimizer(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
             _emit_device_path(g, k, masters, nodes[prefetch_at[b]], ctx.device, meta)
         k.erase()
     graph = graph.with_signature(inputs=tuple(specs))
+    fill_missing_meta(graph, "offload_optimizer")   # the prefetched buffers' sizes count below
     device_peak = analyze_memory(graph).peak
     graph.note("offload_optimizer", f"{len(kernels)} update buckets offloaded: {format_bytes(moved_bytes)} of "
                f"master weights and optimizer state in host memory; predicted device peak "

@@ -115,6 +115,13 @@ def test_hybrid_training_matches_eager_bit_for_bit(device_updates, tmp_path):
     assert 0 < schedule.assignment.count("device") < len(schedule.assignment)
     ops = [n.target.name() for n in step.train_graph.graph.nodes if hasattr(n.target, "name")]
     assert "graphoffload::prefetch_to_device" in ops and "graphoffload::host_adam_" in ops
+    # prefetched state occupies device memory from the prefetch on, and the analysis counts it
+    profile = step.memory()
+    nodes = list(step.train_graph.graph.nodes)
+    for fetch in (n for n in nodes if n.target is torch.ops.graphoffload.prefetch_to_device.default):
+        fetched = sum(t.numel() * t.element_size() for t in fetch.meta["val"][:-1])
+        before = profile.live_at(fetch.prev.name)
+        assert profile.live_at(fetch.name) - before >= fetched > 0
     notes = "\n".join(step.train_graph.notes["offload_optimizer"])
     assert "device path" in notes and "cpu path" in notes and "MiB moved" in notes
 
