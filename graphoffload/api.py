@@ -108,12 +108,21 @@ class CompiledStep:
         graph, stages = self.pass_manager.run(capture.graph, ctx)
         return CompiledVariant(capture, graph, stages, Executor(graph, capture, self.config.offload), dict(ctx.timings))
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    def _variant(self, args: tuple, kwargs: dict) -> tuple[Any, CompiledVariant]:
         key = self._key(args, kwargs)
         variant = self._variants.get(key)
         if variant is None:
             variant = self._variants[key] = self._compile(args, kwargs)
         self._last = variant
+        return key, variant
+
+    def compile(self, *args: Any, **kwargs: Any) -> TrainGraph:
+        """Trace and transform the step for these arguments without running it (so its graphs,
+        memory and plan can be inspected first; models on the meta device work too)."""
+        return self._variant(args, kwargs)[1].graph
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        key, variant = self._variant(args, kwargs)
         offload = self.config.offload
         if variant.graph.schedule is None or offload is None or not offload.replan_after or variant.replans >= 3:
             return variant.executor.run(args, kwargs)

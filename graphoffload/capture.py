@@ -19,6 +19,7 @@ import contextlib
 import inspect
 import linecache
 import os
+import re
 import sys
 import traceback
 from collections.abc import Callable, Iterator
@@ -321,7 +322,8 @@ def _translate_trace_error(exc: Exception) -> GraphOffloadError:
             "one graph: move them outside the compiled step or express them with tensor ops "
             f"(torch.where, masking). ({name}: {str(exc).splitlines()[0] if str(exc) else ''})")
     if isinstance(exc, NotImplementedError) and ("fake impl" in str(exc) or "Meta" in str(exc)):
-        op = str(exc).split(":")[0]
+        match = re.search(r"\w+::[\w.]+", str(exc))
+        op = match.group(0) if match else str(exc).split(":")[0]
         return UnsupportedError(
             f"op {op} cannot be captured{_where(exc)}: it has no fake (meta) kernel, so graphoffload "
             "cannot trace it without running it. Replace it, or register a fake kernel with "

@@ -167,3 +167,16 @@ def test_drifting_prediction_is_replanned_from_measured_node_times():
                for line in replanned.stages["final"].notes["offload_optimizer"])
     for pe, pc in zip(eager.parameters(), compiled.parameters()):
         assert torch.equal(pe, pc)
+
+
+def test_a_model_on_the_meta_device_compiles_and_plans_without_memory():
+    # how a GPU-sized model is planned on any machine: nothing is allocated, nothing runs
+    cfg = GPTConfig(vocab_size=1000, seq_len=256, n_layer=4, n_head=8, d_model=512)
+    with torch.device("meta"):
+        model = GPT(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    step = graphoffload.offload_compile(train_step, offload=Offload(calibration=BALANCED, device_updates="auto"))
+    batch = torch.empty((2, 256), dtype=torch.long, device="meta")
+    graph = step.compile(model, opt, {"input_ids": batch, "labels": batch})
+    assert graph.schedule is not None and graph.schedule.step_seconds > 0
+    assert step.memory().peak > sum(p.numel() * 4 for p in model.parameters())
