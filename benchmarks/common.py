@@ -28,7 +28,8 @@ def build_gpt(args: Any, device: torch.device) -> tuple[GPT, GPTConfig]:
 
 def autocast_train_step(model, optimizer, batch):
     """The step every benchmark times: bf16 autocast on a GPU, plain fp32 on a CPU."""
-    with torch.autocast(batch.device.type, dtype=torch.bfloat16, enabled=batch.device.type == "cuda"):
+    on_gpu = batch.device.type == "cuda"
+    with torch.autocast("cuda" if on_gpu else "cpu", dtype=torch.bfloat16, enabled=on_gpu):
         loss = model(batch, labels=batch)
     loss.backward()
     optimizer.step()

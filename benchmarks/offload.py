@@ -113,6 +113,34 @@ def run_one(args) -> dict:
     return row
 
 
+def predict_rows(args) -> list[dict]:
+    """Compile the GPT on the meta device (no memory, no GPU) and report the planner's
+    predicted step for each offload schedule under a calibration file."""
+    import graphoffload
+    from graphoffload.calibration import Calibration
+
+    with open(args.predict) as f:
+        cal = Calibration(**json.load(f))
+    cfg_args = argparse.Namespace(**{**vars(args), "device": "meta"})
+    model, cfg = build_gpt(cfg_args, torch.device("meta"))
+    batch = torch.empty((args.batch, args.seq), dtype=torch.long, device="meta")
+    rows = []
+    for name, updates in (("graphoffload-cpu", "never"), ("fixed-k2", 2), ("graphoffload-hybrid", "auto")):
+        opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+        step = graphoffload.offload_compile(autocast_train_step, offload=graphoffload.Offload(
+            device_updates=updates, calibration=cal, replan_after=0))
+        graph = step.compile(model, opt, batch)
+        # "never" has no schedule of its own: score the all-CPU assignment with the same model
+        schedule = graph.schedule or graphoffload.offload_compile(
+            autocast_train_step, offload=graphoffload.Offload(device_updates=10**9, calibration=cal)
+        ).compile(model, torch.optim.AdamW(model.parameters(), lr=LR), batch).schedule
+        rows.append({"mode": name, "status": "predicted", "predicted_s": schedule.step_seconds,
+                     "device_buckets": f"{schedule.assignment.count('device')}/{len(schedule.assignment)}",
+                     "peak_GiB": step.memory().peak / 2**30,
+                     "params": sum(p.numel() for p in model.parameters())})
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -127,6 +155,9 @@ def main() -> None:
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--mode", help=argparse.SUPPRESS)     # internal: run one mode, print its row
     p.add_argument("--smoke", action="store_true", help="tiny model on the CPU")
+    p.add_argument("--predict", metavar="CALIBRATION_JSON",
+                   help="no run: compile on the meta device and print the planner's predictions under "
+                        "this calibration (e.g. one measured on the target GPU machine)")
     p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "offload.json"))
     args = p.parse_args()
     if args.smoke:
@@ -134,6 +165,14 @@ def main() -> None:
         args.steps, args.warmup, args.modes = 3, 1, "gpu,graphoffload-cpu"
     if args.mode:
         print("ROW " + json.dumps(run_one(args)))
+        return
+    if args.predict:
+        rows = predict_rows(args)
+        print(f"GPT {rows[0]['params'] / 1e9:.2f}B params, batch {args.batch}x{args.seq}: predictions under "
+              f"{args.predict} (meta device; bf16 autocast needs a GPU, so compute is modelled in fp32)")
+        print_table(rows, ["mode", "status", "predicted_s", "device_buckets", "peak_GiB"])
+        write_json(args.out, {"benchmark": "offload-predicted", "calibration": args.predict, "config": vars(args),
+                              "rows": rows})
         return
     rows = []
     for mode in args.modes.split(","):
