@@ -1,0 +1,6 @@
+"""Test setup: the example models under examples/ are importable (`from gpt import GPT`)."""
+
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
