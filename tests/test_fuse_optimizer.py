@@ -3,34 +3,22 @@
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import torch
 from gpt import GPT, GPTConfig
+from steps import TINY, clipped_step, token_batches, train_step
 
 import graphoffload
 from graphoffload import CompileConfig, FuseOptimizer
 
-TINY = GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=2, d_model=32)
-
-
 def _step(clip: float | None):
-    def train_step(model, optimizer, batch):
-        loss = model(batch["input_ids"], labels=batch["labels"])
-        loss.backward()
-        if clip is not None:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        optimizer.step()
-        optimizer.zero_grad()
-        return loss
-    return train_step
+    return train_step if clip is None else functools.partial(clipped_step, max_norm=clip)
 
 
 def _batches(n: int, vocab: int, seq: int, batch: int = 2, seed: int = 0):
-    g = torch.Generator().manual_seed(seed)
-    for _ in range(n):
-        x = torch.randint(0, vocab, (batch, seq), generator=g)
-        yield {"input_ids": x, "labels": torch.roll(x, -1, dims=1)}
+    return token_batches(n, vocab, seq, batch, seed)
 
 
 def _train(model, make_opt, step_fn, batches):
@@ -124,7 +112,7 @@ def test_every_bucket_runs_inside_backward_right_after_its_gradients():
     opt = OPTIMIZERS["adamw"](model.parameters())
     step = graphoffload.offload_compile(_step(None), config=CompileConfig(
         fuse_optimizer=FuseOptimizer(bucket_numel=1)))   # one parameter a bucket
-    step(model, opt, next(_batches(1, TINY.vocab_size, TINY.seq_len)))
+    step(model, opt, _batches(1, TINY.vocab_size, TINY.seq_len)[0])
     graph = step.train_graph
     order = {n: i for i, n in enumerate(graph.graph.nodes)}
     backward = [n for n in graph.graph.nodes if n.meta["phase"] == "backward"]
@@ -148,13 +136,13 @@ def test_fusion_lowers_predicted_peak_by_most_of_the_gradient_bytes():
     model = GPT(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     step = graphoffload.offload_compile(_step(None))
-    step(model, opt, next(_batches(1, cfg.vocab_size, cfg.seq_len, batch=1)))
+    step(model, opt, _batches(1, cfg.vocab_size, cfg.seq_len, batch=1)[0])
     grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     captured, fused = step.memory("captured").peak, step.memory("fuse_optimizer").peak
     assert captured - fused >= 0.8 * grad_bytes, (captured, fused, grad_bytes)
 
     unfused = graphoffload.offload_compile(_step(None), config=CompileConfig(disable_passes=("fuse_optimizer",)))
-    unfused(model, opt, next(_batches(1, cfg.vocab_size, cfg.seq_len, batch=1)))
+    unfused(model, opt, _batches(1, cfg.vocab_size, cfg.seq_len, batch=1)[0])
     assert unfused.memory("final").peak == captured
 
 

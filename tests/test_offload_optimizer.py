@@ -7,39 +7,16 @@ import copy
 
 import pytest
 import torch
-from gpt import GPT, GPTConfig
+from gpt import GPT
+from steps import TINY, clipped_step, token_batches, train_step
 
 import graphoffload
 from graphoffload import CompileConfig, FuseOptimizer, Offload
 
-TINY = GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=2, d_model=32)
-OFFLOAD_OPS = {"copy_to_host", "host_adam_", "host_sgd_", "copy_to_device", "wait_device"}
 
 
-def train_step(model, optimizer, batch):
-    loss = model(batch["input_ids"], labels=batch["labels"])
-    loss.backward()
-    optimizer.step()
-    optimizer.zero_grad()
-    return loss
-
-
-def clipped_step(model, optimizer, batch):
-    loss = model(batch["input_ids"], labels=batch["labels"])
-    loss.backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
-    optimizer.step()
-    optimizer.zero_grad()
-    return loss
-
-
-def batches(n: int, seed: int = 0, vocab: int = 64, seq: int = 16):
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(n):
-        x = torch.randint(0, vocab, (2, seq), generator=g)
-        out.append({"input_ids": x, "labels": torch.roll(x, -1, dims=1)})
-    return out
+def batches(n: int):
+    return token_batches(n)
 
 
 def offloaded(step_fn=train_step, **fuse):

@@ -9,6 +9,7 @@ import json
 import pytest
 import torch
 from gpt import GPT, GPTConfig
+from steps import TINY, token_batches, train_step
 
 import graphoffload
 from graphoffload import CompileConfig, FuseOptimizer, Offload
@@ -75,23 +76,6 @@ def test_prediction_counts_contention():
     assert slowed > predict(costs, ("cpu",) * 4, alone).step_seconds
 
 
-TINY = GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=2, d_model=32)
-
-
-def train_step(model, optimizer, batch):
-    loss = model(batch["input_ids"], labels=batch["labels"])
-    loss.backward()
-    optimizer.step()
-    optimizer.zero_grad()
-    return loss
-
-
-def _batches(n: int):
-    g = torch.Generator().manual_seed(0)
-    return [{"input_ids": x, "labels": torch.roll(x, -1, 1)}
-            for x in (torch.randint(0, 64, (2, 16), generator=g) for _ in range(n))]
-
-
 @pytest.mark.parametrize("device_updates", [2, "auto"])
 def test_hybrid_training_matches_eager_bit_for_bit(device_updates, tmp_path):
     torch.manual_seed(0)
@@ -105,7 +89,7 @@ def test_hybrid_training_matches_eager_bit_for_bit(device_updates, tmp_path):
         offload=Offload(device_updates=device_updates, calibration=dataclasses.replace(
             BALANCED, device_update_params_per_s=1e6, cpu_update_params_per_s=1e6,
             cpu_update_params_per_s_under_copy=1e6)))
-    for b in _batches(8):
+    for b in token_batches(8):
         assert train_step(eager, opt_e, b).item() == step(compiled, opt_c, b).item()
     for (name, pe), pc in zip(eager.named_parameters(), compiled.parameters()):
         assert torch.equal(pe, pc), name
@@ -151,7 +135,7 @@ def test_drifting_prediction_is_replanned_from_measured_node_times():
     wrong = dataclasses.replace(BALANCED, device_flops=1e3, device_bytes_per_s=1e3)   # predicts hours
     step = graphoffload.offload_compile(train_step, offload=Offload(device_updates="auto", calibration=wrong,
                                                                      replan_after=2))
-    data = _batches(5)
+    data = token_batches(5)
     for b in data[:3]:
         train_step(eager, opt_e, b)
         step(compiled, opt_c, b)

@@ -1,0 +1,35 @@
+"""Train steps, tiny configs and batches shared by the test modules."""
+
+from __future__ import annotations
+
+import torch
+from gpt import GPTConfig
+
+TINY = GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=2, d_model=32)
+
+
+def train_step(model, optimizer, batch):
+    loss = model(batch["input_ids"], labels=batch["labels"])
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss
+
+
+def clipped_step(model, optimizer, batch, max_norm: float = 0.5):
+    loss = model(batch["input_ids"], labels=batch["labels"])
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss
+
+
+def token_batches(n: int, vocab: int = 64, seq: int = 16, batch: int = 2, seed: int = 0) -> list[dict]:
+    """`n` batches of random tokens whose labels are the next token."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        x = torch.randint(0, vocab, (batch, seq), generator=g)
+        out.append({"input_ids": x, "labels": torch.roll(x, -1, dims=1)})
+    return out
