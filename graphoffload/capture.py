@@ -157,6 +157,7 @@ def _swapped_module_tensors(b: StepBindings, params: dict[str, Tensor],
 class _StepEvents:
     order: list[str] = field(default_factory=list)
     subgroups: int = 0
+    stepped: set[int] = field(default_factory=set)     # indices of the optimizers whose step() ran
 
 
 @contextlib.contextmanager
@@ -172,6 +173,7 @@ def _lowered_optimizers(b: StepBindings, leaves: dict[str, Tensor], states: dict
             if closure is not None:
                 raise UnsupportedError("optimizer.step(closure) is not supported in a compiled step")
             events.order.append("step")
+            events.stepped.add(oi)
             updates = []
             for gi, group in enumerate(opt.param_groups):
                 names = [b.param_names[id(p)] for p in group["params"]]
@@ -344,6 +346,7 @@ class Capture:
     out_constants: list[Any]           # its non-tensor leaves (TENSOR_SLOT where a tensor goes)
     zero_grad_before_backward: bool
     calls_zero_grad: bool
+    stepped_optimizers: list[int]      # optimizers whose step() the graph performs
     batch_positions: list[int]         # positions of tensor leaves among the (args, kwargs) leaves
 
 
@@ -435,7 +438,8 @@ def capture_step(fn: Callable, args: tuple, kwargs: dict, config: CompileConfig)
     first_backward = events.order.index("backward")
     return Capture(train_graph, b, result["out_spec"], result["constants"],
                    zero_grad_before_backward="zero_grad" in events.order[:first_backward],
-                   calls_zero_grad="zero_grad" in events.order, batch_positions=batch_positions)
+                   calls_zero_grad="zero_grad" in events.order,
+                   stepped_optimizers=sorted(events.stepped), batch_positions=batch_positions)
 
 
 def _placeholder_name(prefix: str, name: str) -> str:

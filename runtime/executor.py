@@ -96,6 +96,9 @@ class Executor:
 
     def write_back(self, outputs: list[Tensor]) -> Any:
         b = self.capture.bindings
+        for i in self.capture.stepped_optimizers:
+            # torch's contract with lr schedulers: their step() checks that the optimizer stepped
+            b.optimizers[i]._opt_called = True
         if self.capture.calls_zero_grad:
             for p in b.params.values():
                 p.grad = None

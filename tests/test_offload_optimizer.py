@@ -169,3 +169,39 @@ def test_offload_options_are_validated():
     with pytest.raises(ValueError, match="cpu_workers"):
         Offload(cpu_workers=0)
     assert Offload(gpu_memory_budget="1.5 GiB").budget_bytes() == int(1.5 * 2**30)
+
+
+def test_param_groups_scheduler_and_dropout_with_hybrid_offload_match_eager():
+    import dataclasses
+    import warnings
+
+    from test_offload_planner import BALANCED
+
+    cfg = dataclasses.replace(TINY, dropout=0.1)
+
+    def make_opt(model):
+        matrices = [p for p in model.parameters() if p.dim() >= 2]
+        vectors = [p for p in model.parameters() if p.dim() < 2]
+        return torch.optim.AdamW([{"params": matrices, "weight_decay": 0.1},
+                                  {"params": vectors, "weight_decay": 0.0, "lr": 1e-2}], lr=3e-3, fused=True)
+
+    torch.manual_seed(0)
+    eager = GPT(cfg)
+    compiled = copy.deepcopy(eager)
+    opt_e, opt_c = make_opt(eager), make_opt(compiled)
+    sched_e = torch.optim.lr_scheduler.StepLR(opt_e, 2, 0.5)
+    sched_c = torch.optim.lr_scheduler.StepLR(opt_c, 2, 0.5)
+    step = graphoffload.offload_compile(train_step, config=CompileConfig(fuse_optimizer=FuseOptimizer(bucket_numel=3000)),
+                                        offload=Offload(device_updates=2, calibration=BALANCED))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")   # e.g. the scheduler's "lr_scheduler.step() before optimizer.step()"
+        for b in batches(6):
+            torch.manual_seed(1)
+            loss_e = train_step(eager, opt_e, b)
+            torch.manual_seed(1)    # the same dropout masks
+            assert step(compiled, opt_c, b).item() == loss_e.item()
+            sched_e.step()
+            sched_c.step()
+    assert step.trace_count == 1    # the lr is a graph input: the schedule needs no re-trace
+    for pe, pc in zip(eager.parameters(), compiled.parameters()):
+        assert torch.equal(pe, pc)
