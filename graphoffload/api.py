@@ -89,6 +89,8 @@ class CompiledStep:
             tuple((n, tuple(t.shape), t.dtype, t.device) for n in b.buffers for t in [b.buffer(n)]),
             tuple(m.training for model in b.modules for m in model.modules()),
             tuple(_optimizer_key(o) for o in b.optimizers),
+            tuple((id(sc), sc.get_growth_factor(), sc.get_backoff_factor(), sc.get_growth_interval())
+                  for sc in b.scalers),
             torch.is_grad_enabled(),
             torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda"),
             torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"),

@@ -16,6 +16,7 @@ placeholders the signature marks mutable; see passes/README.md.
 from __future__ import annotations
 
 import contextlib
+import copy
 import inspect
 import linecache
 import os
@@ -59,6 +60,12 @@ class StepBindings:
     state_keys: list[tuple[str, str]]                     # (param name, state key)
     lr_groups: list[tuple[int, int]]                      # (optimizer index, group index)
     param_names: dict[int, str] = field(default_factory=dict)   # id(param) -> name
+    scalers: list[torch.amp.GradScaler] = field(default_factory=list)   # enabled loss scalers
+
+    def scaler_state(self, index: int, key: str) -> Tensor:
+        # GradScaler keeps these as private attributes and offers no public handle on them
+        scaler = self.scalers[index]
+        return scaler._scale if key == "scale" else scaler._growth_tracker
 
     def buffer(self, name: str) -> Tensor:
         module, attr = self.buffers[name]
@@ -92,11 +99,14 @@ def find_bindings(fn: Callable, args: tuple, kwargs: dict) -> StepBindings:
     candidates = pytree.tree_leaves((args, kwargs)) + _closure_objects(fn)
     modules: list[nn.Module] = []
     optimizers: list[torch.optim.Optimizer] = []
+    scalers: list[torch.amp.GradScaler] = []
     for obj in candidates:
         if isinstance(obj, nn.Module) and not any(obj is m for m in modules):
             modules.append(obj)
         elif isinstance(obj, torch.optim.Optimizer) and not any(obj is o for o in optimizers):
             optimizers.append(obj)
+        elif isinstance(obj, torch.amp.GradScaler) and obj.is_enabled() and not any(obj is s for s in scalers):
+            scalers.append(obj)
     if not modules:
         raise CaptureError("no nn.Module found among the train step's arguments or closure; pass "
                            "the model as an argument of the decorated function")
@@ -126,7 +136,7 @@ def find_bindings(fn: Callable, args: tuple, kwargs: dict) -> StepBindings:
                     raise CaptureError(f"{type(opt).__name__} holds a parameter of shape {tuple(p.shape)} "
                                        "that belongs to none of the step's models; pass its module too")
                 state_keys.extend((param_names[id(p)], k) for k in rule.state_keys(group))
-    return StepBindings(modules, optimizers, params, buffers, state_keys, lr_groups, param_names)
+    return StepBindings(modules, optimizers, params, buffers, state_keys, lr_groups, param_names, scalers)
 
 
 # --------------------------------------------------------------------------- tracing helpers
@@ -160,13 +170,22 @@ class _StepEvents:
     stepped: set[int] = field(default_factory=set)     # indices of the optimizers whose step() ran
 
 
+def _set_for_trace(stack: contextlib.ExitStack, obj: Any, attr: str, value: Any) -> None:
+    """Set `obj.attr` (an instance attribute) until the trace ends, then restore it."""
+    missing = object()
+    before = vars(obj).get(attr, missing)
+    setattr(obj, attr, value)
+    stack.callback(lambda: vars(obj).pop(attr, None) if before is missing else setattr(obj, attr, before))
+
+
 @contextlib.contextmanager
 def _lowered_optimizers(b: StepBindings, leaves: dict[str, Tensor], states: dict[tuple[str, str], Tensor],
                         lrs: dict[tuple[int, int], Tensor], first_steps: list[bool],
                         config: CompileConfig, events: _StepEvents) -> Iterator[None]:
-    """Swap each optimizer's step()/zero_grad() for graphoffload's traced lowering."""
-    missing = object()
-    saved = []
+    """Swap each optimizer's step()/zero_grad() for graphoffload's traced lowering, and its
+    param groups' parameters for the traced leaves (code in the step that walks
+    `optimizer.param_groups`, such as GradScaler's inf checks, then sees the gradients)."""
+    leaf_name = {id(t): name for name, t in leaves.items()}
 
     def make_step(oi: int, opt: torch.optim.Optimizer) -> Callable:
         def step(closure: Callable | None = None) -> None:
@@ -174,15 +193,16 @@ def _lowered_optimizers(b: StepBindings, leaves: dict[str, Tensor], states: dict
                 raise UnsupportedError("optimizer.step(closure) is not supported in a compiled step")
             events.order.append("step")
             events.stepped.add(oi)
+            # set by GradScaler.step() for optimizers that unscale inside their fused kernel
+            grad_scale, found_inf = getattr(opt, "grad_scale", None), getattr(opt, "found_inf", None)
             updates = []
             for gi, group in enumerate(opt.param_groups):
-                names = [b.param_names[id(p)] for p in group["params"]]
-                names = [n for n in names if leaves[n].grad is not None]
+                names = [n for n in (leaf_name[id(p)] for p in group["params"]) if leaves[n].grad is not None]
                 if not names:
                     continue
                 updates.append(optimizer_lowering.TracedUpdate(
                     group, names, [leaves[n] for n in names], [leaves[n].grad for n in names],
-                    lambda i, key, names=names: states[(names[i], key)], lrs[(oi, gi)]))
+                    lambda i, key, names=names: states[(names[i], key)], lrs[(oi, gi)], grad_scale, found_inf))
             with torch.no_grad():
                 events.subgroups += optimizer_lowering.lower_step(
                     opt, updates, first_steps[oi], config.subgroup_numel, events.subgroups)
@@ -193,22 +213,33 @@ def _lowered_optimizers(b: StepBindings, leaves: dict[str, Tensor], states: dict
             events.order.append("zero_grad")
             for group in opt.param_groups:
                 for p in group["params"]:
-                    leaves[b.param_names[id(p)]].grad = None
+                    p.grad = None
         return zero_grad
 
-    try:
+    with contextlib.ExitStack() as stack:
         for oi, opt in enumerate(b.optimizers):
-            saved.append((opt, vars(opt).get("step", missing), vars(opt).get("zero_grad", missing)))
-            opt.step = make_step(oi, opt)
-            opt.zero_grad = make_zero_grad(opt)
+            _set_for_trace(stack, opt, "step", make_step(oi, opt))
+            _set_for_trace(stack, opt, "zero_grad", make_zero_grad(opt))
+            # the lowering's fused kernels unscale and skip on inf themselves
+            _set_for_trace(stack, opt, "_step_supports_amp_scaling", True)
+            for group in opt.param_groups:
+                real = group["params"]
+                group["params"] = [leaves[b.param_names[id(p)]] for p in real]
+                stack.callback(group.__setitem__, "params", real)
         yield
-    finally:
-        for opt, step, zero_grad in saved:
-            for attr, value in (("step", step), ("zero_grad", zero_grad)):
-                if value is missing:
-                    vars(opt).pop(attr, None)
-                else:
-                    setattr(opt, attr, value)
+
+
+@contextlib.contextmanager
+def _swapped_scaler_state(b: StepBindings, traced: dict[tuple[int, str], Tensor]) -> Iterator[None]:
+    """Point each GradScaler at traced copies of its scale and growth tracker (graph inputs it
+    updates in place), and give it back its per-step bookkeeping afterwards."""
+    with contextlib.ExitStack() as stack:
+        for i, scaler in enumerate(b.scalers):
+            _set_for_trace(stack, scaler, "_scale", traced[(i, "scale")])
+            _set_for_trace(stack, scaler, "_growth_tracker", traced[(i, "growth_tracker")])
+            # the step's scale/step/update cycle runs on a copy of its per-optimizer bookkeeping
+            _set_for_trace(stack, scaler, "_per_optimizer_states", copy.deepcopy(scaler._per_optimizer_states))
+        yield
 
 
 def _autograd_nodes(roots: list[Any]) -> Iterator[Any]:
@@ -358,14 +389,21 @@ def capture_step(fn: Callable, args: tuple, kwargs: dict, config: CompileConfig)
     param_names = list(b.params)
     buffer_names = list(b.buffers)
     lr_before = [b.lr(oi, gi) for oi, gi in b.lr_groups]
+    device = next(iter(b.params.values())).device if b.params else torch.device("cpu")
+    for scaler in b.scalers:
+        if scaler._scale is None:   # created lazily by the first scale(): create it now, outside the trace
+            scaler.scale(torch.zeros((), device=device))
+    scaler_keys = [(i, key) for i in range(len(b.scalers)) for key in ("scale", "growth_tracker")]
 
     real_inputs: list[Tensor] = (
         [p.detach().requires_grad_(p.requires_grad) for p in b.params.values()]
         + [b.buffer(n) for n in buffer_names]
         + [b.state(pn, k) for pn, k in b.state_keys]
         + [torch.tensor(lr, dtype=torch.float64) for lr in lr_before]
+        + [b.scaler_state(i, key) for i, key in scaler_keys]
         + [leaves[i].detach() for i in batch_positions])
     n_p, n_b, n_s, n_lr = len(param_names), len(buffer_names), len(b.state_keys), len(b.lr_groups)
+    n_sc = len(scaler_keys)
     events = _StepEvents()
     result: dict[str, Any] = {}
 
@@ -374,13 +412,14 @@ def capture_step(fn: Callable, args: tuple, kwargs: dict, config: CompileConfig)
         buffers = dict(zip(buffer_names, flat[n_p:n_p + n_b]))
         states = dict(zip(b.state_keys, flat[n_p + n_b:n_p + n_b + n_s]))
         lrs = dict(zip(b.lr_groups, flat[n_p + n_b + n_s:n_p + n_b + n_s + n_lr]))
+        scaler_state = dict(zip(scaler_keys, flat[n_p + n_b + n_s + n_lr:n_p + n_b + n_s + n_lr + n_sc]))
         step_leaves = list(leaves)
-        for pos, t in zip(batch_positions, flat[n_p + n_b + n_s + n_lr:]):
+        for pos, t in zip(batch_positions, flat[n_p + n_b + n_s + n_lr + n_sc:]):
             step_leaves[pos] = t
         step_args, step_kwargs = pytree.tree_unflatten(step_leaves, in_spec)
         with _swapped_module_tensors(b, params, buffers), \
                 _lowered_optimizers(b, params, states, lrs, first_steps, config, events), \
-                _StepMode(events):
+                _swapped_scaler_state(b, scaler_state), _StepMode(events):
             out = fn(*step_args, **step_kwargs)
             rebound = {n: b.buffer(n) for n in buffer_names}
         out_leaves, out_spec = pytree.tree_flatten(out)
@@ -425,6 +464,7 @@ def capture_step(fn: Callable, args: tuple, kwargs: dict, config: CompileConfig)
         + [InputSpec("buffer", _placeholder_name("b", n), n) for n in buffer_names]
         + [InputSpec("state", _placeholder_name(f"s_{k}", pn), (pn, k)) for pn, k in b.state_keys]
         + [InputSpec("lr", f"lr_{oi}_{gi}", (oi, gi)) for oi, gi in b.lr_groups]
+        + [InputSpec("scaler", f"scaler_{i}_{key}", (i, key)) for i, key in scaler_keys]
         + [InputSpec("batch", f"batch_{j}", j) for j in range(len(batch_positions))])
     graph = _rename_placeholders(gm, [s.name for s in input_specs])
     _annotate(graph, input_specs)

@@ -27,7 +27,7 @@ Phase = Literal["input", "forward", "backward", "optimizer", "comm", "transfer",
 
 TENSOR_SLOT = object()   # marks where a graph output goes in the step's return value
 
-InputKind = Literal["param", "buffer", "state", "lr", "batch", "host_scratch"]
+InputKind = Literal["param", "buffer", "state", "lr", "scaler", "batch", "host_scratch"]
 OutputKind = Literal["user", "grad", "buffer"]
 
 
@@ -36,7 +36,8 @@ class InputSpec:
     """One placeholder: what it holds and where the runtime finds it.
 
     ``target`` is the parameter or buffer name for params/buffers, ``(param name, state key)``
-    for optimizer state, ``(optimizer index, group index)`` for a learning rate, the index
+    for optimizer state, ``(optimizer index, group index)`` for a learning rate, ``(scaler
+    index, "scale" | "growth_tracker")`` for a GradScaler's state, the index
     among the flattened tensor arguments of the step for batch inputs, and ``(param name,
     purpose)`` for host scratch buffers the runtime allocates once (e.g. a gradient's pinned
     landing buffer). ``host`` marks tensors kept in (pinned) host memory rather than on the

@@ -31,6 +31,8 @@ class TracedUpdate:
     grads: list[Tensor]
     state: Callable[[int, str], Tensor]   # (index in params, state key) -> traced state tensor
     lr: Tensor                  # traced float64 scalar
+    grad_scale: Tensor | None = None   # from GradScaler: the kernel unscales the gradients...
+    found_inf: Tensor | None = None    # ...and skips the update when they overflowed
 
 
 def _adam_state_keys(group: dict[str, Any]) -> tuple[str, ...]:
@@ -75,7 +77,9 @@ def _lower_adam_family(u: TracedUpdate, decoupled: bool) -> None:
         [u.state(i, "max_exp_avg_sq") for i in range(len(u.params))] if g["amsgrad"] else [],
         _steps_on(steps, u.params[0].device),
         lr=lr, beta1=beta1, beta2=beta2, weight_decay=float(g["weight_decay"]), eps=float(g["eps"]),
-        amsgrad=bool(g["amsgrad"]), maximize=bool(g["maximize"]), grad_scale=None, found_inf=None)
+        amsgrad=bool(g["amsgrad"]), maximize=bool(g["maximize"]), grad_scale=u.grad_scale, found_inf=u.found_inf)
+    if u.found_inf is not None:   # a skipped step does not count, as in torch.optim
+        torch._foreach_sub_(steps, [u.found_inf.to(steps[0].device)] * len(steps))
 
 
 def _lower_adamw(u: TracedUpdate, first_step: bool) -> None:
@@ -93,7 +97,7 @@ def _lower_sgd(u: TracedUpdate, first_step: bool) -> None:
     torch._fused_sgd_(
         u.params, u.grads, buffers, weight_decay=float(g["weight_decay"]), momentum=momentum,
         lr=u.lr.to(u.params[0].device), dampening=float(g["dampening"]), nesterov=bool(g["nesterov"]),
-        maximize=bool(g["maximize"]), is_first_step=first_step, grad_scale=None, found_inf=None)
+        maximize=bool(g["maximize"]), is_first_step=first_step, grad_scale=u.grad_scale, found_inf=u.found_inf)
 
 
 @dataclass(frozen=True)
@@ -187,7 +191,7 @@ def lower_step(optimizer: torch.optim.Optimizer, updates: list[TracedUpdate], fi
         for idx in split_subgroups([p.numel() for p in u.params], keys, subgroup_numel):
             part = TracedUpdate(u.group, [u.names[i] for i in idx], [u.params[i] for i in idx],
                                 [u.grads[i] for i in idx],
-                                lambda j, key, idx=idx, u=u: u.state(idx[j], key), u.lr)
+                                lambda j, key, idx=idx, u=u: u.state(idx[j], key), u.lr, u.grad_scale, u.found_inf)
             meta = {"phase": "optimizer", "subgroup": subgroup_base + count, "param": tuple(part.names)}
             with fx_traceback.annotate(meta):
                 rule.lower(part, first_step)

@@ -59,7 +59,7 @@ def _plan_updates(storages: StorageMap, k: UpdateKernel) -> list[_Update]:
     kernel, counter = k.node, k.counter
     list_pos, steps_pos = k.rule.list_positions, k.rule.steps_position
     kernel_pos = storages.position[kernel]
-    own = {kernel, *k.step_copies()} | ({counter} if counter is not None else set())
+    own = {kernel, *k.nodes}
     scalars = [n for n in kernel.kwargs.values() if isinstance(n, fx.Node)]
     updates = []
     for i, param in enumerate(kernel.args[0]):
@@ -138,6 +138,11 @@ def _emit_bucket(graph: fx.Graph, k: UpdateKernel, bucket: list[_Update], after:
     with graph.inserting_after(last):
         new_kernel = graph.call_function(kernel.target, tuple(args), dict(kernel.kwargs))
     new_kernel.meta.update(meta)
+    if k.uncounter is not None:   # GradScaler: the steps of a skipped update do not count
+        steps = [s if s.op == "placeholder" else s.args[0] for s in args[steps_pos]]
+        with graph.inserting_after(new_kernel):
+            uncounter = graph.call_function(k.uncounter.target, (steps, [k.uncounter.args[1][0]] * len(steps)))
+        uncounter.meta.update(meta)
     return new_kernel
 
 
@@ -234,9 +239,9 @@ def fuse_optimizer(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
                            "after the last backward op (e.g. global-norm gradient clipping)")
             held += [f"{u.name} (read by {u.held_by})" for u in bucket if u.held_by]
             number += 1
-        g.erase_node(k.node)
-        if k.counter is not None:
-            g.erase_node(k.counter)
+        for node in (k.uncounter, k.node, k.counter):
+            if node is not None:
+                g.erase_node(node)
     graph.note("fuse_optimizer", f"{number} update buckets (bucket_numel={bucket_numel:,}), "
                f"{in_backward} run inside backward")
     if held:

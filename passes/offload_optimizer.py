@@ -73,10 +73,15 @@ def _tag(nodes: list[fx.Node], meta: dict, phase: str) -> None:
 
 
 def _emit_cpu_path(g: fx.Graph, k: UpdateKernel, masters: list[fx.Node], host_grads: list[fx.Node],
-                   staging: list[fx.Node], meta: dict) -> None:
+                   staging: list[fx.Node], scaling: dict[str, tuple[fx.Node, fx.Node]], meta: dict) -> None:
+    """`scaling`: "grad_scale"/"found_inf" -> (device, host) nodes of a GradScaler's tensors,
+    copied with the gradients so the host update can unscale and skip."""
     with g.inserting_before(k.first_node):
-        to_host = g.call_function(ops.copy_to_host.default, (k.grads, host_grads))
-        update = k.emit_host_update(g, to_host, masters, host_grads, _host_lr)
+        to_host = g.call_function(ops.copy_to_host.default, (k.grads + [d for d, _ in scaling.values()],
+                                                             host_grads + [h for _, h in scaling.values()]))
+        update = k.emit_host_update(g, to_host, masters, host_grads, _host_lr,
+                                    tuple(scaling[key][1] if key in scaling else None
+                                          for key in ("grad_scale", "found_inf")))
         to_device = g.call_function(ops.copy_to_device.default, (update, masters, staging, k.params))
     with g.inserting_before(g.output_node()):
         waited = g.call_function(ops.wait_device.default, (to_device, k.params))
@@ -115,6 +120,9 @@ def _emit_device_path(g: fx.Graph, k: UpdateKernel, masters: list[fx.Node], pref
             steps = args[k.rule.steps_position]
             nodes.append(g.call_function(k.counter.target, (steps, *k.counter.args[1:]), dict(k.counter.kwargs)))
         update = g.call_function(k.node.target, tuple(args), dict(k.node.kwargs))
+        if k.uncounter is not None:   # GradScaler: a skipped update's step does not count
+            steps = args[k.rule.steps_position]
+            nodes.append(g.call_function(k.uncounter.target, (steps, [k.uncounter.args[1][0]] * len(steps))))
         if narrow:
             nodes.append(g.call_function(torch.ops.aten._foreach_copy_.default, (k.params, targets)))
         back_from = [on_device[t] for lst in states for t in lst] + targets
@@ -197,6 +205,13 @@ def offload_optimizer(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
                       for k in kernels for st in k.state_placeholders())
     paths, prefetch_at = _choose_paths(graph, kernels, ctx, state_bytes)
     nodes = [nd for nd in g.nodes if nd.op != "output"]
+    replaced = {nd for k in kernels for nd in (k.node, *k.nodes)}   # erased as the loop goes
+
+    def prefetch_anchor(index: int) -> fx.Node:
+        anchor = nodes[index]
+        while anchor in replaced:
+            anchor = anchor.prev
+        return anchor
     moved_bytes = 0
     for b, k in enumerate(kernels):
         names = [specs[spec_of[p.name]].target for p in k.params]
@@ -220,9 +235,12 @@ def offload_optimizer(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
             moved_bytes += state.meta["val"].numel() * 4
         meta = {key: k.node.meta[key] for key in ("param", "subgroup", "bucket", "stack_trace") if key in k.node.meta}
         if paths[b] == "cpu":
-            _emit_cpu_path(g, k, masters, host_grads, staging, meta)
+            scaling = {what: (d, _host_placeholder(graph, specs, InputSpec(
+                "host_scratch", f"h_{what}_{safe}", (names[0], what), True, True), d.meta["val"], torch.float32))
+                for what, d in (("grad_scale", k.grad_scale), ("found_inf", k.found_inf)) if d is not None}
+            _emit_cpu_path(g, k, masters, host_grads, staging, scaling, meta)
         else:
-            _emit_device_path(g, k, masters, nodes[prefetch_at[b]], ctx.device, meta)
+            _emit_device_path(g, k, masters, prefetch_anchor(prefetch_at[b]), ctx.device, meta)
         k.erase()
     graph = graph.with_signature(inputs=tuple(specs))
     fill_missing_meta(graph, "offload_optimizer")   # the prefetched buffers' sizes count below

@@ -20,21 +20,21 @@ graphoffload_ops = torch.ops.graphoffload
 
 def _host_adam(decoupled: bool) -> Callable:
     def emit(g: fx.Graph, k: UpdateKernel, after: fx.Node, masters: list[fx.Node], host_grads: list[fx.Node],
-             lr: fx.Node) -> fx.Node:
+             lr: fx.Node, scaling: tuple[fx.Node | None, fx.Node | None]) -> fx.Node:
         kw = k.node.kwargs
         return g.call_function(graphoffload_ops.host_adam_.default, (
             after, masters, host_grads, list(k.node.args[2]), list(k.node.args[3]), list(k.node.args[4]),
             k.step_placeholders(), lr, kw["beta1"], kw["beta2"], kw["weight_decay"], kw["eps"], kw["amsgrad"],
-            kw["maximize"], decoupled))
+            kw["maximize"], decoupled, *scaling))
     return emit
 
 
 def _host_sgd(g: fx.Graph, k: UpdateKernel, after: fx.Node, masters: list[fx.Node], host_grads: list[fx.Node],
-              lr: fx.Node) -> fx.Node:
+              lr: fx.Node, scaling: tuple[fx.Node | None, fx.Node | None]) -> fx.Node:
     kw = k.node.kwargs
     return g.call_function(graphoffload_ops.host_sgd_.default, (
         after, masters, host_grads, list(k.node.args[2]), lr, kw["weight_decay"], kw["momentum"],
-        kw["dampening"], kw["nesterov"], kw["maximize"], kw["is_first_step"]))
+        kw["dampening"], kw["nesterov"], kw["maximize"], kw["is_first_step"], *scaling))
 
 
 @dataclass(frozen=True)
@@ -62,6 +62,20 @@ class UpdateKernel:
     node: fx.Node
     rule: KernelRule
     counter: fx.Node | None      # `_foreach_add_(steps, 1)` of this kernel, if any
+    uncounter: fx.Node | None = None   # `_foreach_sub_(steps, found_inf)` after it, with a GradScaler
+
+    @property
+    def nodes(self) -> list[fx.Node]:
+        """The nodes of the unit besides the kernel (counters and their device copies)."""
+        return [n for n in (self.counter, *self.step_copies(), self.uncounter) if n is not None]
+
+    @property
+    def found_inf(self) -> fx.Node | None:
+        return self.node.kwargs.get("found_inf")
+
+    @property
+    def grad_scale(self) -> fx.Node | None:
+        return self.node.kwargs.get("grad_scale")
 
     @property
     def params(self) -> list[fx.Node]:
@@ -97,12 +111,17 @@ class UpdateKernel:
         return self.counter if self.counter is not None else self.node
 
     def emit_host_update(self, g: fx.Graph, after: fx.Node, masters: list[fx.Node], host_grads: list[fx.Node],
-                         host_lr: Callable[[fx.Node], fx.Node]) -> fx.Node:
-        return self.rule.emit_host_update(g, self, after, masters, host_grads, host_lr(self.node.kwargs["lr"]))
+                         host_lr: Callable[[fx.Node], fx.Node],
+                         scaling: tuple[fx.Node | None, fx.Node | None] = (None, None)) -> fx.Node:
+        """The host variant of the kernel; `scaling`: host copies of (grad_scale, found_inf)."""
+        return self.rule.emit_host_update(g, self, after, masters, host_grads, host_lr(self.node.kwargs["lr"]),
+                                          scaling)
 
     def erase(self) -> None:
         g = self.node.graph
         copies = self.step_copies()
+        if self.uncounter is not None:
+            g.erase_node(self.uncounter)
         g.erase_node(self.node)
         for copy in copies:
             if not copy.users:
@@ -111,22 +130,29 @@ class UpdateKernel:
             g.erase_node(self.counter)
 
 
+def _the_one(candidates: set) -> fx.Node | None:
+    return next(iter(candidates)) if len(candidates) == 1 and None not in candidates else None
+
+
 def find_update_kernels(graph: fx.Graph) -> list[UpdateKernel]:
-    counters: dict[fx.Node, fx.Node] = {}   # step-counter placeholder -> its `_foreach_add_`
+    counters: dict[fx.Node, fx.Node] = {}     # step-counter placeholder -> its `_foreach_add_`
+    uncounters: dict[fx.Node, fx.Node] = {}   # ... -> its `_foreach_sub_` (skipped steps)
     for node in graph.nodes:
-        if getattr(node.target, "overloadpacket", None) is aten._foreach_add_:
-            for t in node.args[0]:
-                counters[t] = node
+        packet = getattr(node.target, "overloadpacket", None)
+        for table, op in ((counters, aten._foreach_add_), (uncounters, aten._foreach_sub_)):
+            if packet is op:
+                for t in node.args[0]:
+                    table[t] = node
     out = []
     for node in graph.nodes:
         rule = kernel_rule(node)
         if rule is None:
             continue
-        counter = None
+        counter = uncounter = None
         if rule.steps_position is not None:
             roots = [s if s.op == "placeholder" else s.args[0] for s in node.args[rule.steps_position]]
-            candidates = {counters.get(r) for r in roots}
-            if len(candidates) == 1 and None not in candidates:
-                counter = candidates.pop()
-        out.append(UpdateKernel(node, rule, counter))
+            counter = _the_one({counters.get(r) for r in roots})
+            if node.kwargs.get("found_inf") is not None:
+                uncounter = _the_one({uncounters.get(r) for r in roots})
+        out.append(UpdateKernel(node, rule, counter, uncounter))
     return out

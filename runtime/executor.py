@@ -64,6 +64,8 @@ class Executor:
                 values.append(b.state(*spec.target))
             elif spec.kind == "lr":
                 values.append(torch.tensor(b.lr(*spec.target), dtype=torch.float64))
+            elif spec.kind == "scaler":
+                values.append(b.scaler_state(*spec.target))
             else:
                 values.append(batch[spec.target].detach())
         return values

@@ -214,8 +214,9 @@ def _host_fp32_grads(params: list[Tensor], grads: list[Tensor]) -> list[Tensor]:
 def host_adam_(after: Tensor, params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor],
                exp_avg_sqs: list[Tensor], max_exp_avg_sqs: list[Tensor], steps: list[Tensor], lr: Tensor,
                beta1: float, beta2: float, weight_decay: float, eps: float, amsgrad: bool, maximize: bool,
-               decoupled: bool) -> Tensor:
-    """Adam/AdamW on host tensors, on the worker, once `after` is done; returns a ticket."""
+               decoupled: bool, grad_scale: Tensor | None = None, found_inf: Tensor | None = None) -> Tensor:
+    """Adam/AdamW on host tensors, on the worker, once `after` is done; returns a ticket.
+    With a GradScaler's `grad_scale`/`found_inf` (host copies) it unscales and skips on inf."""
     lr = lr.clone()   # the graph's lr tensor may be gone by the time the worker runs
 
     def work():
@@ -223,33 +224,36 @@ def host_adam_(after: Tensor, params: list[Tensor], grads: list[Tensor], exp_avg
         kernel = torch._fused_adamw_ if decoupled else torch._fused_adam_
         kernel(params, _host_fp32_grads(params, grads), exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps,
                lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps, amsgrad=amsgrad,
-               maximize=maximize)
+               maximize=maximize, grad_scale=grad_scale, found_inf=found_inf)
+        if found_inf is not None:
+            torch._foreach_sub_(steps, [found_inf] * len(steps))
     return active_runtime().run_on_host(after, work)
 
 
 @host_adam_.register_fake
 def _(after, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, lr, beta1, beta2, weight_decay,
-      eps, amsgrad, maximize, decoupled):
+      eps, amsgrad, maximize, decoupled, grad_scale=None, found_inf=None):
     return _ticket_fake()
 
 
 @torch.library.custom_op("graphoffload::host_sgd_", mutates_args=("params", "momentum_buffers"))
 def host_sgd_(after: Tensor, params: list[Tensor], grads: list[Tensor], momentum_buffers: list[Tensor],
               lr: Tensor, weight_decay: float, momentum: float, dampening: float, nesterov: bool,
-              maximize: bool, is_first_step: bool) -> Tensor:
+              maximize: bool, is_first_step: bool, grad_scale: Tensor | None = None,
+              found_inf: Tensor | None = None) -> Tensor:
     """SGD on host tensors, on the worker, once `after` is done; returns a ticket."""
     lr = lr.clone()
 
     def work():
         torch._fused_sgd_(params, _host_fp32_grads(params, grads), momentum_buffers, weight_decay=weight_decay,
                           momentum=momentum, lr=lr, dampening=dampening, nesterov=nesterov, maximize=maximize,
-                          is_first_step=is_first_step)
+                          is_first_step=is_first_step, grad_scale=grad_scale, found_inf=found_inf)
     return active_runtime().run_on_host(after, work)
 
 
 @host_sgd_.register_fake
 def _(after, params, grads, momentum_buffers, lr, weight_decay, momentum, dampening, nesterov, maximize,
-      is_first_step):
+      is_first_step, grad_scale=None, found_inf=None):
     return _ticket_fake()
 
 
