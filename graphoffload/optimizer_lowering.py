@@ -59,6 +59,14 @@ def _init_sgd_state(p: Tensor, group: dict[str, Any], state: dict[str, Any]) -> 
         state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
 
+def _lr_for(u: TracedUpdate) -> Tensor:
+    """The lr tensor the fused kernel of this device reads: the CPU kernels read a double (and
+    the graph's lr input is float64, so results match a Python float lr bit for bit); the CUDA
+    kernels read a float on the device, the precision they compute the update in anyway."""
+    device = u.params[0].device
+    return u.lr if device.type == "cpu" else u.lr.to(device=device, dtype=torch.float32)
+
+
 def _steps_on(steps: list[Tensor], device: torch.device) -> list[Tensor]:
     return [s if s.device == device else s.to(device) for s in steps]
 
@@ -69,7 +77,7 @@ def _lower_adam_family(u: TracedUpdate, decoupled: bool) -> None:
     steps = [u.state(i, "step") for i in range(len(u.params))]
     torch._foreach_add_(steps, 1)
     kernel = torch._fused_adamw_ if decoupled else torch._fused_adam_
-    lr = u.lr.to(u.params[0].device)
+    lr = _lr_for(u)
     kernel(
         u.params, u.grads,
         [u.state(i, "exp_avg") for i in range(len(u.params))],
@@ -96,7 +104,7 @@ def _lower_sgd(u: TracedUpdate, first_step: bool) -> None:
     buffers = [u.state(i, "momentum_buffer") for i in range(len(u.params))] if momentum else []
     torch._fused_sgd_(
         u.params, u.grads, buffers, weight_decay=float(g["weight_decay"]), momentum=momentum,
-        lr=u.lr.to(u.params[0].device), dampening=float(g["dampening"]), nesterov=bool(g["nesterov"]),
+        lr=_lr_for(u), dampening=float(g["dampening"]), nesterov=bool(g["nesterov"]),
         maximize=bool(g["maximize"]), is_first_step=first_step, grad_scale=u.grad_scale, found_inf=u.found_inf)
 
 
