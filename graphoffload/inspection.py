@@ -76,6 +76,7 @@ def _rich_available() -> bool:
 
 def _print_rich(header: list[str], table: list[list[Any]], notes: dict[str, list[str]]) -> None:
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     t = Table(title="graphoffload: stages of the compiled step")
@@ -87,7 +88,7 @@ def _print_rich(header: list[str], table: list[list[Any]], notes: dict[str, list
     console.print(t)
     for pass_name, pass_notes in notes.items():
         for line in pass_notes:
-            console.print(f"[bold]{pass_name}[/bold]: {line}", highlight=False)
+            console.print(f"[bold]{escape(pass_name)}[/bold]: {escape(line)}", highlight=False)
 
 
 def _format_arg(a: Any) -> str:
