@@ -1,0 +1,132 @@
+"""Shared by the test modules: tiny model builders, the eager-vs-compiled training loop and the
+comparisons every equivalence test makes."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Sequence
+
+import torch
+from gpt import GPT, GPTConfig
+from steps import TINY, token_batches, train_step
+
+import graphoffload
+
+
+def tiny_gpt(seed: int = 0, **overrides) -> GPT:
+    torch.manual_seed(seed)
+    return GPT(GPTConfig(**{**TINY.__dict__, **overrides}))
+
+
+def hf_gpt2(seed: int = 0):
+    import transformers
+
+    torch.manual_seed(seed)
+    cfg = transformers.GPT2Config(n_layer=2, n_head=2, n_embd=32, vocab_size=64, n_positions=32,
+                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                                  bos_token_id=0, eos_token_id=0, attn_implementation="sdpa")
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+def hf_llama(seed: int = 0):
+    import transformers
+
+    torch.manual_seed(seed)
+    # 4 query heads over 2 key/value heads: grouped-query attention
+    cfg = transformers.LlamaConfig(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                   hidden_size=32, intermediate_size=64, vocab_size=64,
+                                   max_position_embeddings=32, attn_implementation="sdpa")
+    return transformers.LlamaForCausalLM(cfg)
+
+
+def hf_train_step(model, optimizer, batch):
+    out = model(input_ids=batch["input_ids"], labels=batch["labels"])
+    out.loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return out.loss
+
+
+def run_steps(step_fn: Callable, model, opt, batches: Sequence[dict], scheduler=None) -> list[torch.Tensor]:
+    """Train on `batches`, stepping `scheduler` (if any) between steps as a user would; returns
+    the detached losses."""
+    losses = []
+    for b in batches:
+        losses.append(step_fn(model, opt, b).detach().clone())
+        if scheduler is not None:
+            scheduler.step()
+    return losses
+
+
+def eager_and_compiled(model, make_opt: Callable, batches: Sequence[dict], step_fn: Callable = train_step,
+                       make_scheduler: Callable | None = None, **compile_kwargs):
+    """Train a copy of `model` eagerly and another copy with the compiled step on the same
+    batches. Returns (eager model, eager opt, eager losses, compiled model, compiled opt,
+    compiled losses, compiled step)."""
+    eager, compiled = model, copy.deepcopy(model)
+    opt_e, opt_c = make_opt(eager), make_opt(compiled)
+    sched_e = make_scheduler(opt_e) if make_scheduler else None
+    sched_c = make_scheduler(opt_c) if make_scheduler else None
+    step = graphoffload.offload_compile(step_fn, **compile_kwargs)
+    losses_e = run_steps(step_fn, eager, opt_e, batches, sched_e)
+    losses_c = run_steps(step, compiled, opt_c, batches, sched_c)
+    return eager, opt_e, losses_e, compiled, opt_c, losses_c, step
+
+
+def assert_tensors_match(a: torch.Tensor, b: torch.Tensor, exact: bool, what: str, rtol: float = 1e-5,
+                         atol: float = 1e-6) -> None:
+    if exact:
+        assert torch.equal(a, b), f"{what}: max abs diff {(a.double() - b.double()).abs().max().item()}"
+    else:
+        torch.testing.assert_close(a, b, rtol=rtol, atol=atol, msg=lambda m: f"{what}: {m}")
+
+
+def assert_training_matches(model_a, opt_a, losses_a, model_b, opt_b, losses_b, exact: bool,
+                            rtol: float = 1e-5, atol: float = 1e-6) -> None:
+    """Losses, parameters, buffers and optimizer state of two runs agree (bit for bit if exact)."""
+    assert len(losses_a) == len(losses_b)
+    for i, (la, lb) in enumerate(zip(losses_a, losses_b)):
+        assert_tensors_match(la, lb, exact, f"loss of step {i}", rtol, atol)
+    named_b = dict(model_b.named_parameters())
+    for name, pa in model_a.named_parameters():
+        pb = named_b[name]
+        assert_tensors_match(pa.detach(), pb.detach(), exact, f"parameter {name}", rtol, atol)
+        state_a, state_b = opt_a.state[pa], opt_b.state[pb]
+        assert set(state_a) == set(state_b), name
+        for key in state_a:
+            assert_tensors_match(state_a[key], state_b[key], exact, f"state {key} of {name}", rtol, atol)
+    buffers_b = dict(model_b.named_buffers())
+    for name, ba in model_a.named_buffers():
+        assert_tensors_match(ba, buffers_b[name], exact, f"buffer {name}", rtol, atol)
+
+
+def snapshot(model, opt=None) -> dict:
+    """Deep copies of a model's parameters/buffers and an optimizer's state, to check that a
+    failed call left them untouched."""
+    return {"model": copy.deepcopy(model.state_dict()),
+            "opt": copy.deepcopy(opt.state_dict()) if opt is not None else None}
+
+
+def assert_unchanged(model, opt, snap: dict) -> None:
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, snap["model"][name]), f"{name} changed"
+    if opt is not None:
+        assert_state_dicts_equal(opt.state_dict(), snap["opt"])
+    assert all(p.grad is None for p in model.parameters())
+
+
+def assert_state_dicts_equal(a, b, path: str = "") -> None:
+    """Nested dicts/lists of tensors and plain values are equal (tensors bit for bit)."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), path
+    elif isinstance(a, dict):
+        assert set(a) == set(b), f"{path}: keys {set(a)} != {set(b)}"
+        for k in a:
+            assert_state_dicts_equal(a[k], b[k], f"{path}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_state_dicts_equal(x, y, f"{path}[{i}]")
+    else:
+        assert a == b, f"{path}: {a!r} != {b!r}"
+
