@@ -1,0 +1,140 @@
+"""Capturing a whole step: a compiled GPT trains like eager, shares the user's model and
+optimizer with eager code, updates buffers in place, and re-traces only when it must."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from helpers import (assert_state_dicts_equal, assert_training_matches, eager_and_compiled, run_steps, tiny_gpt,
+                     token_batches)
+from steps import train_step
+from torch import nn
+
+import graphoffload
+
+
+def adamw(model):
+    return torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1, fused=True)
+
+
+def test_compiled_gpt_trains_ten_steps_bit_identical_to_eager():
+    eager, opt_e, losses_e, compiled, opt_c, losses_c, step = eager_and_compiled(tiny_gpt(), adamw, token_batches(10))
+    assert_training_matches(eager, opt_e, losses_e, compiled, opt_c, losses_c, exact=True)
+    assert step.trace_count == 1
+    assert all(p.grad is None for p in compiled.parameters())   # zero_grad ran inside the step
+    assert torch.equal(compiled.head.weight, compiled.tok.weight)   # tied weights stay one tensor
+    assert compiled.head.weight is compiled.tok.weight
+
+
+def test_compiled_gpt_matches_float64_eager_within_1e5():
+    # the same training in float64 is the reference the float32 runs are judged against
+    model = tiny_gpt()
+    reference = copy.deepcopy(model).double()
+    opt_r = torch.optim.AdamW(reference.parameters(), lr=3e-3, weight_decay=0.1)
+    losses_r = run_steps(train_step, reference, opt_r, token_batches(3))
+    opt_c = adamw(model)
+    losses_c = run_steps(graphoffload.offload_compile(train_step), model, opt_c, token_batches(3))
+    for lr_, lc in zip(losses_r, losses_c):
+        torch.testing.assert_close(lc.double(), lr_.double(), rtol=1e-5, atol=0)
+
+
+def test_eager_and_compiled_steps_interleaved_on_one_model_match_all_eager():
+    reference = tiny_gpt()
+    mixed = copy.deepcopy(reference)
+    opt_r, opt_m = adamw(reference), adamw(mixed)
+    step = graphoffload.offload_compile(train_step)
+    losses_r, losses_m = [], []
+    for i, b in enumerate(token_batches(8)):
+        losses_r.append(train_step(reference, opt_r, b).detach())
+        # even steps eager, odd steps compiled, on the same model and optimizer
+        losses_m.append((train_step if i % 2 == 0 else step)(mixed, opt_m, b).detach())
+    assert_training_matches(reference, opt_r, losses_r, mixed, opt_m, losses_m, exact=True)
+    assert step.trace_count == 1
+
+
+def test_state_dicts_after_compiled_steps_equal_eager_and_reload():
+    eager, opt_e, _, compiled, opt_c, _, step = eager_and_compiled(tiny_gpt(), adamw, token_batches(5))
+    assert_state_dicts_equal(compiled.state_dict(), eager.state_dict())
+    assert_state_dicts_equal(opt_c.state_dict(), opt_e.state_dict())
+    # a checkpoint of the compiled run resumes eagerly exactly where eager would be
+    resumed = tiny_gpt(seed=1)
+    resumed.load_state_dict(compiled.state_dict())
+    opt_resumed = adamw(resumed)
+    opt_resumed.load_state_dict(opt_c.state_dict())
+    more = token_batches(3, seed=1)
+    losses_e = run_steps(train_step, eager, opt_e, more)
+    losses_r = run_steps(step, resumed, opt_resumed, more)
+    assert_training_matches(eager, opt_e, losses_e, resumed, opt_resumed, losses_r, exact=True)
+
+
+class BatchNormNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 1))
+
+    def forward(self, x, y):
+        return nn.functional.mse_loss(self.net(x).squeeze(-1), y)
+
+
+def regression_step(model, optimizer, batch):
+    loss = model(batch["x"], batch["y"])
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss
+
+
+def regression_batches(n: int, seed: int = 0) -> list[dict]:
+    g = torch.Generator().manual_seed(seed)
+    return [{"x": torch.randn(12, 8, generator=g), "y": torch.randn(12, generator=g)} for _ in range(n)]
+
+
+def test_batchnorm_running_stats_update_in_place_like_eager():
+    torch.manual_seed(0)
+    model = BatchNormNet()
+    bn = copy.deepcopy(model).net[1]
+    eager, opt_e, losses_e, compiled, opt_c, losses_c, _ = eager_and_compiled(
+        model, adamw, regression_batches(10), step_fn=regression_step)
+    assert_training_matches(eager, opt_e, losses_e, compiled, opt_c, losses_c, exact=True)
+    stats = compiled.net[1]
+    assert stats.num_batches_tracked.item() == 10
+    assert not torch.equal(stats.running_mean, bn.running_mean)   # the stats moved...
+    assert torch.equal(stats.running_var, eager.net[1].running_var)   # ...exactly as eagerly
+
+
+def test_eval_mode_retraces_and_matches_eager_eval():
+    torch.manual_seed(0)
+    model = BatchNormNet()
+    eager, compiled = model, copy.deepcopy(model)
+    opt_e, opt_c = adamw(eager), adamw(compiled)
+    step = graphoffload.offload_compile(regression_step)
+    batches = regression_batches(4)
+    run_steps(regression_step, eager, opt_e, batches[:2])
+    run_steps(step, compiled, opt_c, batches[:2])
+    assert step.trace_count == 1
+    eager.eval()
+    compiled.eval()
+    # in eval mode BatchNorm normalises with its running stats and leaves them alone
+    stats_before = compiled.net[1].running_mean.clone()
+    losses_e = run_steps(regression_step, eager, opt_e, batches[2:])
+    losses_c = run_steps(step, compiled, opt_c, batches[2:])
+    assert step.trace_count == 2
+    assert torch.equal(compiled.net[1].running_mean, stats_before)
+    assert_training_matches(eager, opt_e, losses_e, compiled, opt_c, losses_c, exact=True)
+    compiled.train()
+    eager.train()
+    run_steps(step, compiled, opt_c, batches[:1])
+    assert step.trace_count == 2   # back to the cached train-mode graph
+
+
+def test_new_batch_shape_retraces_and_same_shape_reuses_the_graph():
+    model = tiny_gpt()
+    opt = adamw(model)
+    step = graphoffload.offload_compile(train_step)
+    run_steps(step, model, opt, token_batches(3, batch=2))
+    assert step.trace_count == 1
+    run_steps(step, model, opt, token_batches(2, batch=3))
+    assert step.trace_count == 2
+    run_steps(step, model, opt, token_batches(1, batch=2, seed=5))
+    assert step.trace_count == 2
