@@ -1,0 +1,302 @@
+"""Ring attention: exact attention over a sequence split across the ranks of a process group.
+
+Each rank holds its queries, keys and values for its part of the sequence. The forward op
+computes attention of its queries against its own key/value block, then passes key/value
+blocks around the ring (rank r sends to r+1 and receives from r-1) and merges each block's
+partial output into the running one with its log-sum-exp, in float32 and in the overflow-safe
+form (``lse - logsigmoid(lse - lse_b)``). The send/receive of the next block is posted with
+`torch.distributed.batch_isend_irecv` *before* the current block is computed, so transfer and
+compute overlap and no rank can deadlock on the order of its sends and receives.
+
+The backward op takes the final output and log-sum-exp; key/value blocks travel the ring
+again and, one step behind them, float32 accumulators of their gradients: each rank adds its
+queries' contribution to the block it holds and passes the accumulator on, so after N steps
+every block's gradient is back on its owner.
+
+Layouts (`chunk_ranges`): ``contiguous`` gives rank r the r-th of N equal chunks;
+``zigzag`` cuts the sequence into 2N chunks and gives rank r chunks r and 2N-1-r, so under a
+causal mask every rank does the same work. Grouped-query attention sends the key/value heads
+as they are; they are repeated only locally, for the per-block kernel.
+
+Per-block attention runs the fused SDPA kernels that return the log-sum-exp (the table
+`runtime/attention.py` dispatches through: flash or efficient attention on CUDA, the CPU flash
+kernel on CPU). Collectives per call: forward N-1 key/value exchanges; backward N-1 key/value
+exchanges plus N gradient exchanges. Every wait has a timeout, so a rank that fails or never
+arrives makes every other rank raise instead of hang.
+"""
+
+from __future__ import annotations
+
+import datetime
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor
+
+from graphoffload.runtime.attention import _backward, _expand_kv, _forward, _reduce_kv_grad
+
+LAYOUTS = ("zigzag", "contiguous")
+
+
+class RingTimeoutError(RuntimeError):
+    """A rank of the ring did not answer in time (it failed, or never reached this attention)."""
+
+
+# --------------------------------------------------------------------------- layouts
+
+def chunk_ranges(layout: str, rank: int, world: int, seq_len: int) -> list[tuple[int, int]]:
+    """[start, end) ranges of the global sequence rank `rank` holds, in local order."""
+    if layout == "contiguous":
+        if seq_len % world:
+            raise ValueError(f"sequence length {seq_len} is not divisible by the {world} ranks of the ring")
+        n = seq_len // world
+        return [(rank * n, (rank + 1) * n)]
+    if layout == "zigzag":
+        if seq_len % (2 * world):
+            raise ValueError(f"zigzag needs a sequence length divisible by 2 x {world} ranks, got {seq_len}")
+        c = seq_len // (2 * world)
+        return [(rank * c, (rank + 1) * c), ((2 * world - 1 - rank) * c, (2 * world - rank) * c)]
+    raise ValueError(f"unknown sequence layout {layout!r}; use one of {LAYOUTS}")
+
+
+def shard(x: Tensor, dim: int, layout: str, rank: int, world: int) -> Tensor:
+    """This rank's part of a full-sequence tensor along `dim`."""
+    parts = [x.narrow(dim, a, b - a) for a, b in chunk_ranges(layout, rank, world, x.shape[dim])]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim)
+
+
+def unshard(parts: list[Tensor], dim: int, layout: str) -> Tensor:
+    """The full-sequence tensor from every rank's part (in rank order)."""
+    world = len(parts)
+    seq = sum(p.shape[dim] for p in parts)
+    pieces: list[tuple[int, Tensor]] = []
+    for r, p in enumerate(parts):
+        offset = 0
+        for a, b in chunk_ranges(layout, r, world, seq):
+            pieces.append((a, p.narrow(dim, offset, b - a)))
+            offset += b - a
+    return torch.cat([t for _, t in sorted(pieces, key=lambda x: x[0])], dim)
+
+
+def positions(layout: str, rank: int, world: int, seq_len: int, device=None) -> Tensor:
+    """Global positions of this rank's tokens (int64), in local order."""
+    return torch.cat([torch.arange(a, b, device=device) for a, b in chunk_ranges(layout, rank, world, seq_len)])
+
+
+# --------------------------------------------------------------------------- communication
+
+def resolve_group(group_name: str) -> dist.ProcessGroup:
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(group_name)
+
+
+class _Ring:
+    def __init__(self, group_name: str, timeout_s: float):
+        self.group = resolve_group(group_name)
+        self.world = dist.get_world_size(self.group)
+        self.rank = dist.get_rank(self.group)
+        self.next = dist.get_global_rank(self.group, (self.rank + 1) % self.world)
+        self.prev = dist.get_global_rank(self.group, (self.rank - 1) % self.world)
+        self.timeout = datetime.timedelta(seconds=timeout_s)
+        self.timeout_s = timeout_s
+
+    def exchange(self, tensors: tuple[Tensor, ...]) -> tuple[list, list[Tensor]]:
+        """Post: send `tensors` to the next rank, receive as many from the previous one."""
+        tensors = tuple(t.contiguous() for t in tensors)
+        bufs = [torch.empty_like(t) for t in tensors]
+        ops = [dist.P2POp(dist.isend, t, self.next, self.group) for t in tensors] + \
+              [dist.P2POp(dist.irecv, b, self.prev, self.group) for b in bufs]
+        try:
+            return dist.batch_isend_irecv(ops), bufs
+        except Exception as exc:  # noqa: BLE001 - a peer that died closes its connection
+            raise self._error("to exchange a block", exc) from exc
+
+    def _error(self, what: str, exc: BaseException) -> RingTimeoutError:
+        return RingTimeoutError(
+            f"ring attention: rank {self.rank} of {self.world} failed {what} with rank {self.prev}/{self.next} "
+            f"(timeout {self.timeout_s:g} s): a rank failed or never reached this attention "
+            f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})")
+
+    def wait(self, reqs: list, what: str) -> None:
+        for req in reqs:
+            try:
+                ok = req.wait(self.timeout)
+            except Exception as exc:  # noqa: BLE001 - backends raise their own error types
+                raise self._error(f"waiting for {what}", exc) from exc
+            if ok is False:
+                raise RingTimeoutError(f"ring attention: rank {self.rank} timed out after {self.timeout_s:g} s "
+                                       f"waiting for {what}")
+
+
+# --------------------------------------------------------------------------- per-block kernels
+
+def _block_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float | None) -> tuple[Tensor, Tensor]:
+    heads = q.shape[-3]
+    out, lse = _forward(q, _expand_kv(k, heads), _expand_kv(v, heads), None, causal, scale)
+    return out, lse[..., :q.shape[-2]]   # efficient attention pads the lse to a multiple of 32
+
+
+def _block_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool,
+                    scale: float | None) -> tuple[Tensor, Tensor, Tensor]:
+    heads = q.shape[-3]
+    if q.device.type == "cuda" and not (q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256):
+        pad = (-lse.shape[-1]) % 32   # the efficient kernel reads a padded lse
+        lse = F.pad(lse, (0, pad)) if pad else lse
+    dq, dk, dv = _backward(dout.contiguous(), q, _expand_kv(k, heads), _expand_kv(v, heads), out,
+                           lse.contiguous(), None, causal, scale)
+    return dq, _reduce_kv_grad(dk, k.shape[-3]), _reduce_kv_grad(dv, v.shape[-3])
+
+
+def block_plan(layout: str, is_causal: bool, rank: int, source: int, q_len: int,
+               kv_len: int) -> tuple[slice, slice, bool] | None:
+    """Which queries of this rank attend to which keys of `source`'s block, and whether
+    causally; None when no query sees any of them."""
+    whole_q, whole_kv = slice(0, q_len), slice(0, kv_len)
+    if source == rank:
+        return whole_q, whole_kv, is_causal
+    if not is_causal:
+        return whole_q, whole_kv, False
+    if layout == "contiguous":
+        return (whole_q, whole_kv, False) if source < rank else None
+    # zigzag: rank r holds chunks (r, 2N-1-r); an earlier rank's first chunk is before both of
+    # ours and its second after both; a later rank's chunks are both before our second chunk only
+    if source < rank:
+        return whole_q, slice(0, kv_len // 2), False
+    return slice(q_len // 2, q_len), whole_kv, False
+
+
+def _merge(out_acc: Tensor, lse_acc: Tensor, out_b: Tensor, lse_b: Tensor) -> None:
+    """Merge a block's (out, lse) into the running float32 ones, in place."""
+    lse_b = lse_b.float()
+    weight = torch.sigmoid(lse_b - lse_acc).unsqueeze(-1)
+    out_acc.sub_(weight * (out_acc - out_b.float()))
+    lse_acc.sub_(F.logsigmoid(lse_acc - lse_b))
+
+
+def ring_forward(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: float | None, layout: str,
+                 ring: _Ring) -> tuple[Tensor, Tensor]:
+    """(out, lse) of this rank's queries against the whole sequence."""
+    q_len, kv_len = q.shape[-2], k.shape[-2]
+    cur = (k.contiguous(), v.contiguous())
+    out0 = out_acc = lse_acc = None
+    for s in range(ring.world):
+        if s < ring.world - 1:
+            reqs, incoming = ring.exchange(cur)    # the next block travels while this one computes
+        source = (ring.rank - s) % ring.world
+        plan = block_plan(layout, is_causal, ring.rank, source, q_len, kv_len)
+        if s == 0:    # own block: full shapes, so its output has the kernel's layout
+            out0, lse0 = _block_forward(q, cur[0], cur[1], is_causal, scale)
+            out_acc, lse_acc = out0.float(), lse0.float().contiguous()
+        elif plan is not None:
+            qs, ks, causal = plan
+            out_b, lse_b = _block_forward(q[..., qs, :], cur[0][..., ks, :], cur[1][..., ks, :], causal, scale)
+            _merge(out_acc[..., qs, :], lse_acc[..., qs], out_b, lse_b)
+        if s < ring.world - 1:
+            ring.wait(reqs, f"the key/value block of step {s + 1}")
+            cur = tuple(incoming)
+    out = torch.empty_like(out0)
+    out.copy_(out_acc)
+    return out, lse_acc
+
+
+def ring_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, is_causal: bool,
+                  scale: float | None, layout: str, ring: _Ring) -> tuple[Tensor, Tensor, Tensor]:
+    """(dq, dk, dv) for this rank's q, k, v from the final output and log-sum-exp."""
+    q_len, kv_len = q.shape[-2], k.shape[-2]
+    cur = (k.contiguous(), v.contiguous())
+    lse = lse.float()
+    templates = None
+    dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    dkv_reqs, dkv_in = None, None
+    for s in range(ring.world):
+        if s < ring.world - 1:
+            kv_reqs, incoming = ring.exchange(cur)
+        source = (ring.rank - s) % ring.world
+        plan = block_plan(layout, is_causal, ring.rank, source, q_len, kv_len)
+        dk_acc = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
+        dv_acc = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
+        if s == 0:
+            templates = _block_backward(dout, q, cur[0], cur[1], out, lse, is_causal, scale)
+            dq_acc += templates[0]
+            dk_acc += templates[1]
+            dv_acc += templates[2]
+        elif plan is not None:
+            qs, ks, causal = plan
+            dq_b, dk_b, dv_b = _block_backward(dout[..., qs, :], q[..., qs, :], cur[0][..., ks, :],
+                                               cur[1][..., ks, :], out[..., qs, :], lse[..., qs], causal, scale)
+            dq_acc[..., qs, :] += dq_b
+            dk_acc[..., ks, :] += dk_b
+            dv_acc[..., ks, :] += dv_b
+        if s > 0:   # this block's gradient so far, from the ranks it visited before
+            ring.wait(dkv_reqs, f"the key/value gradient of step {s}")
+            dk_acc += dkv_in[0]
+            dv_acc += dkv_in[1]
+        if ring.world > 1:
+            dkv_reqs, dkv_in = ring.exchange((dk_acc, dv_acc))
+        if s < ring.world - 1:
+            ring.wait(kv_reqs, f"the key/value block of step {s + 1}")
+            cur = tuple(incoming)
+    if ring.world > 1:   # the last pass brought each rank its own block's gradient
+        ring.wait(dkv_reqs, "the gradient of its own key/value block")
+        dk_acc, dv_acc = dkv_in
+    results = []
+    for template, acc in zip(templates, (dq_acc, dk_acc, dv_acc)):
+        r = torch.empty_like(template)
+        r.copy_(acc)
+        results.append(r)
+    return tuple(results)
+
+
+# --------------------------------------------------------------------------- custom ops
+
+@torch.library.custom_op("graphoffload::ring_attention", mutates_args=())
+def ring_attention(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: float | None, layout: str,
+                   group_name: str, timeout_s: float) -> tuple[Tensor, Tensor]:
+    """`graphoffload::attention` over a sequence split across the ranks of `group_name`:
+    (out, logsumexp) of this rank's queries; q, k, v hold this rank's part of the sequence."""
+    return ring_forward(q, k, v, is_causal, scale, layout, _Ring(group_name, timeout_s))
+
+
+@ring_attention.register_fake
+def _ring_attention_fake(q, k, v, is_causal, scale, layout, group_name, timeout_s):
+    out, lse = _block_forward(q, k.contiguous(), v.contiguous(), is_causal, scale)
+    return torch.empty_like(out), torch.empty(lse.shape, dtype=torch.float32, device=q.device)
+
+
+@torch.library.custom_op("graphoffload::ring_attention_backward", mutates_args=())
+def ring_attention_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                            is_causal: bool, scale: float | None, layout: str, group_name: str,
+                            timeout_s: float) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients (dq, dk, dv) of `ring_attention` for this rank's q, k, v."""
+    return ring_backward(grad_out, q, k, v, out, lse, is_causal, scale, layout, _Ring(group_name, timeout_s))
+
+
+@ring_attention_backward.register_fake
+def _ring_attention_backward_fake(grad_out, q, k, v, out, lse, is_causal, scale, layout, group_name, timeout_s):
+    return tuple(torch.empty_like(t) for t in _block_backward(grad_out, q, k.contiguous(), v.contiguous(), out,
+                                                              lse.float(), is_causal, scale))
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, is_causal, scale, layout, group_name, timeout_s = inputs
+    ctx.save_for_backward(q, k, v, *output)
+    ctx.args = (is_causal, scale, layout, group_name, timeout_s)
+    ctx.mark_non_differentiable(output[1])
+
+
+def _ring_attention_grad(ctx, grad_out, _grad_lse):
+    q, k, v, out, lse = ctx.saved_tensors
+    dq, dk, dv = ring_attention_backward(grad_out, q, k, v, out, lse, *ctx.args)
+    return dq, dk, dv, None, None, None, None, None
+
+
+ring_attention.register_autograd(_ring_attention_grad, setup_context=_setup_context)
+
+# Rule table (JAX-style): each captured attention op and the ring op that replaces it. The
+# pass appends (layout, group name, timeout) to the arguments it keeps.
+RING_RULES = {
+    torch.ops.graphoffload.attention.default: torch.ops.graphoffload.ring_attention.default,
+    torch.ops.graphoffload.attention_backward.default: torch.ops.graphoffload.ring_attention_backward.default,
+}

@@ -1,0 +1,42 @@
+"""Run a function in N spawned CPU processes joined by a gloo process group (sequence-parallel
+tests). The store is a file in a temporary directory; every collective has a timeout and the
+whole run a deadline, so a dead or stuck rank fails the test instead of hanging it."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import tempfile
+import time
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _entry(rank: int, fn, world: int, store: str, args: tuple) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    try:
+        fn(rank, world, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(fn, world: int, *args, deadline_s: float = 120.0) -> None:
+    """Run `fn(rank, world, *args)` on `world` spawned ranks; re-raise the first failure."""
+    with tempfile.TemporaryDirectory() as tmp:
+        ctx = mp.start_processes(_entry, args=(fn, world, os.path.join(tmp, "store"), args), nprocs=world,
+                                 join=False, start_method="spawn")
+        end = time.monotonic() + deadline_s
+        try:
+            while not ctx.join(timeout=max(0.1, min(1.0, end - time.monotonic()))):
+                if time.monotonic() > end:
+                    raise TimeoutError(f"ranks did not finish within {deadline_s} s")
+        finally:
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.kill()
