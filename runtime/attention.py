@@ -8,8 +8,8 @@ so a fake output always has the real output's strides.
 
 Layout follows SDPA: q is (batch, heads, q_len, head_dim), k/v are (batch, kv_heads, kv_len,
 head_dim); logsumexp is float32 (batch, heads, q_len). Grouped-query attention (kv_heads
-divides heads) is expanded inside the kernel, and its key/value gradients are summed back, so
-the graph carries the small K/V tensors.
+divides heads) is expanded inside the kernel on CUDA, and its key/value gradients are summed
+back (torch's CPU kernels take grouped K/V natively), so the graph carries the small K/V tensors.
 """
 
 from __future__ import annotations
@@ -22,7 +22,9 @@ aten = torch.ops.aten
 
 def _expand_kv(t: Tensor, heads: int) -> Tensor:
     groups = heads // t.shape[-3]
-    return t if groups == 1 else t.repeat_interleave(groups, dim=-3)
+    # torch's CPU flash kernels take grouped K/V as they are (as eager SDPA with enable_gqa
+    # calls them); expanding there would sum dk/dv in another order than eager does
+    return t if groups == 1 or t.device.type == "cpu" else t.repeat_interleave(groups, dim=-3)
 
 
 def _reduce_kv_grad(g: Tensor, kv_heads: int) -> Tensor:
