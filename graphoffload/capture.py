@@ -354,7 +354,9 @@ def _translate_trace_error(exc: Exception) -> GraphOffloadError:
             "`if tensor > ...` and ops whose output shape depends on values cannot be captured in "
             "one graph: move them outside the compiled step or express them with tensor ops "
             f"(torch.where, masking). ({name}: {str(exc).splitlines()[0] if str(exc) else ''})")
-    if isinstance(exc, NotImplementedError) and ("fake impl" in str(exc) or "Meta" in str(exc)):
+    # an op with no meta kernel raises NotImplementedError; a custom_op with no register_fake, RuntimeError
+    if (isinstance(exc, NotImplementedError) and ("fake impl" in str(exc) or "Meta" in str(exc))) or \
+            (isinstance(exc, RuntimeError) and "no fake impl" in str(exc)):
         match = re.search(r"\w+::[\w.]+", str(exc))
         op = match.group(0) if match else str(exc).split(":")[0]
         return UnsupportedError(
@@ -382,7 +384,22 @@ class Capture:
 
 
 def capture_step(fn: Callable, args: tuple, kwargs: dict, config: CompileConfig) -> Capture:
+    """Trace `fn` into a Capture. If tracing fails, the optimizer state it created is dropped
+    again: left behind, it would make the next step (compiled or eager) skip SGD's first-step
+    momentum initialisation."""
     b = find_bindings(fn, args, kwargs)
+    fresh = [(opt, [p for g in opt.param_groups for p in g["params"] if not opt.state.get(p)])
+             for opt in b.optimizers]
+    try:
+        return _capture_step(fn, args, kwargs, config, b)
+    except BaseException:
+        for opt, params in fresh:
+            for p in params:
+                opt.state.pop(p, None)
+        raise
+
+
+def _capture_step(fn: Callable, args: tuple, kwargs: dict, config: CompileConfig, b: StepBindings) -> Capture:
     first_steps = [optimizer_lowering.prepare_state(opt) for opt in b.optimizers]
     leaves, in_spec = pytree.tree_flatten((args, kwargs))
     batch_positions = [i for i, x in enumerate(leaves) if isinstance(x, Tensor)]
@@ -448,6 +465,11 @@ def capture_step(fn: Callable, args: tuple, kwargs: dict, config: CompileConfig)
     finally:
         for (oi, gi), lr in zip(b.lr_groups, lr_before):
             if b.lr(oi, gi) != lr:
+                group = b.optimizers[oi].param_groups[gi]
+                if isinstance(group["lr"], Tensor):
+                    group["lr"].fill_(lr)
+                else:
+                    group["lr"] = lr
                 raise CaptureError(
                     "the learning rate changed while the step was traced: call scheduler.step() "
                     "outside the compiled step (it would run only once, at trace time)")
@@ -468,6 +490,7 @@ def capture_step(fn: Callable, args: tuple, kwargs: dict, config: CompileConfig)
         + [InputSpec("batch", f"batch_{j}", j) for j in range(len(batch_positions))])
     graph = _rename_placeholders(gm, [s.name for s in input_specs])
     _annotate(graph, input_specs)
+    _reject_scalar_reads(graph)
     mutated = {n.name for n in graph.graph.nodes if n.op == "placeholder" and _is_mutated(n)}
     input_specs = [InputSpec(s.kind, s.name, s.target, s.name in mutated) for s in input_specs]
     signature = GraphSignature(tuple(input_specs), tuple(result["specs"]))
@@ -480,6 +503,19 @@ def capture_step(fn: Callable, args: tuple, kwargs: dict, config: CompileConfig)
                    zero_grad_before_backward="zero_grad" in events.order[:first_backward],
                    calls_zero_grad="zero_grad" in events.order,
                    stepped_optimizers=sorted(events.stepped), batch_positions=batch_positions)
+
+
+def _reject_scalar_reads(gm: fx.GraphModule) -> None:
+    """make_fx turns `.item()` into an unbacked symbolic scalar instead of failing, so the
+    Python code that used it ran once on a placeholder value: refuse the graph."""
+    for node in gm.graph.nodes:
+        if node.target is torch.ops.aten._local_scalar_dense.default:
+            where = user_line_of_stack_trace(node.meta.get("stack_trace"))
+            raise CaptureError(
+                f"the train step reads a tensor's value into Python{f' at {where}' if where else ''}. "
+                "`.item()`, `float(tensor)`, `.tolist()` and `if tensor > ...` cannot be captured in one "
+                "graph: move them outside the compiled step (e.g. call `.item()` on the returned loss) "
+                "or express them with tensor ops (torch.where, masking).")
 
 
 def _placeholder_name(prefix: str, name: str) -> str:
