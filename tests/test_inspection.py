@@ -1,0 +1,92 @@
+"""Looking at a compiled step: stages, explain(), print_graph(), draw(), dump()."""
+
+from __future__ import annotations
+
+import io
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+from helpers import run_steps, tiny_gpt, token_batches
+from steps import train_step
+
+import graphoffload
+from graphoffload.inspection import PHASE_COLOURS
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GPT_SOURCE = os.path.join(ROOT, "examples", "gpt.py")
+
+
+def gpt_line(text: str) -> int:
+    with open(GPT_SOURCE) as f:
+        return next(i for i, line in enumerate(f, 1) if text in line)
+
+
+@pytest.fixture(scope="module")
+def step():
+    model = tiny_gpt()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    compiled = graphoffload.offload_compile(train_step)
+    run_steps(compiled, model, opt, token_batches(1))
+    return compiled
+
+
+def test_graphs_hold_captured_every_pass_and_final(step):
+    names = [p.name for p in step.pass_manager.passes]
+    assert list(step.graphs) == ["captured", *names, "final"]
+    assert step.graphs["final"] is not step.graphs["captured"]
+    assert all(isinstance(gm, torch.fx.GraphModule) for gm in step.graphs.values())
+
+
+def test_explain_has_one_row_per_stage_with_its_node_count(step):
+    text = step.explain(file=io.StringIO())
+    rows = {line.split()[0]: line.split() for line in text.splitlines()[1:] if line.strip()
+            and not line.startswith("[")}
+    assert set(rows) == set(step.graphs)
+    for stage, gm in step.graphs.items():
+        n_ops = sum(n.op == "call_function" for n in gm.graph.nodes)
+        assert int(rows[stage][1]) == n_ops, stage
+    assert "[eliminate_dead_code] removed" in text
+
+
+def test_print_graph_lines_carry_shape_phase_pass_and_user_source(step):
+    text = step.print_graph("final", file=io.StringIO())
+    lines = text.splitlines()[1:]
+    assert len(lines) == len(step.graphs["final"].graph.nodes)
+    qkv = f"gpt.py:{gpt_line('self.qkv(x)')}"
+    forward = [ln for ln in lines if qkv in ln and "# forward | by capture" in ln]
+    assert forward, f"no forward node points at {qkv}"
+    assert any(re.search(r"f32\[2, 16, 96\]@cpu = aten\.(addmm|view)", ln) for ln in forward)
+    backward = [ln for ln in lines if qkv in ln and "# backward | by capture" in ln]
+    assert backward   # backward nodes inherit their forward node's source line
+    assert any("# optimizer | by fuse_optimizer" in ln for ln in lines)
+    assert all(" | by " in ln for ln in lines if not ln.startswith("return"))
+
+
+def test_draw_writes_dot_that_pydot_parses_with_nodes_coloured_by_phase(step, tmp_path):
+    pydot = pytest.importorskip("pydot")
+    path = tmp_path / "final.dot"
+    step.draw("final", str(path))
+    (dot,) = pydot.graph_from_dot_file(str(path))
+    phases = {n.name: n.meta["phase"] for n in step.graphs["final"].graph.nodes}
+    drawn = {n.get_name().strip('"'): n.get("fillcolor").strip('"') for n in dot.get_nodes()
+             if n.get("fillcolor")}
+    assert set(drawn) == set(phases)
+    for name, colour in drawn.items():
+        assert colour == PHASE_COLOURS[phases[name]], name
+    assert len({drawn[n] for n in drawn}) >= 4    # input, forward, backward, optimizer at least
+    assert len(dot.get_edges()) == sum(len(n.all_input_nodes) for n in step.graphs["final"].graph.nodes)
+
+
+def test_dump_writes_every_stage_and_the_final_module_runs_standalone(step, tmp_path):
+    files = step.dump(str(tmp_path))
+    assert len(files) == 2 * len(step.graphs)
+    assert all(os.path.getsize(f) > 0 for f in files)
+    final = [f for f in files if f.endswith("_final.py")]
+    assert len(final) == 1
+    proc = subprocess.run([sys.executable, final[0]], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "ran stage final" in proc.stdout
