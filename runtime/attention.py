@@ -53,7 +53,9 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bo
         res = aten._scaled_dot_product_efficient_attention(
             q, k, v, _additive_mask(mask, q.dtype), True, 0.0, is_causal, scale=scale)
         return res[0], res[1]
-    res = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, is_causal, attn_mask=mask, scale=scale)
+    # torch's CPU kernel takes only an additive mask of q's dtype; eager SDPA converts bool masks so too
+    res = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, is_causal,
+                                                           attn_mask=_additive_mask(mask, q.dtype), scale=scale)
     return res[0], res[1]
 
 
@@ -74,7 +76,7 @@ def _backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, ls
             is_causal, scale=scale)
         return res[0], res[1], res[2]
     res = aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        grad_out, q, k, v, out, lse, 0.0, is_causal, attn_mask=mask, scale=scale)
+        grad_out, q, k, v, out, lse, 0.0, is_causal, attn_mask=_additive_mask(mask, q.dtype), scale=scale)
     return res[0], res[1], res[2]
 
 
