@@ -1,0 +1,77 @@
+"""The example GPT on a GPU: fp32 and bf16-autocast training match eager, and the predicted
+peak memory matches the CUDA caching allocator's measured peak. Skipped without a GPU."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from gpt import GPT, GPTConfig
+from helpers import assert_training_matches, run_steps, token_batches
+from steps import train_step
+
+import graphoffload
+from graphoffload import CompileConfig
+
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+CFG = GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=2, d_model=32)
+
+
+def cuda_batches(n: int) -> list[dict]:
+    return [{k: v.cuda() for k, v in b.items()} for b in token_batches(n)]
+
+
+def adamw(model):
+    return torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1, fused=True)
+
+
+def bf16_step(model, optimizer, batch):
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        loss = model(batch["input_ids"], labels=batch["labels"])
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss
+
+
+@pytest.mark.parametrize("step_fn,tol", [(train_step, 1e-5), (bf16_step, 2e-2)], ids=["fp32", "bf16-autocast"])
+def test_gpt_on_gpu_matches_eager(step_fn, tol):
+    torch.manual_seed(0)
+    eager = GPT(CFG).cuda()
+    compiled = copy.deepcopy(eager)
+    opt_e, opt_c = adamw(eager), adamw(compiled)
+    step = graphoffload.offload_compile(step_fn)
+    batches = cuda_batches(10)
+    losses_e = run_steps(step_fn, eager, opt_e, batches)
+    losses_c = run_steps(step, compiled, opt_c, batches)
+    # the CUDA fused kernels read lr as a float32 device tensor in the graph and as a double
+    # eagerly: equal up to rounding, not bit for bit
+    assert_training_matches(eager, opt_e, losses_e, compiled, opt_c, losses_c, exact=False,
+                            rtol=tol, atol=tol * 0.1)
+    assert step.trace_count == 1
+    if step_fn is bf16_step:
+        dtypes = {n.meta["val"].dtype for n in step.train_graph.graph.nodes
+                  if n.op == "call_function" and isinstance(n.meta.get("val"), torch.Tensor)}
+        assert torch.bfloat16 in dtypes     # autocast was captured
+
+
+def test_predicted_peak_is_within_ten_percent_of_measured():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=8192, seq_len=128, n_layer=8, n_head=8, d_model=512)).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    # the captured graph is what runs when no pass rewrites it (dead code aside)
+    step = graphoffload.offload_compile(train_step, config=CompileConfig(disable_passes=("fuse_optimizer",)))
+    batch = {"input_ids": torch.randint(0, 8192, (4, 128), device="cuda")}
+    batch["labels"] = torch.roll(batch["input_ids"], -1, 1)
+    step(model, opt, batch)     # creates the optimizer state and the cuBLAS workspace
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    for _ in range(2):
+        loss = step(model, opt, batch)
+        del loss
+    torch.cuda.synchronize()
+    measured = torch.cuda.max_memory_allocated()
+    predicted = step.memory("captured").peak
+    assert abs(predicted - measured) <= 0.1 * measured, (predicted, measured)
