@@ -15,9 +15,10 @@ from graphoffload.errors import CaptureError, GraphOffloadError, PassError, Stat
 from graphoffload.graph import GraphSignature, InputSpec, OutputSpec, TrainGraph
 from graphoffload.memory import MemoryProfile, analyze_memory
 from graphoffload.passes import Pass, PassContext, PassManager
+from graphoffload.sequence_parallel import SequenceParallel
 
 __all__ = [
     "CaptureError", "CompileConfig", "CompiledStep", "FuseOptimizer", "GraphOffloadError", "GraphSignature", "InputSpec",
-    "MemoryProfile", "Offload", "OutputSpec", "Pass", "PassContext", "PassError", "PassManager", "StateError",
-    "TrainGraph", "UnsupportedError", "analyze_memory", "offload_compile",
+    "MemoryProfile", "Offload", "OutputSpec", "Pass", "PassContext", "PassError", "PassManager", "SequenceParallel",
+    "StateError", "TrainGraph", "UnsupportedError", "analyze_memory", "offload_compile",
 ]

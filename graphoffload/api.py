@@ -69,11 +69,13 @@ class CompiledStep:
     """
 
     def __init__(self, fn: Callable, passes: Sequence[Pass | PassFn] = (), config: CompileConfig | None = None,
-                 offload: Offload | None = None):
+                 offload: Offload | None = None, sequence_parallel: Any = None):
         self.fn = fn
         self.config = config or CompileConfig()
         if offload is not None:
             self.config = dataclasses.replace(self.config, offload=offload)
+        if sequence_parallel is not None:
+            self.config = dataclasses.replace(self.config, sequence_parallel=sequence_parallel)
         self.pass_manager = PassManager(passes, disable=self.config.disable_passes,
                                         builtin=builtin_passes(self.config))
         self._variants: dict[Any, CompiledVariant] = {}
@@ -121,9 +123,13 @@ class CompiledStep:
     def compile(self, *args: Any, **kwargs: Any) -> TrainGraph:
         """Trace and transform the step for these arguments without running it (so its graphs,
         memory and plan can be inspected first; models on the meta device work too)."""
+        if self.config.sequence_parallel is not None:   # per-rank batch shards -> full sequence
+            args, kwargs = self.config.sequence_parallel.prepare_inputs(args, kwargs)
         return self._variant(args, kwargs)[1].graph
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.config.sequence_parallel is not None:   # per-rank batch shards -> full sequence
+            args, kwargs = self.config.sequence_parallel.prepare_inputs(args, kwargs)
         key, variant = self._variant(args, kwargs)
         offload = self.config.offload
         if variant.graph.schedule is None or offload is None or not offload.replan_after or variant.replans >= 3:
@@ -236,15 +242,18 @@ class CompiledStep:
 
 @overload
 def offload_compile(fn: Callable, *, passes: Sequence[Pass | PassFn] = ...,
-                    config: CompileConfig | None = ..., offload: Offload | None = ...) -> CompiledStep: ...
+                    config: CompileConfig | None = ..., offload: Offload | None = ...,
+                    sequence_parallel: Any = ...) -> CompiledStep: ...
 @overload
 def offload_compile(fn: None = ..., *, passes: Sequence[Pass | PassFn] = ...,
                     config: CompileConfig | None = ...,
-                    offload: Offload | None = ...) -> Callable[[Callable], CompiledStep]: ...
+                    offload: Offload | None = ...,
+                    sequence_parallel: Any = ...) -> Callable[[Callable], CompiledStep]: ...
 
 
 def offload_compile(fn: Callable | None = None, *, passes: Sequence[Pass | PassFn] = (),
-                    config: CompileConfig | None = None, offload: Offload | None = None):
+                    config: CompileConfig | None = None, offload: Offload | None = None,
+                    sequence_parallel: Any = None):
     """Compile a train step (forward, ``loss.backward()``, ``optimizer.step()``) into one graph.
 
     Use as ``@offload_compile`` or ``offload_compile(train_step, passes=[...], config=...)``.
@@ -256,7 +265,9 @@ def offload_compile(fn: Callable | None = None, *, passes: Sequence[Pass | PassF
         config: a `CompileConfig`.
         offload: keep optimizer state in host memory and update on the CPU (`Offload`);
             shorthand for ``config.offload``.
+        sequence_parallel: split the sequence across the ranks of a process group
+            (`graphoffload.SequenceParallel`); shorthand for ``config.sequence_parallel``.
     """
     if fn is None:
-        return lambda f: CompiledStep(f, passes, config, offload)
-    return CompiledStep(fn, passes, config, offload)
+        return lambda f: CompiledStep(f, passes, config, offload, sequence_parallel)
+    return CompiledStep(fn, passes, config, offload, sequence_parallel)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from graphoffload.calibration import Calibration
 
@@ -107,6 +107,8 @@ class CompileConfig:
         verify: verify the graph after every pass (lint, ``meta["val"]``, signature).
         retrace_warning_after: warn once a step has been traced this many times (new input
             shapes, dtypes, train/eval mode or optimizer settings each cause a re-trace).
+        sequence_parallel: a `graphoffload.SequenceParallel`: split the sequence across the
+            ranks of a process group (the `ring_attention` pass); None (default): no split.
     """
 
     subgroup_numel: int = 32 * 1024 * 1024
@@ -115,6 +117,7 @@ class CompileConfig:
     offload: Offload | None = None
     verify: bool = True
     retrace_warning_after: int = 8
+    sequence_parallel: Any = None
 
     def __post_init__(self) -> None:
         if self.subgroup_numel <= 0:

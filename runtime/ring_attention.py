@@ -34,7 +34,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
-from graphoffload.runtime.attention import _backward, _expand_kv, _forward, _reduce_kv_grad
+from graphoffload.runtime.attention import _backward, _expand_kv, _forward, _reduce_kv_grad, _use_cuda_flash
 
 LAYOUTS = ("zigzag", "contiguous")
 
@@ -141,7 +141,7 @@ def _block_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float |
 def _block_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool,
                     scale: float | None) -> tuple[Tensor, Tensor, Tensor]:
     heads = q.shape[-3]
-    if q.device.type == "cuda" and not (q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256):
+    if q.device.type == "cuda" and not _use_cuda_flash(q, None):
         pad = (-lse.shape[-1]) % 32   # the efficient kernel reads a padded lse
         lse = F.pad(lse, (0, pad)) if pad else lse
     dq, dk, dv = _backward(dout.contiguous(), q, _expand_kv(k, heads), _expand_kv(v, heads), out,
@@ -169,9 +169,9 @@ def block_plan(layout: str, is_causal: bool, rank: int, source: int, q_len: int,
 
 def _merge(out_acc: Tensor, lse_acc: Tensor, out_b: Tensor, lse_b: Tensor) -> None:
     """Merge a block's (out, lse) into the running float32 ones, in place."""
-    lse_b = lse_b.float()
+    lse_b = lse_b.to(lse_acc.dtype)
     weight = torch.sigmoid(lse_b - lse_acc).unsqueeze(-1)
-    out_acc.sub_(weight * (out_acc - out_b.float()))
+    out_acc.sub_(weight * (out_acc - out_b.to(out_acc.dtype)))
     lse_acc.sub_(F.logsigmoid(lse_acc - lse_b))
 
 
@@ -188,7 +188,8 @@ def ring_forward(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: float 
         plan = block_plan(layout, is_causal, ring.rank, source, q_len, kv_len)
         if s == 0:    # own block: full shapes, so its output has the kernel's layout
             out0, lse0 = _block_forward(q, cur[0], cur[1], is_causal, scale)
-            out_acc, lse_acc = out0.float(), lse0.float().contiguous()
+            acc = torch.promote_types(lse0.dtype, torch.float32)   # float32, float64 for float64 inputs
+            out_acc, lse_acc = out0.to(acc), lse0.to(acc).contiguous()
         elif plan is not None:
             qs, ks, causal = plan
             out_b, lse_b = _block_forward(q[..., qs, :], cur[0][..., ks, :], cur[1][..., ks, :], causal, scale)
@@ -198,7 +199,7 @@ def ring_forward(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: float 
             cur = tuple(incoming)
     out = torch.empty_like(out0)
     out.copy_(out_acc)
-    return out, lse_acc
+    return out, lse_acc.to(lse0.dtype)
 
 
 def ring_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, is_causal: bool,
@@ -206,17 +207,17 @@ def ring_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, ls
     """(dq, dk, dv) for this rank's q, k, v from the final output and log-sum-exp."""
     q_len, kv_len = q.shape[-2], k.shape[-2]
     cur = (k.contiguous(), v.contiguous())
-    lse = lse.float()
     templates = None
-    dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    acc = torch.promote_types(q.dtype, torch.float32)
+    dq_acc = torch.zeros(q.shape, dtype=acc, device=q.device)
     dkv_reqs, dkv_in = None, None
     for s in range(ring.world):
         if s < ring.world - 1:
             kv_reqs, incoming = ring.exchange(cur)
         source = (ring.rank - s) % ring.world
         plan = block_plan(layout, is_causal, ring.rank, source, q_len, kv_len)
-        dk_acc = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
-        dv_acc = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
+        dk_acc = torch.zeros(k.shape, dtype=acc, device=k.device)
+        dv_acc = torch.zeros(v.shape, dtype=acc, device=v.device)
         if s == 0:
             templates = _block_backward(dout, q, cur[0], cur[1], out, lse, is_causal, scale)
             dq_acc += templates[0]
@@ -262,7 +263,7 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: floa
 @ring_attention.register_fake
 def _ring_attention_fake(q, k, v, is_causal, scale, layout, group_name, timeout_s):
     out, lse = _block_forward(q, k.contiguous(), v.contiguous(), is_causal, scale)
-    return torch.empty_like(out), torch.empty(lse.shape, dtype=torch.float32, device=q.device)
+    return torch.empty_like(out), torch.empty(lse.shape, dtype=lse.dtype, device=q.device)
 
 
 @torch.library.custom_op("graphoffload::ring_attention_backward", mutates_args=())
@@ -276,7 +277,7 @@ def ring_attention_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, o
 @ring_attention_backward.register_fake
 def _ring_attention_backward_fake(grad_out, q, k, v, out, lse, is_causal, scale, layout, group_name, timeout_s):
     return tuple(torch.empty_like(t) for t in _block_backward(grad_out, q, k.contiguous(), v.contiguous(), out,
-                                                              lse.float(), is_causal, scale))
+                                                              lse, is_causal, scale))
 
 
 def _setup_context(ctx, inputs, output):

@@ -1,0 +1,114 @@
+"""`SequenceParallel`: split the sequence of a compiled train step across the ranks of a group.
+
+    sp = graphoffload.SequenceParallel(group=None, layout="zigzag")   # None: the world group
+    step = graphoffload.offload_compile(train_step, sequence_parallel=sp)
+    loss = step(model, opt, batch)
+
+The `ring_attention` pass rewrites the captured step: each rank keeps 1/N of the sequence from
+the token embedding on, attention runs as ring attention, position-dependent tensors (position
+ids, rotary tables, position embeddings, shifted labels) are computed on the full sequence and
+sharded where they first meet a sharded tensor, the loss is the mean over every rank's tokens,
+and parameter gradients are all-reduced over the group, so every rank applies the same update.
+
+Two ways to feed the batch (both give the same result):
+  * ``batch="full"`` (default): every rank passes the whole batch; the graph takes its part.
+  * ``batch="sharded"``: each rank passes ``sp.shard(batch)``, its own part of every tensor's
+    sequence dimension; the compiled step gathers the (small, integer) token tensors back to
+    full length before the graph runs, so labels shifted inside the model keep their targets.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+import torch.utils._pytree as pytree
+
+from graphoffload.errors import UnsupportedError
+
+
+@dataclass(frozen=True)
+class SequenceParallel:
+    """Sequence parallelism over a process group (the `ring_attention` pass).
+
+    Attributes:
+        group: the torch.distributed process group; None: the default (world) group.
+        layout: ``"zigzag"`` (rank r holds chunks r and 2N-1-r of 2N, balancing causal work)
+            or ``"contiguous"`` (rank r holds chunk r of N).
+        batch: ``"full"`` (every rank passes the whole batch) or ``"sharded"`` (each rank
+            passes ``sp.shard(batch)``).
+        seq_dim: the sequence dimension of the batch's tensors.
+        timeout_s: seconds a rank waits for a ring exchange before raising, so a failed rank
+            makes every rank fail rather than hang.
+        bucket_numel: most elements of parameter gradients one all-reduce covers (buckets
+            follow the order gradients are produced, so updates can start inside backward).
+    """
+
+    group: Any = None
+    layout: Literal["zigzag", "contiguous"] = "zigzag"
+    batch: Literal["full", "sharded"] = "full"
+    seq_dim: int = 1
+    timeout_s: float = 300.0
+    bucket_numel: int = 4 * 1024 * 1024
+
+    def __post_init__(self) -> None:
+        if self.layout not in ("zigzag", "contiguous"):
+            raise ValueError(f"layout must be 'zigzag' or 'contiguous', got {self.layout!r}")
+        if self.batch not in ("full", "sharded"):
+            raise ValueError(f"batch must be 'full' or 'sharded', got {self.batch!r}")
+        if self.bucket_numel <= 0:
+            raise ValueError("bucket_numel must be positive")
+        if self.timeout_s <= 0:
+            raise ValueError("timeout_s must be positive")
+
+    # ------------------------------------------------------------------ the group
+
+    def process_group(self) -> dist.ProcessGroup:
+        if not dist.is_available() or not dist.is_initialized():
+            raise UnsupportedError("sequence parallelism needs torch.distributed: call "
+                                   "torch.distributed.init_process_group() first (e.g. under torchrun)")
+        return self.group if self.group is not None else dist.group.WORLD
+
+    @property
+    def group_name(self) -> str:
+        return self.process_group().group_name
+
+    @property
+    def rank(self) -> int:
+        return dist.get_rank(self.process_group())
+
+    @property
+    def world_size(self) -> int:
+        return dist.get_world_size(self.process_group())
+
+    # ------------------------------------------------------------------ batches
+
+    def shard(self, batch: Any) -> Any:
+        """This rank's part of every tensor in `batch` (a pytree) along `seq_dim`."""
+        from graphoffload.runtime.ring_attention import shard
+
+        rank, world = self.rank, self.world_size
+        return pytree.tree_map(lambda x: shard(x, self.seq_dim, self.layout, rank, world)
+                               if isinstance(x, torch.Tensor) and x.dim() > self.seq_dim else x, batch)
+
+    def gather(self, batch: Any) -> Any:
+        """Inverse of `shard`: every rank's parts of each tensor, put back in sequence order."""
+        from graphoffload.runtime.ring_attention import unshard
+
+        group, world = self.process_group(), self.world_size
+
+        def full(x: Any) -> Any:
+            if not isinstance(x, torch.Tensor) or x.dim() <= self.seq_dim:
+                return x
+            parts = [torch.empty_like(x) for _ in range(world)]
+            dist.all_gather(parts, x.contiguous(), group=group)
+            return unshard(parts, self.seq_dim, self.layout)
+        return pytree.tree_map(full, batch)
+
+    def prepare_inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """The step's arguments as the graph takes them: full-length batch tensors."""
+        if self.batch == "full":
+            return args, kwargs
+        return self.gather((args, kwargs))

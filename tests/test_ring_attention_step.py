@@ -1,0 +1,165 @@
+"""Whole compiled training steps with sequence parallelism (the ring_attention pass) against
+single-process eager training, in spawned gloo processes: our GPT (learned position embeddings
+over torch.arange) and a Hugging Face Llama (rotary embeddings, GQA, labels shifted inside the
+model), zigzag and contiguous layouts, world 2 and 4; every rank ends with the same parameters;
+the exchanges per step are what the algorithm needs; attention's activations are 1/N."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from ring_dist import run_ranks
+
+STEPS = 5
+
+
+def _gpt(dtype):
+    from gpt import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    return GPT(GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=2, d_model=32)).to(dtype)
+
+
+def _llama(dtype):
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                   attn_implementation="sdpa")
+    return transformers.LlamaForCausalLM(cfg).to(dtype)
+
+
+def gpt_step(model, optimizer, batch):
+    loss = model(batch["input_ids"], labels=batch["labels"])
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss
+
+
+def hf_step(model, optimizer, batch):
+    loss = model(input_ids=batch["input_ids"], labels=batch["labels"]).loss
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss
+
+
+def _batches(n: int, hf: bool) -> list[dict]:
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for _ in range(n):
+        x = torch.randint(0, 64, (2, 16), generator=g)
+        # HF shifts labels inside the model; our GPT is given next-token labels
+        out.append({"input_ids": x, "labels": x if hf else torch.roll(x, -1, dims=1)})
+    return out
+
+
+def _train_and_compare(rank, world, model_name, layout, dtype, batch_mode="full", count_exchanges=False):
+    import graphoffload
+
+    make, step_fn = (_llama, hf_step) if model_name == "llama" else (_gpt, gpt_step)
+    eager_model = make(dtype)
+    model = copy.deepcopy(eager_model)
+    fused = dtype == torch.float32
+    eager_opt = torch.optim.AdamW(eager_model.parameters(), lr=1e-2, weight_decay=0.1, fused=fused)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, fused=fused)
+    sp = graphoffload.SequenceParallel(layout=layout, batch=batch_mode, bucket_numel=4096, timeout_s=60)
+    step = graphoffload.offload_compile(step_fn, sequence_parallel=sp)
+    exact = dtype == torch.float64
+    exchanges = []
+    real = dist.batch_isend_irecv
+    for i, batch in enumerate(_batches(STEPS, model_name == "llama")):
+        want = step_fn(eager_model, eager_opt, batch)
+        given = sp.shard(batch) if batch_mode == "sharded" else batch
+        if count_exchanges and i == 1:
+            dist.batch_isend_irecv = lambda ops: exchanges.append(len(ops)) or real(ops)
+        got = step(model, opt, given)
+        dist.batch_isend_irecv = real
+        assert torch.allclose(got.double(), want.double(), rtol=1e-6 if exact else 1e-5, atol=0), (i, got, want)
+    for (name, p), q in zip(model.named_parameters(), eager_model.parameters()):
+        tol = 1e-10 if exact else 1e-3
+        assert (p - q).abs().max().item() <= tol, (name, (p - q).abs().max().item())
+    # every rank applies the same update: identical parameters everywhere
+    flat = torch.cat([p.detach().flatten() for p in model.parameters()]).double()
+    gathered = [torch.empty_like(flat) for _ in range(world)]
+    dist.all_gather(gathered, flat)
+    assert all(torch.equal(g, gathered[0]) for g in gathered)
+    if count_exchanges:
+        layers = 2
+        assert len(exchanges) == layers * ((world - 1) + (2 * world - 1)), exchanges
+    graph = step.graphs["final"].graph
+    targets = [n.target for n in graph.nodes if n.op == "call_function"]
+    assert targets.count(torch.ops.graphoffload.ring_attention.default) == 2
+    assert targets.count(torch.ops.graphoffload.ring_attention_backward.default) == 2
+    assert torch.ops.graphoffload.attention.default not in targets
+    assert targets.count(torch.ops._c10d_functional.all_reduce.default) == 1   # the loss: sum and count
+    assert targets.count(torch.ops._c10d_functional.all_reduce_coalesced.default) >= 2   # gradient buckets
+    notes = "\n".join(step.last.stages["final"].notes["ring_attention"])
+    assert "-> ring attention" in notes and "all-reduced in" in notes
+
+
+def _world2(rank, world):
+    _train_and_compare(rank, world, "gpt", "zigzag", torch.float32, count_exchanges=True)
+    _train_and_compare(rank, world, "llama", "zigzag", torch.float32)
+    _train_and_compare(rank, world, "gpt", "contiguous", torch.float64, batch_mode="sharded")
+
+
+def _world4(rank, world):
+    _train_and_compare(rank, world, "gpt", "contiguous", torch.float64, count_exchanges=True)
+    _train_and_compare(rank, world, "llama", "zigzag", torch.float64)
+    _attention_memory(rank, world)
+
+
+def _attention_memory(rank, world):
+    """Predicted per-rank activation memory of attention is 1/N of the single-rank one."""
+    from gpt import GPT, GPTConfig
+
+    import graphoffload
+    from graphoffload.memory import analyze_memory
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=64, seq_len=256, n_layer=2, n_head=2, d_model=32))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x = torch.randint(0, 64, (2, 256))
+    batch = {"input_ids": x, "labels": torch.roll(x, -1, dims=1)}
+    attention_ops = {torch.ops.graphoffload.attention.default, torch.ops.graphoffload.ring_attention.default,
+                     torch.ops.graphoffload.attention_backward.default,
+                     torch.ops.graphoffload.ring_attention_backward.default}
+
+    def attention_bytes(step):
+        graph = step.last.stages["final"]
+        profile = analyze_memory(graph)
+        nodes = [n for n in graph.graph.nodes if n.target in attention_ops]
+        assert nodes
+        produced = sum(t.numel() * t.element_size() for n in nodes for t in n.meta["val"])
+        return produced, profile.peak - profile.resident
+
+    single = graphoffload.offload_compile(gpt_step)
+    single.compile(model, opt, batch)
+    split = graphoffload.offload_compile(gpt_step, sequence_parallel=graphoffload.SequenceParallel())
+    split.compile(model, opt, batch)
+    (attn_1, act_1), (attn_n, act_n) = attention_bytes(single), attention_bytes(split)
+    assert attn_n * world == attn_1, (attn_n, attn_1)
+    assert act_n <= 1.25 * act_1 / world, (act_n, act_1)
+
+
+def test_sequence_parallel_steps_world2():
+    run_ranks(_world2, 2, deadline_s=240)
+
+
+def test_sequence_parallel_steps_world4():
+    run_ranks(_world4, 4, deadline_s=300)
+
+
+def test_sequence_parallel_config_errors():
+    import graphoffload
+
+    with pytest.raises(ValueError, match="layout"):
+        graphoffload.SequenceParallel(layout="striped")
+    with pytest.raises(ValueError, match="batch"):
+        graphoffload.SequenceParallel(batch="half")
