@@ -145,7 +145,7 @@ def _attention_memory(rank, world):
     split.compile(model, opt, batch)
     (attn_1, act_1), (attn_n, act_n) = attention_bytes(single), attention_bytes(split)
     assert attn_n * world == attn_1, (attn_n, attn_1)
-    assert act_n <= 1.25 * act_1 / world, (act_n, act_1)
+    assert act_n <= 1.05 * act_1 / world, (act_n, act_1)   # the whole step: 0.2504 of one rank at N = 4
 
 
 def test_sequence_parallel_steps_world2():
