@@ -8,7 +8,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 from gpt import GPT, GPTConfig
-from steps import TINY, token_batches, train_step
+from steps import TINY, token_batches, train_step  # noqa: F401  (token_batches, train_step: re-exported)
 
 import graphoffload
 

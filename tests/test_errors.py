@@ -109,7 +109,7 @@ def test_step_without_backward_is_a_capture_error():
     assert "backward" in message
 
 
-@pytest.mark.filterwarnings("ignore:Seems like `optimizer.step\(\)` has been overridden")
+@pytest.mark.filterwarnings(r"ignore:Seems like `optimizer.step\(\)` has been overridden")
 def test_scheduler_step_inside_the_step_is_a_capture_error():
     model = tiny_gpt()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
