@@ -2,7 +2,7 @@
 
     python examples/train_gpt.py                      # Python's own standard library as the corpus
     python examples/train_gpt.py --data input.txt     # any text file
-    python examples/train_gpt.py --steps 1000 --layers 6 --d-model 256 --seq-len 256
+    python examples/train_gpt.py --steps 3000 --layers 6 --d-model 256 --seq-len 256
 
 Runs on CUDA when available, else on the CPU. The default corpus needs no download: the
 source files of the Python standard library this interpreter runs on, read at start-up. The
@@ -108,15 +108,15 @@ def main(argv: list[str] | None = None) -> float:
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--data", help="a text file to train on (default: the Python standard library's source)")
     p.add_argument("--corpus-mb", type=int, default=4, help="size of the default corpus")
-    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--steps", type=int, default=1000)
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--d-model", type=int, default=128)
     p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--warmup", type=int, default=20, help="steps of linear lr warm-up before cosine decay")
-    p.add_argument("--log-every", type=int, default=50)
+    p.add_argument("--warmup", type=int, default=50, help="steps of linear lr warm-up before cosine decay")
+    p.add_argument("--log-every", type=int, default=100)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
 
