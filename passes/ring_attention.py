@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import fx
 
+from graphoffload.capture import user_line_of_stack_trace
 from graphoffload.errors import UnsupportedError
 from graphoffload.graph import TrainGraph, fake_mode_of
 from graphoffload.passes.update_kernels import kernel_rule
@@ -252,9 +253,9 @@ class _Sharder:
             with self.fake_mode:
                 val = target(*args, **kwargs)
         except Exception as exc:  # noqa: BLE001 - reported with the op and the user's line
+            where = user_line_of_stack_trace(node.meta.get("stack_trace")) or "an unknown line"
             raise UnsupportedError(
-                f"sequence parallelism cannot split {node.name} ({target}) at "
-                f"{node.meta.get('stack_trace', '?').strip().splitlines()[-1] if node.meta.get('stack_trace') else '?'}: "
+                f"sequence parallelism cannot split {node.name} ({target}) at {where}: "
                 f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}") from exc
         node.meta["val"] = val
         orig = self.orig.get(node)

@@ -103,7 +103,30 @@ def _train_and_compare(rank, world, model_name, layout, dtype, batch_mode="full"
     assert "-> ring attention" in notes and "all-reduced in" in notes
 
 
+class _MaskedAttention(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(64, 8)
+
+    def forward(self, idx, labels):
+        x = self.emb(idx)[:, None]   # (batch, 1 head, seq, 8)
+        mask = torch.ones(idx.shape[1], idx.shape[1], dtype=torch.bool).tril()
+        y = torch.nn.functional.scaled_dot_product_attention(x, x, x, attn_mask=mask)
+        return torch.nn.functional.cross_entropy((y[:, 0] @ self.emb.weight.t()).flatten(0, 1), labels.flatten())
+
+
+def _unsupported_mask(rank, world):
+    import graphoffload
+
+    model = _MaskedAttention()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = graphoffload.offload_compile(gpt_step, sequence_parallel=graphoffload.SequenceParallel())
+    with pytest.raises(graphoffload.UnsupportedError, match="attention mask"):
+        step(model, opt, _batches(1, False)[0])
+
+
 def _world2(rank, world):
+    _unsupported_mask(rank, world)
     _train_and_compare(rank, world, "gpt", "zigzag", torch.float32, count_exchanges=True)
     _train_and_compare(rank, world, "llama", "zigzag", torch.float32)
     _train_and_compare(rank, world, "gpt", "contiguous", torch.float64, batch_mode="sharded")
