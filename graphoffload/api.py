@@ -109,7 +109,11 @@ class CompiledStep:
         params = list(capture.bindings.params.values())
         device = params[0].device if params else torch.device("cpu")
         ctx = PassContext(self.config, device)
-        graph, stages = self.pass_manager.run(capture.graph, ctx)
+        try:
+            graph, stages = self.pass_manager.run(capture.graph, ctx)
+        except BaseException:
+            capture.discard_created_state()
+            raise
         return CompiledVariant(capture, graph, stages, Executor(graph, capture, self.config.offload), dict(ctx.timings))
 
     def _variant(self, args: tuple, kwargs: dict) -> tuple[Any, CompiledVariant]:

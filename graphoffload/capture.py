@@ -381,6 +381,18 @@ class Capture:
     calls_zero_grad: bool
     stepped_optimizers: list[int]      # optimizers whose step() the graph performs
     batch_positions: list[int]         # positions of tensor leaves among the (args, kwargs) leaves
+    created_state: list[tuple[torch.optim.Optimizer, list[Tensor]]] = field(default_factory=list)
+
+    def discard_created_state(self) -> None:
+        """Drop the optimizer state this capture created (when compiling fails after it):
+        left behind, it would make the next step skip SGD's first-step momentum initialisation."""
+        _discard_state(self.created_state)
+
+
+def _discard_state(created: list[tuple[torch.optim.Optimizer, list[Tensor]]]) -> None:
+    for opt, params in created:
+        for p in params:
+            opt.state.pop(p, None)
 
 
 def capture_step(fn: Callable, args: tuple, kwargs: dict, config: CompileConfig) -> Capture:
@@ -391,12 +403,12 @@ def capture_step(fn: Callable, args: tuple, kwargs: dict, config: CompileConfig)
     fresh = [(opt, [p for g in opt.param_groups for p in g["params"] if not opt.state.get(p)])
              for opt in b.optimizers]
     try:
-        return _capture_step(fn, args, kwargs, config, b)
+        capture = _capture_step(fn, args, kwargs, config, b)
     except BaseException:
-        for opt, params in fresh:
-            for p in params:
-                opt.state.pop(p, None)
+        _discard_state(fresh)
         raise
+    capture.created_state = fresh
+    return capture
 
 
 def _capture_step(fn: Callable, args: tuple, kwargs: dict, config: CompileConfig, b: StepBindings) -> Capture:

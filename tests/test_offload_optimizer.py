@@ -156,7 +156,7 @@ def test_budget_too_small_fails_at_compile_time_with_the_minimum():
     with pytest.raises(graphoffload.UnsupportedError, match=r"1KiB cannot be met.*at least [0-9.]+ KiB \([0-9,]+ bytes\)"):
         step(model, opt, batches(1)[0])
     assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
-    assert all(not opt.state[p] or opt.state[p]["exp_avg"].abs().sum() == 0 for p in model.parameters())
+    assert all(not opt.state[p] for p in model.parameters())   # the state compiling created is dropped
 
     fits = graphoffload.offload_compile(train_step, offload=Offload(gpu_memory_budget="64MiB"))
     fits(model, opt, batches(1)[0])
