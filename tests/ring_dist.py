@@ -22,6 +22,13 @@ def _entry(rank: int, fn, world: int, store: str, args: tuple) -> None:
                             timeout=datetime.timedelta(seconds=60))
     try:
         fn(rank, world, *args)
+        # no rank tears its process group down while a peer may still have sends in flight
+        # (a gloo pair destroyed under a pending operation aborts the process)
+        # (a peer that already failed or left on purpose is not this rank's error)
+        try:
+            dist.barrier()
+        except RuntimeError:
+            pass
     finally:
         dist.destroy_process_group()
 
