@@ -106,9 +106,7 @@ class CompiledStep:
                 f"graphoffload traced {self.fn.__name__} {self.trace_count} times: each new input shape, "
                 "dtype, train/eval mode or optimizer setting re-traces the step. Pad inputs to fixed "
                 "shapes to avoid it.", stacklevel=3)
-        params = list(capture.bindings.params.values())
-        device = params[0].device if params else torch.device("cpu")
-        ctx = PassContext(self.config, device)
+        ctx = PassContext(self.config, capture.bindings.device)
         try:
             graph, stages = self.pass_manager.run(capture.graph, ctx)
         except BaseException:

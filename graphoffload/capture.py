@@ -71,6 +71,11 @@ class StepBindings:
         module, attr = self.buffers[name]
         return module._buffers[attr]
 
+    @property
+    def device(self) -> torch.device:
+        """The device of the step's parameters (the CPU for a step without any)."""
+        return next(iter(self.params.values())).device if self.params else torch.device("cpu")
+
     def optimizer_of(self, param_name: str) -> torch.optim.Optimizer:
         param = self.params[param_name]
         for opt in self.optimizers:
@@ -418,7 +423,7 @@ def _capture_step(fn: Callable, args: tuple, kwargs: dict, config: CompileConfig
     param_names = list(b.params)
     buffer_names = list(b.buffers)
     lr_before = [b.lr(oi, gi) for oi, gi in b.lr_groups]
-    device = next(iter(b.params.values())).device if b.params else torch.device("cpu")
+    device = b.device
     for scaler in b.scalers:
         if scaler._scale is None:   # created lazily by the first scale(): create it now, outside the trace
             scaler.scale(torch.zeros((), device=device))

@@ -37,16 +37,13 @@ class Executor:
         self.vals = {n.name: n.meta.get("val") for n in graph.graph.nodes if n.op == "placeholder"}
         self.offload_runtime: OffloadRuntime | None = None
         self.host_state: HostState | None = None
+        self.device = device = capture.bindings.device
         if any(s.host for s in graph.signature.inputs):
-            params = list(capture.bindings.params.values())
-            device = params[0].device if params else torch.device("cpu")
             offload = offload or Offload()
             self.offload_runtime = OffloadRuntime(device, offload.cpu_workers)
             # a re-planned graph keeps the host state, whose master weights are authoritative
             self.host_state = host_state or HostState(capture.bindings,
                                                       pin_memory=offload.pin_memory and device.type == "cuda")
-        self.device = next(iter(capture.bindings.params.values())).device if capture.bindings.params else \
-            torch.device("cpu")
 
     def inputs(self, args: tuple, kwargs: dict) -> list[Tensor]:
         b = self.capture.bindings
