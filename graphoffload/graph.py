@@ -113,6 +113,19 @@ class TrainGraph:
     def with_signature(self, **changes: Any) -> TrainGraph:
         return TrainGraph(self.gm, replace(self.signature, **changes), self.notes, self.schedule)
 
+    def add_host_input(self, specs: list[InputSpec], spec: InputSpec, shape: torch.Size,
+                       dtype: torch.dtype, param: str) -> fx.Node:
+        """A new placeholder for a host tensor, after the last one; `spec` is appended to
+        `specs`, which the pass installs with `with_signature(inputs=...)` when done."""
+        placeholders = [n for n in self.graph.nodes if n.op == "placeholder"]
+        with self.graph.inserting_after(placeholders[-1]):
+            node = self.graph.placeholder(spec.name)
+        with fake_mode_of(self.graph):
+            node.meta["val"] = torch.empty(shape, dtype=dtype, device="cpu")
+        node.meta.update({"phase": "input", "param": (param,)})
+        specs.append(spec)
+        return node
+
     def note(self, pass_name: str, line: str) -> None:
         """Record a line for `explain()` about what `pass_name` did."""
         self.notes.setdefault(pass_name, []).append(line)

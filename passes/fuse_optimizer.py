@@ -14,7 +14,8 @@ What keeps an update late is reported per bucket in `explain()`. Global-norm cli
 with it every update waits for the end of backward and the gradients are not freed early:
 exact results cost the memory win. The pass still moves what need not wait: the norm of each
 gradient is computed right after that gradient is final, inside backward, so after backward
-only the total norm, the scaling and the updates remain. A gradient read after its update
+only the total norm, the scaling and the updates remain (the `park_gradients` pass, opt-in,
+keeps the waiting gradients in host memory meanwhile). A gradient read after its update
 (e.g. left on `param.grad` because the step zeroes gradients first) stays alive until that read
 even though its update moved; explain() lists them.
 """
@@ -156,22 +157,32 @@ def _is_pure(node: fx.Node) -> bool:
     return node.op == "call_function" and not written_args(node) and torch.Tag.nondeterministic_seeded not in tags
 
 
-def _split_foreach_reductions(graph: fx.Graph) -> None:
-    """`_foreach_norm(grads)` over many gradients becomes one call per gradient, so each can
-    run as soon as its own gradient is final (the kernel computes each tensor independently,
-    so results do not change)."""
+# foreach ops that compute each tensor on its own: one call over many gradients equals one call per
+# gradient, bit for bit. Reductions return a list; scalings write their list in place.
+_PER_TENSOR_FOREACH = {aten._foreach_norm, aten._foreach_mul_, aten._foreach_div_}
+
+
+def _split_foreach_gradient_ops(graph: fx.Graph) -> None:
+    """`_foreach_norm(grads)` and `_foreach_mul_(grads, clip_coef)` over many gradients become
+    one call per gradient, so each norm can run as soon as its own gradient is final and each
+    scaling next to its own bucket's update."""
     for node in list(graph.nodes):
-        if getattr(node.target, "overloadpacket", None) is not aten._foreach_norm or \
+        if getattr(node.target, "overloadpacket", None) not in _PER_TENSOR_FOREACH or \
                 node.meta.get("phase") != "optimizer" or len(node.args[0]) < 2:
             continue
+        n = len(node.args[0])
         parts = []
-        for tensor in node.args[0]:
+        for i in range(n):
+            # list arguments of the same length (`_foreach_mul_.List`) split along with the tensors
+            args = tuple([a[i]] if isinstance(a, (list, tuple)) and len(a) == n else a for a in node.args)
             with graph.inserting_before(node):
-                part = graph.call_function(node.target, ([tensor], *node.args[1:]), dict(node.kwargs))
-                item = graph.call_function(operator.getitem, (part, 0))
+                part = graph.call_function(node.target, args, dict(node.kwargs))
             part.meta.update({k: v for k, v in node.meta.items() if k != "val"})
-            item.meta.update({k: v for k, v in node.meta.items() if k != "val"})
-            parts.append(item)
+            if node.users:
+                with graph.inserting_before(node):
+                    item = graph.call_function(operator.getitem, (part, 0))
+                item.meta.update({k: v for k, v in node.meta.items() if k != "val"})
+                parts.append(item)
         for user in list(node.users):
             if user.target is operator.getitem:
                 user.replace_all_uses_with(parts[user.args[1]])
@@ -210,7 +221,7 @@ def fuse_optimizer(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
     total = sum(p.meta["val"].numel() for k in kernels for p in k.params)
     bucket_numel = cfg.bucket_numel or min(max(total // 32, 1 << 16), 1 << 24)
     _hoist_scalar_inputs(g, [k.node for k in kernels])
-    _split_foreach_reductions(g)
+    _split_foreach_gradient_ops(g)
     hoisted = _hoist_gradient_reductions(g)
     if hoisted:
         graph.note("fuse_optimizer", f"{hoisted} reductions of single gradients (clip_grad_norm_'s norms) "
@@ -244,6 +255,10 @@ def fuse_optimizer(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
                 g.erase_node(node)
     graph.note("fuse_optimizer", f"{number} update buckets (bucket_numel={bucket_numel:,}), "
                f"{in_backward} run inside backward")
+    if number - in_backward > 1 and not cfg.park_gradients:
+        graph.note("fuse_optimizer", "the gradients of buckets that stay after backward live until their update; "
+                   "FuseOptimizer(park_gradients=True) keeps them in host memory meanwhile (exact; costs "
+                   "two host transfers of those gradients a step)")
     if held:
         graph.note("fuse_optimizer", "gradients read after their update stay alive until then: " + ", ".join(held))
     return graph

@@ -22,6 +22,7 @@ from graphoffload.graph import TrainGraph, fill_missing_meta
 from graphoffload.passes.eliminate_dead_code import eliminate_dead_code
 from graphoffload.passes.fuse_optimizer import fuse_optimizer
 from graphoffload.passes.offload_optimizer import offload_optimizer
+from graphoffload.passes.park_gradients import park_gradients
 from graphoffload.passes.ring_attention import ring_attention
 from graphoffload.passes.verify import verify_train_graph
 
@@ -60,6 +61,8 @@ def builtin_passes(config: CompileConfig) -> list[Pass]:
     """The built-in pipeline for a config, in order. Offload works on fusion's buckets, so its
     transfers start during backward; dead-code elimination runs last to drop what they leave."""
     passes = [Pass(fuse_optimizer, "fuse_optimizer")]
+    if config.fuse_optimizer.park_gradients:
+        passes.append(Pass(park_gradients, "park_gradients", ("fuse_optimizer",)))
     if config.sequence_parallel is not None:   # split the sequence first: later passes see local shapes
         passes.insert(0, Pass(ring_attention, "ring_attention"))
     if config.offload is not None:
@@ -68,7 +71,8 @@ def builtin_passes(config: CompileConfig) -> list[Pass]:
     return passes
 
 
-BUILTIN_PASSES: tuple[str, ...] = ("ring_attention", "fuse_optimizer", "offload_optimizer", "eliminate_dead_code")
+BUILTIN_PASSES: tuple[str, ...] = ("ring_attention", "fuse_optimizer", "park_gradients", "offload_optimizer",
+                                   "eliminate_dead_code")
 
 
 class PassManager:

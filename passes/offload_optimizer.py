@@ -43,18 +43,6 @@ ops = torch.ops.graphoffload
 MASTER_DTYPE = torch.float32
 
 
-def _host_placeholder(graph: TrainGraph, specs: list[InputSpec], spec: InputSpec, like: torch.Tensor,
-                      dtype: torch.dtype) -> fx.Node:
-    placeholders = [n for n in graph.graph.nodes if n.op == "placeholder"]
-    with graph.graph.inserting_after(placeholders[-1]):
-        node = graph.graph.placeholder(spec.name)
-    with fake_mode_of(graph.graph):
-        node.meta["val"] = torch.empty(like.shape, dtype=dtype, device="cpu")
-    node.meta.update({"phase": "input", "param": (spec.target[0],)})
-    specs.append(spec)
-    return node
-
-
 def _move_to_host(node: fx.Node, dtype: torch.dtype | None) -> None:
     val = node.meta["val"]
     with fake_mode_of(node.graph):
@@ -219,14 +207,14 @@ def offload_optimizer(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
         for name, param, grad in zip(names, k.params, k.grads):
             pv, gv = param.meta["val"], grad.meta["val"]
             safe = "".join(c if c.isalnum() else "_" for c in name)
-            masters.append(_host_placeholder(graph, specs, InputSpec(
-                "state", f"s_master_param_{safe}", (name, "master_param"), True, True), pv, MASTER_DTYPE))
+            masters.append(graph.add_host_input(specs, InputSpec(
+                "state", f"s_master_param_{safe}", (name, "master_param"), True, True), pv.shape, MASTER_DTYPE, name))
             if paths[b] == "cpu":
-                host_grads.append(_host_placeholder(graph, specs, InputSpec(
-                    "host_scratch", f"h_grad_{safe}", (name, "grad"), True, True), pv, gv.dtype))
+                host_grads.append(graph.add_host_input(specs, InputSpec(
+                    "host_scratch", f"h_grad_{safe}", (name, "grad"), True, True), pv.shape, gv.dtype, name))
                 if pv.dtype != MASTER_DTYPE:
-                    staging.append(_host_placeholder(graph, specs, InputSpec(
-                        "host_scratch", f"h_upload_{safe}", (name, "upload"), True, True), pv, pv.dtype))
+                    staging.append(graph.add_host_input(specs, InputSpec(
+                        "host_scratch", f"h_upload_{safe}", (name, "upload"), True, True), pv.shape, pv.dtype, name))
             moved_bytes += pv.numel() * 4
         for state in k.state_placeholders():
             i = spec_of[state.name]
@@ -235,8 +223,9 @@ def offload_optimizer(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
             moved_bytes += state.meta["val"].numel() * 4
         meta = {key: k.node.meta[key] for key in ("param", "subgroup", "bucket", "stack_trace") if key in k.node.meta}
         if paths[b] == "cpu":
-            scaling = {what: (d, _host_placeholder(graph, specs, InputSpec(
-                "host_scratch", f"h_{what}_{safe}", (names[0], what), True, True), d.meta["val"], torch.float32))
+            scaling = {what: (d, graph.add_host_input(specs, InputSpec(
+                "host_scratch", f"h_{what}_{safe}", (names[0], what), True, True), d.meta["val"].shape,
+                torch.float32, names[0]))
                 for what, d in (("grad_scale", k.grad_scale), ("found_inf", k.found_inf)) if d is not None}
             _emit_cpu_path(g, k, masters, host_grads, staging, scaling, meta)
         else:

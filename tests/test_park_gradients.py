@@ -1,0 +1,141 @@
+"""park_gradients: with global-norm clipping, waiting gradients park in host memory during
+backward; results stay bit-identical and the predicted device peak falls by the gradients."""
+
+from __future__ import annotations
+
+import copy
+import functools
+
+import pytest
+import torch
+from gpt import GPT, GPTConfig
+from steps import TINY, clipped_step, token_batches, train_step
+from test_grad_scaler import scaled_clipped_step
+
+import graphoffload
+from graphoffload import CompileConfig, FuseOptimizer, Offload
+
+ops = torch.ops.graphoffload
+PARKED = CompileConfig(fuse_optimizer=FuseOptimizer(bucket_numel=4096, park_gradients=True))
+OPTIMIZERS = {
+    "adamw": lambda ps: torch.optim.AdamW(ps, lr=3e-3, weight_decay=0.1, fused=True),
+    "sgd": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, weight_decay=0.01, fused=True),
+}
+
+
+def foreach_clipped_step(model, optimizer, batch):
+    """clip_grad_norm_ as its foreach (GPU) path runs it: one norm and one scaling over all."""
+    loss = model(batch["input_ids"], labels=batch["labels"])
+    loss.backward()
+    grads = [p.grad for p in model.parameters()]
+    total = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2.0)), 2.0)
+    torch._foreach_mul_(grads, torch.clamp(0.5 / (total + 1e-6), max=1.0))
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss
+
+
+def _targets(graph, op) -> list[int]:
+    return [i for i, n in enumerate(graph.graph.nodes) if n.target is op.default]
+
+
+@pytest.mark.parametrize("opt_name", sorted(OPTIMIZERS))
+@pytest.mark.parametrize("step_fn", [clipped_step, foreach_clipped_step], ids=["clip_grad_norm_", "foreach"])
+def test_parked_clipped_training_is_bit_identical_to_eager(opt_name, step_fn):
+    torch.manual_seed(0)
+    eager = GPT(TINY)
+    compiled = copy.deepcopy(eager)
+    opt_e, opt_c = OPTIMIZERS[opt_name](eager.parameters()), OPTIMIZERS[opt_name](compiled.parameters())
+    step = graphoffload.offload_compile(step_fn, config=PARKED)
+    for batch in token_batches(10, TINY.vocab_size, TINY.seq_len):
+        assert step(compiled, opt_c, batch).item() == step_fn(eager, opt_e, batch).item()
+    for (name, pe), pc in zip(eager.named_parameters(), compiled.parameters()):
+        assert torch.equal(pe, pc), name
+        for key, value in opt_e.state[pe].items():
+            assert torch.equal(value, opt_c.state[pc][key]), (name, key)
+
+    graph = step.train_graph
+    nodes = list(graph.graph.nodes)
+    last_backward = max(i for i, n in enumerate(nodes) if n.meta["phase"] == "backward")
+    parks = _targets(graph, ops.copy_to_host)
+    # every gradient parks as soon as it is final, inside backward, but the tied embedding/head
+    # weight's, which is final only at the end of backward
+    assert len(parks) == len(list(compiled.parameters())) - 1
+    assert all(i < last_backward for i in parks)
+    restores = _targets(graph, ops.prefetch_to_device)
+    assert restores and min(restores) > last_backward
+    # the scaling of each gradient was split off and runs beside its own bucket's update
+    if step_fn is foreach_clipped_step:
+        scalings = [n for n in nodes if getattr(n.target, "overloadpacket", None) is torch.ops.aten._foreach_mul_]
+        assert len(scalings) == len(list(compiled.parameters()))
+
+
+def test_parking_recovers_the_memory_that_clipping_keeps():
+    cfg = GPTConfig(vocab_size=256, seq_len=8, n_layer=8, n_head=4, d_model=128)
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    batch = token_batches(1, cfg.vocab_size, cfg.seq_len, batch=1)[0]
+    grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+
+    kept = graphoffload.offload_compile(clipped_step)
+    kept.compile(model, opt, batch)
+    parked = graphoffload.offload_compile(clipped_step, config=CompileConfig(
+        fuse_optimizer=FuseOptimizer(park_gradients=True)))
+    parked.compile(model, opt, batch)
+    captured = parked.memory("captured").peak
+    # exact clipping alone keeps every gradient to the end of backward ...
+    assert captured - kept.memory("final").peak < 0.2 * grad_bytes
+    # ... parking frees them as fusion does without clipping
+    assert captured - parked.memory("final").peak >= 0.8 * grad_bytes, (captured, parked.memory("final").peak)
+    assert "parked in host memory" in "\n".join(parked.train_graph.notes["park_gradients"])
+
+
+def test_nothing_waits_without_clipping_so_nothing_parks():
+    torch.manual_seed(0)
+    model = GPT(TINY)
+    opt = OPTIMIZERS["adamw"](model.parameters())
+    step = graphoffload.offload_compile(train_step, config=PARKED)
+    step.compile(model, opt, token_batches(1)[0])
+    assert not _targets(step.train_graph, ops.copy_to_host)
+    assert "nothing to park" in step.train_graph.notes["park_gradients"][-1]
+
+
+def test_gradients_unscaled_together_stay_and_results_stay_exact():
+    # a GradScaler's unscale_ reads every gradient after backward in one kernel: bringing them
+    # back for it would need them all at once, so the pass leaves them and says why
+    torch.manual_seed(0)
+    eager = GPT(TINY)
+    compiled = copy.deepcopy(eager)
+    opt_e, opt_c = OPTIMIZERS["adamw"](eager.parameters()), OPTIMIZERS["adamw"](compiled.parameters())
+    scaler_e, scaler_c = (torch.amp.GradScaler("cpu", init_scale=2.0**8) for _ in range(2))
+    step = graphoffload.offload_compile(scaled_clipped_step, config=PARKED)
+    for batch in token_batches(4, TINY.vocab_size, TINY.seq_len):
+        assert step(compiled, opt_c, scaler_c, batch).item() == scaled_clipped_step(eager, opt_e, scaler_e, batch).item()
+    for pe, pc in zip(eager.parameters(), compiled.parameters()):
+        assert torch.equal(pe, pc)
+    assert not _targets(step.train_graph, ops.copy_to_host)
+    assert any("together with other buckets" in line for line in step.train_graph.notes["park_gradients"])
+
+
+def test_parking_composes_with_offload():
+    torch.manual_seed(0)
+    eager = GPT(TINY)
+    compiled = copy.deepcopy(eager)
+    opt_e, opt_c = OPTIMIZERS["adamw"](eager.parameters()), OPTIMIZERS["adamw"](compiled.parameters())
+    step_fn = functools.partial(clipped_step, max_norm=0.3)
+    step = graphoffload.offload_compile(step_fn, offload=Offload(device_updates="never"), config=PARKED)
+    for batch in token_batches(5, TINY.vocab_size, TINY.seq_len):
+        assert step(compiled, opt_c, batch).item() == step_fn(eager, opt_e, batch).item()
+    for pe, pc in zip(eager.parameters(), compiled.parameters()):
+        assert torch.equal(pe, pc)
+    assert "park_gradients" in step.graphs and "offload_optimizer" in step.graphs
+
+
+def test_park_gradients_needs_fuse_optimizer():
+    with pytest.raises(graphoffload.PassError, match="requires"):
+        step = graphoffload.offload_compile(clipped_step, config=CompileConfig(
+            disable_passes=("fuse_optimizer",), fuse_optimizer=FuseOptimizer(park_gradients=True)))
+        torch.manual_seed(0)
+        model = GPT(TINY)
+        step.compile(model, OPTIMIZERS["adamw"](model.parameters()), token_batches(1)[0])
