@@ -6,7 +6,10 @@ moments of every parameter live in pinned host memory; the bucket's gradients ar
 device-to-host, the CPU updates the master weights with the same fused kernel torch.optim uses
 (`_fused_adamw_` & co. on CPU tensors), and the updated weights go back host-to-device,
 narrowed through a pinned staging buffer when the parameters are bf16/fp16. Each step is an
-explicit node (runtime/host_offload.py), so the printed graph shows the schedule.
+explicit node (runtime/host_offload.py), so the printed graph shows the schedule. When the step
+scales the gradients after backward before updating (global-norm clipping's clip_coef), the
+host update does that multiply: each gradient still leaves as soon as it is final, unscaled,
+and only the scalar follows after backward (as DeepSpeed's ZeRO-Offload clips on the host).
 
 Where `Offload.device_updates` allows (default "auto" on a GPU), a performance model picks,
 per bucket, the device path instead (graphoffload/offload_planner.py): the bucket's state is
@@ -22,11 +25,13 @@ the minimum the step needs, when the budget cannot be met.
 from __future__ import annotations
 
 import operator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 from torch import fx
 
+from graphoffload.aliasing import StorageMap
 from graphoffload.errors import UnsupportedError
 from graphoffload.graph import InputSpec, TrainGraph, fake_mode_of, fill_missing_meta
 from graphoffload.memory import analyze_memory, format_bytes
@@ -39,6 +44,7 @@ from graphoffload.runtime import host_offload  # noqa: F401  (registers the ops)
 if TYPE_CHECKING:
     from graphoffload.passes.manager import PassContext
 
+aten = torch.ops.aten
 ops = torch.ops.graphoffload
 MASTER_DTYPE = torch.float32
 
@@ -60,20 +66,72 @@ def _tag(nodes: list[fx.Node], meta: dict, phase: str) -> None:
         node.meta["phase"] = phase
 
 
+@dataclass
+class _ScaledAfterBackward:
+    """A bucket whose gradients the step multiplies by one scalar after backward before the
+    update (clip_grad_norm_'s clip_coef), with nothing else reading them after it."""
+
+    sources: list[fx.Node]     # each unscaled gradient
+    final_at: list[fx.Node]    # its last access before the scaling
+    scalings: list[fx.Node]    # the device scaling nodes, replaced by a multiply on the host
+    multiplier: fx.Node
+
+
+def _find_scaling_after_backward(storages: StorageMap, k: UpdateKernel) -> _ScaledAfterBackward | None:
+    unit = {k.node, *k.nodes}
+    found = _ScaledAfterBackward([], [], [], None)
+    for grad, param in zip(k.grads, k.params):
+        sids = storages.of(grad)
+        if len(sids) != 1 or sids[0] in storages.output_reads:
+            return None
+        accesses = [a for a in storages.accesses[sids[0]] if a.node not in unit]
+        if len(accesses) < 2:
+            return None
+        scaling, before = accesses[-1].node, accesses[-2].node
+        if scaling.target not in (aten.mul_.Tensor, aten._foreach_mul_.Tensor):
+            return None
+        source, multiplier = scaling.args
+        source = source[0] if isinstance(source, (list, tuple)) and len(source) == 1 else source
+        mval, sval = multiplier.meta.get("val"), getattr(source, "meta", {}).get("val")
+        if not (isinstance(mval, torch.Tensor) and mval.dim() == 0 and isinstance(sval, torch.Tensor)
+                and sval.is_contiguous() and sval.shape == param.meta["val"].shape
+                and sids[0] in storages.of(source) and found.multiplier in (None, multiplier)):
+            return None
+        found.sources.append(source)
+        found.final_at.append(before)
+        found.scalings.append(scaling)
+        found.multiplier = multiplier
+    return found
+
+
 def _emit_cpu_path(g: fx.Graph, k: UpdateKernel, masters: list[fx.Node], host_grads: list[fx.Node],
-                   staging: list[fx.Node], scaling: dict[str, tuple[fx.Node, fx.Node]], meta: dict) -> None:
-    """`scaling`: "grad_scale"/"found_inf" -> (device, host) nodes of a GradScaler's tensors,
-    copied with the gradients so the host update can unscale and skip."""
+                   staging: list[fx.Node], scaling: dict[str, tuple[fx.Node, fx.Node]], meta: dict,
+                   scaled: _ScaledAfterBackward | None) -> None:
+    """`scaling`: "grad_scale"/"found_inf"/"grad_multiplier" -> (device, host) nodes of a
+    GradScaler's tensors and of the scalar in `scaled`, copied with the gradients so the host
+    update can unscale, skip and scale.
+
+    With `scaled`, each gradient goes to the host unscaled as soon as it is final, inside
+    backward, and the host multiplies it: the device frees it there instead of keeping it for
+    the scaling. The update's ticket is the scalars' copy, issued after every gradient's on the
+    same in-order copy stream, so when it is done they all are."""
+    parked = []
+    if scaled is not None:
+        for source, final_at, host in zip(scaled.sources, scaled.final_at, host_grads):
+            with g.inserting_after(final_at):
+                parked.append(g.call_function(ops.copy_to_host.default, ([source], [host])))
     with g.inserting_before(k.first_node):
-        to_host = g.call_function(ops.copy_to_host.default, (k.grads + [d for d, _ in scaling.values()],
-                                                             host_grads + [h for _, h in scaling.values()]))
+        grads = [] if scaled is not None else k.grads
+        to_host = g.call_function(ops.copy_to_host.default, (
+            grads + [d for d, _ in scaling.values()], ([] if scaled is not None else host_grads) +
+            [h for _, h in scaling.values()]))
         update = k.emit_host_update(g, to_host, masters, host_grads, _host_lr,
                                     tuple(scaling[key][1] if key in scaling else None
-                                          for key in ("grad_scale", "found_inf")))
+                                          for key in ("grad_scale", "found_inf", "grad_multiplier")))
         to_device = g.call_function(ops.copy_to_device.default, (update, masters, staging, k.params))
     with g.inserting_before(g.output_node()):
         waited = g.call_function(ops.wait_device.default, (to_device, k.params))
-    _tag([to_host, to_device, waited], meta, "transfer")
+    _tag([*parked, to_host, to_device, waited], meta, "transfer")
     _tag([update], meta, "optimizer")
 
 
@@ -192,6 +250,9 @@ def offload_optimizer(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
     state_bytes = sum(st.meta["val"].numel() * st.meta["val"].element_size()
                       for k in kernels for st in k.state_placeholders())
     paths, prefetch_at = _choose_paths(graph, kernels, ctx, state_bytes)
+    storages = StorageMap(g)
+    scaled = [_find_scaling_after_backward(storages, k) if path == "cpu" else None
+              for k, path in zip(kernels, paths)]
     nodes = [nd for nd in g.nodes if nd.op != "output"]
     replaced = {nd for k in kernels for nd in (k.node, *k.nodes)}   # erased as the loop goes
 
@@ -200,7 +261,7 @@ def offload_optimizer(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
         while anchor in replaced:
             anchor = anchor.prev
         return anchor
-    moved_bytes = 0
+    moved_bytes = scaled_buckets = 0
     for b, k in enumerate(kernels):
         names = [specs[spec_of[p.name]].target for p in k.params]
         masters, host_grads, staging = [], [], []
@@ -223,14 +284,24 @@ def offload_optimizer(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
             moved_bytes += state.meta["val"].numel() * 4
         meta = {key: k.node.meta[key] for key in ("param", "subgroup", "bucket", "stack_trace") if key in k.node.meta}
         if paths[b] == "cpu":
+            multiplier = scaled[b].multiplier if scaled[b] is not None else None
             scaling = {what: (d, graph.add_host_input(specs, InputSpec(
                 "host_scratch", f"h_{what}_{safe}", (names[0], what), True, True), d.meta["val"].shape,
-                torch.float32, names[0]))
-                for what, d in (("grad_scale", k.grad_scale), ("found_inf", k.found_inf)) if d is not None}
-            _emit_cpu_path(g, k, masters, host_grads, staging, scaling, meta)
+                d.meta["val"].dtype, names[0]))
+                for what, d in (("grad_scale", k.grad_scale), ("found_inf", k.found_inf),
+                                ("grad_multiplier", multiplier)) if d is not None}
+            _emit_cpu_path(g, k, masters, host_grads, staging, scaling, meta, scaled[b])
         else:
             _emit_device_path(g, k, masters, prefetch_anchor(prefetch_at[b]), ctx.device, meta)
         k.erase()
+        if scaled[b] is not None:
+            for node in scaled[b].scalings:
+                g.erase_node(node)
+            scaled_buckets += 1
+    if scaled_buckets:
+        graph.note("offload_optimizer", f"{scaled_buckets} buckets' gradients are scaled after backward "
+                   "(e.g. clip_grad_norm_): each goes to the host as soon as it is final and the host "
+                   "update scales it, so the device frees it inside backward")
     graph = graph.with_signature(inputs=tuple(specs))
     fill_missing_meta(graph, "offload_optimizer")   # the prefetched buffers' sizes count below
     device_peak = analyze_memory(graph).peak

@@ -88,6 +88,10 @@ def _reads_other_buckets(reader: fx.Node, own: set[int], storages: StorageMap, p
 
 
 def park_gradients(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
+    if ctx.config.offload is not None:
+        graph.note("park_gradients", "left to offload_optimizer, whose host updates take waiting gradients "
+                   "to the host as soon as they are final")
+        return graph
     g = graph.graph
     storages = StorageMap(g)
     backward = [n for n in g.nodes if n.meta.get("phase") == "backward"]

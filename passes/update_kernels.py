@@ -20,7 +20,7 @@ graphoffload_ops = torch.ops.graphoffload
 
 def _host_adam(decoupled: bool) -> Callable:
     def emit(g: fx.Graph, k: UpdateKernel, after: fx.Node, masters: list[fx.Node], host_grads: list[fx.Node],
-             lr: fx.Node, scaling: tuple[fx.Node | None, fx.Node | None]) -> fx.Node:
+             lr: fx.Node, scaling: tuple[fx.Node | None, ...]) -> fx.Node:
         kw = k.node.kwargs
         return g.call_function(graphoffload_ops.host_adam_.default, (
             after, masters, host_grads, list(k.node.args[2]), list(k.node.args[3]), list(k.node.args[4]),
@@ -30,7 +30,7 @@ def _host_adam(decoupled: bool) -> Callable:
 
 
 def _host_sgd(g: fx.Graph, k: UpdateKernel, after: fx.Node, masters: list[fx.Node], host_grads: list[fx.Node],
-              lr: fx.Node, scaling: tuple[fx.Node | None, fx.Node | None]) -> fx.Node:
+              lr: fx.Node, scaling: tuple[fx.Node | None, ...]) -> fx.Node:
     kw = k.node.kwargs
     return g.call_function(graphoffload_ops.host_sgd_.default, (
         after, masters, host_grads, list(k.node.args[2]), lr, kw["weight_decay"], kw["momentum"],
@@ -112,8 +112,9 @@ class UpdateKernel:
 
     def emit_host_update(self, g: fx.Graph, after: fx.Node, masters: list[fx.Node], host_grads: list[fx.Node],
                          host_lr: Callable[[fx.Node], fx.Node],
-                         scaling: tuple[fx.Node | None, fx.Node | None] = (None, None)) -> fx.Node:
-        """The host variant of the kernel; `scaling`: host copies of (grad_scale, found_inf)."""
+                         scaling: tuple[fx.Node | None, ...] = (None, None, None)) -> fx.Node:
+        """The host variant of the kernel; `scaling`: host copies of (grad_scale, found_inf,
+        grad_multiplier), the GradScaler's tensors and a scalar the gradients are multiplied by."""
         return self.rule.emit_host_update(g, self, after, masters, host_grads, host_lr(self.node.kwargs["lr"]),
                                           scaling)
 

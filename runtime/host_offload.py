@@ -51,11 +51,17 @@ class OffloadRuntime:
     def __init__(self, device: torch.device, cpu_workers: int = 1):
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
+        if self.cuda and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.d2h = torch.cuda.Stream(self.device) if self.cuda else None
         self.h2d = torch.cuda.Stream(self.device) if self.cuda else None
         # one worker by default: buckets update in FIFO order and the fused CPU kernel already
-        # uses torch's intra-op threads
-        self.pool = ThreadPoolExecutor(max_workers=cpu_workers, thread_name_prefix="graphoffload-host")
+        # uses torch's intra-op threads. A new thread's current CUDA device is 0, not the
+        # caller's: `torch.cuda.stream(self.h2d)` would switch it to ours and back to 0 on exit,
+        # creating a context on GPU 0 in every process of a multi-GPU job, so workers start on ours
+        self.pool = ThreadPoolExecutor(max_workers=cpu_workers, thread_name_prefix="graphoffload-host",
+                                       initializer=torch.cuda.set_device if self.cuda else None,
+                                       initargs=(self.device,) if self.cuda else ())
         self._tickets: dict[int, Future] = {}
         self._next = 0
         self.spans: list[tuple[str, str, float, float]] = []   # (track, name, start, end) of the last step
@@ -209,17 +215,27 @@ def _host_fp32_grads(params: list[Tensor], grads: list[Tensor]) -> list[Tensor]:
     return [g if g.dtype == p.dtype else g.to(p.dtype) for p, g in zip(params, grads)]
 
 
+def _scale_host_grads(grads: list[Tensor], grad_multiplier: Tensor | None) -> None:
+    # the step's own scaling of the gradients after backward (clip_grad_norm_'s clip_coef), moved
+    # to the host copies: the same elementwise product, so the same bits
+    if grad_multiplier is not None:
+        torch._foreach_mul_(grads, grad_multiplier)
+
+
 @torch.library.custom_op("graphoffload::host_adam_",
-                         mutates_args=("params", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs", "steps"))
+                         mutates_args=("params", "grads", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs", "steps"))
 def host_adam_(after: Tensor, params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor],
                exp_avg_sqs: list[Tensor], max_exp_avg_sqs: list[Tensor], steps: list[Tensor], lr: Tensor,
                beta1: float, beta2: float, weight_decay: float, eps: float, amsgrad: bool, maximize: bool,
-               decoupled: bool, grad_scale: Tensor | None = None, found_inf: Tensor | None = None) -> Tensor:
+               decoupled: bool, grad_scale: Tensor | None = None, found_inf: Tensor | None = None,
+               grad_multiplier: Tensor | None = None) -> Tensor:
     """Adam/AdamW on host tensors, on the worker, once `after` is done; returns a ticket.
-    With a GradScaler's `grad_scale`/`found_inf` (host copies) it unscales and skips on inf."""
+    With a GradScaler's `grad_scale`/`found_inf` (host copies) it unscales and skips on inf;
+    with `grad_multiplier` (a host scalar) it first scales the gradients in place."""
     lr = lr.clone()   # the graph's lr tensor may be gone by the time the worker runs
 
     def work():
+        _scale_host_grads(grads, grad_multiplier)
         torch._foreach_add_(steps, 1)
         kernel = torch._fused_adamw_ if decoupled else torch._fused_adam_
         kernel(params, _host_fp32_grads(params, grads), exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps,
@@ -232,19 +248,20 @@ def host_adam_(after: Tensor, params: list[Tensor], grads: list[Tensor], exp_avg
 
 @host_adam_.register_fake
 def _(after, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, lr, beta1, beta2, weight_decay,
-      eps, amsgrad, maximize, decoupled, grad_scale=None, found_inf=None):
+      eps, amsgrad, maximize, decoupled, grad_scale=None, found_inf=None, grad_multiplier=None):
     return _ticket_fake()
 
 
-@torch.library.custom_op("graphoffload::host_sgd_", mutates_args=("params", "momentum_buffers"))
+@torch.library.custom_op("graphoffload::host_sgd_", mutates_args=("params", "grads", "momentum_buffers"))
 def host_sgd_(after: Tensor, params: list[Tensor], grads: list[Tensor], momentum_buffers: list[Tensor],
               lr: Tensor, weight_decay: float, momentum: float, dampening: float, nesterov: bool,
               maximize: bool, is_first_step: bool, grad_scale: Tensor | None = None,
-              found_inf: Tensor | None = None) -> Tensor:
+              found_inf: Tensor | None = None, grad_multiplier: Tensor | None = None) -> Tensor:
     """SGD on host tensors, on the worker, once `after` is done; returns a ticket."""
     lr = lr.clone()
 
     def work():
+        _scale_host_grads(grads, grad_multiplier)
         torch._fused_sgd_(params, _host_fp32_grads(params, grads), momentum_buffers, weight_decay=weight_decay,
                           momentum=momentum, lr=lr, dampening=dampening, nesterov=nesterov, maximize=maximize,
                           is_first_step=is_first_step, grad_scale=grad_scale, found_inf=found_inf)
@@ -253,7 +270,7 @@ def host_sgd_(after: Tensor, params: list[Tensor], grads: list[Tensor], momentum
 
 @host_sgd_.register_fake
 def _(after, params, grads, momentum_buffers, lr, weight_decay, momentum, dampening, nesterov, maximize,
-      is_first_step, grad_scale=None, found_inf=None):
+      is_first_step, grad_scale=None, found_inf=None, grad_multiplier=None):
     return _ticket_fake()
 
 

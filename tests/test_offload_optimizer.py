@@ -71,6 +71,30 @@ def test_offloaded_state_lives_in_host_memory_and_leaves_the_device_peak():
     assert plain.memory().resident - step.memory().resident >= 2 * param_bytes
 
 
+def test_clipped_gradients_leave_the_device_inside_backward():
+    # clip_grad_norm_ scales every gradient after backward; the host update does that scaling,
+    # so each gradient is copied out (unscaled) as soon as it is final and the device frees it
+    from gpt import GPTConfig
+    cfg = GPTConfig(vocab_size=256, seq_len=8, n_layer=8, n_head=4, d_model=128)
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    opt = OPTIMIZERS["adamw"](model.parameters())
+    batch = token_batches(1, cfg.vocab_size, cfg.seq_len, batch=1)[0]
+    grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    plain, clipped = offloaded(train_step), offloaded(clipped_step)
+    plain.compile(model, opt, batch)
+    clipped.compile(model, opt, batch)
+    assert clipped.memory("final").peak <= plain.memory("final").peak + 0.1 * grad_bytes
+    nodes = list(clipped.train_graph.graph.nodes)
+    last_backward = max(i for i, n in enumerate(nodes) if n.meta["phase"] == "backward")
+    copies = [i for i, n in enumerate(nodes) if n.target is torch.ops.graphoffload.copy_to_host.default
+              and n.args[0] and n.args[0][0].meta["val"].dim() > 0]
+    assert len(copies) == len(list(model.parameters()))
+    assert sum(i < last_backward for i in copies) >= len(copies) - 1
+    assert not any(n.target is torch.ops.aten.mul_.Tensor and n.meta["phase"] == "optimizer" for n in nodes)
+    assert any("scaled after backward" in line for line in clipped.train_graph.notes["offload_optimizer"])
+
+
 def test_mixed_precision_matches_eager_bf16_params_with_fp32_master():
     torch.manual_seed(0)
     base = GPT(TINY)

@@ -11,6 +11,7 @@ import torch
 from gpt import GPT, GPTConfig
 from steps import TINY, clipped_step, token_batches, train_step
 from test_grad_scaler import scaled_clipped_step
+from test_offload_planner import BALANCED
 
 import graphoffload
 from graphoffload import CompileConfig, FuseOptimizer, Offload
@@ -118,18 +119,26 @@ def test_gradients_unscaled_together_stay_and_results_stay_exact():
     assert any("together with other buckets" in line for line in step.train_graph.notes["park_gradients"])
 
 
-def test_parking_composes_with_offload():
+@pytest.mark.parametrize("offload", ["cpu", "hybrid"])
+@pytest.mark.parametrize("clip", [clipped_step, foreach_clipped_step], ids=["clip_grad_norm_", "foreach"])
+def test_offload_takes_waiting_gradients_to_the_host_itself(offload, clip):
+    # CPU-path buckets scale their gradients on the host; device-path ones keep them
     torch.manual_seed(0)
     eager = GPT(TINY)
     compiled = copy.deepcopy(eager)
     opt_e, opt_c = OPTIMIZERS["adamw"](eager.parameters()), OPTIMIZERS["adamw"](compiled.parameters())
-    step_fn = functools.partial(clipped_step, max_norm=0.3)
-    step = graphoffload.offload_compile(step_fn, offload=Offload(device_updates="never"), config=PARKED)
+    step_fn = functools.partial(clip, max_norm=0.3) if clip is clipped_step else clip
+    offload = Offload(device_updates="never") if offload == "cpu" else \
+        Offload(device_updates=2, calibration=BALANCED)
+    step = graphoffload.offload_compile(step_fn, offload=offload, config=PARKED)
     for batch in token_batches(5, TINY.vocab_size, TINY.seq_len):
         assert step(compiled, opt_c, batch).item() == step_fn(eager, opt_e, batch).item()
     for pe, pc in zip(eager.parameters(), compiled.parameters()):
         assert torch.equal(pe, pc)
-    assert "park_gradients" in step.graphs and "offload_optimizer" in step.graphs
+    notes = step.train_graph.notes
+    assert "left to offload_optimizer" in notes["park_gradients"][-1]
+    assert not any(spec.target[1] == "parked_grad" for spec in step.train_graph.signature.inputs
+                   if spec.kind == "host_scratch")
 
 
 def test_park_gradients_needs_fuse_optimizer():
