@@ -34,6 +34,10 @@ class BucketCost:
     grad_bytes: int            # device-to-host on the CPU path
     upload_bytes: int          # updated parameters host-to-device on the CPU path
     state_bytes: int           # state prefetched to / written back from the device on the device path
+    # index of the node after which the last gradient is final, when that is before ready_node
+    # (the step scales the gradients after backward, e.g. clipping, and the CPU path copies them
+    # out unscaled while backward runs)
+    grads_final_node: int | None = None
 
 
 @dataclass(frozen=True)
@@ -146,8 +150,9 @@ def predict(costs: StepCosts, assignment: Sequence[str], cal: Calibration, budge
                 delay += start + seconds - ready
                 transfer("d2h", f"write back {bucket.name}", start + seconds, bucket.state_bytes, b)
             else:
-                arrived = transfer("d2h", f"grads {bucket.name}", ready, bucket.grad_bytes, b)
-                start = max(arrived, free["cpu"])
+                final = ready if bucket.grads_final_node is None else times[bucket.grads_final_node + 1] + delay
+                arrived = transfer("d2h", f"grads {bucket.name}", min(final, ready), bucket.grad_bytes, b)
+                start = max(arrived, ready, free["cpu"])
                 alone = bucket.numel / cal.cpu_update_params_per_s
                 copying = _overlap(start, start + alone, link_busy["h2d"] + link_busy["d2h"]) / alone if alone else 0
                 seconds = alone * (1 - min(copying, 1.0)) + bucket.numel / cal.cpu_update_params_per_s_under_copy * min(copying, 1.0)

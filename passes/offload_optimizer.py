@@ -180,8 +180,8 @@ def _emit_device_path(g: fx.Graph, k: UpdateKernel, masters: list[fx.Node], pref
     _tag([n for n in nodes if n is not waited] + [update], meta, "optimizer")
 
 
-def _choose_paths(graph: TrainGraph, kernels: list[UpdateKernel], ctx: PassContext,
-                  state_bytes_on_device: int) -> tuple[list[str], dict[int, int]]:
+def _choose_paths(graph: TrainGraph, kernels: list[UpdateKernel], ctx: PassContext, state_bytes_on_device: int,
+                  scaled: list[_ScaledAfterBackward | None]) -> tuple[list[str], dict[int, int]]:
     """CPU or device path per bucket, and where device-path prefetches start (node index)."""
     offload = ctx.config.offload
     n = len(kernels)
@@ -202,8 +202,9 @@ def _choose_paths(graph: TrainGraph, kernels: list[UpdateKernel], ctx: PassConte
         n_states = len([pos for pos in k.rule.list_positions[2:] if pos != k.rule.steps_position and k.node.args[pos]])
         narrow = k.params[0].meta["val"].dtype != MASTER_DTYPE
         state = numel * 4 * (n_states + (1 if narrow else 0))
+        final = max(index[n] for n in scaled[b].final_at) if scaled[b] is not None else None
         buckets.append(BucketCost(f"bucket {k.node.meta.get('bucket', b)}", numel, index[k.first_node] - 1,
-                                  grad_bytes, param_bytes, state))
+                                  grad_bytes, param_bytes, state, final))
     seconds = node_seconds(graph.graph, cal, ctx.measured_node_seconds)
     for k in kernels:   # the update kernels themselves are what the plan replaces
         for node in (k.node, k.counter):
@@ -249,10 +250,10 @@ def offload_optimizer(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
     spec_of = {s.name: i for i, s in enumerate(specs)}
     state_bytes = sum(st.meta["val"].numel() * st.meta["val"].element_size()
                       for k in kernels for st in k.state_placeholders())
-    paths, prefetch_at = _choose_paths(graph, kernels, ctx, state_bytes)
     storages = StorageMap(g)
-    scaled = [_find_scaling_after_backward(storages, k) if path == "cpu" else None
-              for k, path in zip(kernels, paths)]
+    scaled = [_find_scaling_after_backward(storages, k) for k in kernels]
+    paths, prefetch_at = _choose_paths(graph, kernels, ctx, state_bytes, scaled)
+    scaled = [found if path == "cpu" else None for found, path in zip(scaled, paths)]
     nodes = [nd for nd in g.nodes if nd.op != "output"]
     replaced = {nd for k in kernels for nd in (k.node, *k.nodes)}   # erased as the loop goes
 

@@ -50,6 +50,23 @@ def test_a_mix_when_balanced_and_faster_than_either_extreme():
     assert best.step_seconds < scored["all-cpu"] and best.step_seconds < scored["all-device"]
 
 
+def test_gradients_scaled_after_backward_still_leave_during_backward_on_the_cpu_path():
+    # with clipping every update waits for the end of backward, but the CPU path's copies need not
+    costs = synthetic_step()
+    end = len(costs.node_seconds) - 1
+    waiting = StepCosts(costs.node_seconds, costs.live_bytes,
+                        [dataclasses.replace(b, ready_node=end) for b in costs.buckets])
+    copied_early = StepCosts(costs.node_seconds, costs.live_bytes,
+                             [dataclasses.replace(b, ready_node=end, grads_final_node=b.ready_node)
+                              for b in costs.buckets])
+    all_cpu = ("cpu",) * len(costs.buckets)
+    late, early = predict(waiting, all_cpu, BALANCED), predict(copied_early, all_cpu, BALANCED)
+    assert early.step_seconds < late.step_seconds
+    first_copy = min(e.start for e in early.events if e.track == "d2h")
+    first_update = min(e.start for e in early.events if e.track == "cpu")
+    assert first_copy < early.node_start[end] <= first_update   # copies in backward, updates after it
+
+
 @pytest.mark.parametrize("cal", [BALANCED, SLOW_PCIE, SLOW_CPU], ids=["balanced", "slow-pcie", "slow-cpu"])
 def test_never_worse_than_any_fixed_stride(cal):
     best, scored = plan(synthetic_step(), cal)
