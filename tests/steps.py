@@ -25,6 +25,18 @@ def clipped_step(model, optimizer, batch, max_norm: float = 0.5):
     return loss
 
 
+def foreach_clipped_step(model, optimizer, batch, max_norm: float = 0.5):
+    """clip_grad_norm_ as its foreach (GPU) path runs it: one norm and one scaling over all."""
+    loss = model(batch["input_ids"], labels=batch["labels"])
+    loss.backward()
+    grads = [p.grad for p in model.parameters()]
+    total = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2.0)), 2.0)
+    torch._foreach_mul_(grads, torch.clamp(max_norm / (total + 1e-6), max=1.0))
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss
+
+
 def token_batches(n: int, vocab: int = 64, seq: int = 16, batch: int = 2, seed: int = 0) -> list[dict]:
     """`n` batches of random tokens whose labels are the next token."""
     g = torch.Generator().manual_seed(seed)

@@ -8,7 +8,7 @@ import functools
 import pytest
 import torch
 from gpt import GPT, GPTConfig
-from steps import TINY, clipped_step, token_batches, train_step
+from steps import TINY, clipped_step, foreach_clipped_step, token_batches, train_step
 
 import graphoffload
 from graphoffload import CompileConfig, FuseOptimizer
@@ -169,16 +169,7 @@ def test_gradient_left_on_param_grad_is_kept_and_reported():
 
 
 def test_foreach_clipping_norms_move_into_backward_and_results_stay_exact():
-    def train_step(model, optimizer, batch):   # clip_grad_norm_ as its foreach (GPU) path runs it
-        loss = model(batch["input_ids"], labels=batch["labels"])
-        loss.backward()
-        grads = [p.grad for p in model.parameters()]
-        total = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2.0)), 2.0)
-        torch._foreach_mul_(grads, torch.clamp(0.5 / (total + 1e-6), max=1.0))
-        optimizer.step()
-        optimizer.zero_grad()
-        return loss
-
+    train_step = foreach_clipped_step
     torch.manual_seed(0)
     eager = GPT(TINY)
     compiled = copy.deepcopy(eager)

@@ -9,7 +9,7 @@ import functools
 import pytest
 import torch
 from gpt import GPT, GPTConfig
-from steps import TINY, clipped_step, token_batches, train_step
+from steps import TINY, clipped_step, foreach_clipped_step, token_batches, train_step
 from test_grad_scaler import scaled_clipped_step
 from test_offload_planner import BALANCED
 
@@ -22,18 +22,6 @@ OPTIMIZERS = {
     "adamw": lambda ps: torch.optim.AdamW(ps, lr=3e-3, weight_decay=0.1, fused=True),
     "sgd": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, weight_decay=0.01, fused=True),
 }
-
-
-def foreach_clipped_step(model, optimizer, batch):
-    """clip_grad_norm_ as its foreach (GPU) path runs it: one norm and one scaling over all."""
-    loss = model(batch["input_ids"], labels=batch["labels"])
-    loss.backward()
-    grads = [p.grad for p in model.parameters()]
-    total = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2.0)), 2.0)
-    torch._foreach_mul_(grads, torch.clamp(0.5 / (total + 1e-6), max=1.0))
-    optimizer.step()
-    optimizer.zero_grad()
-    return loss
 
 
 def _targets(graph, op) -> list[int]:
@@ -127,7 +115,7 @@ def test_offload_takes_waiting_gradients_to_the_host_itself(offload, clip):
     eager = GPT(TINY)
     compiled = copy.deepcopy(eager)
     opt_e, opt_c = OPTIMIZERS["adamw"](eager.parameters()), OPTIMIZERS["adamw"](compiled.parameters())
-    step_fn = functools.partial(clip, max_norm=0.3) if clip is clipped_step else clip
+    step_fn = functools.partial(clip, max_norm=0.3)
     offload = Offload(device_updates="never") if offload == "cpu" else \
         Offload(device_updates=2, calibration=BALANCED)
     step = graphoffload.offload_compile(step_fn, offload=offload, config=PARKED)
