@@ -95,7 +95,8 @@ def test_clipped_gradients_leave_the_device_inside_backward():
     assert any("scaled after backward" in line for line in clipped.train_graph.notes["offload_optimizer"])
 
 
-def test_mixed_precision_matches_eager_bf16_params_with_fp32_master():
+@pytest.mark.parametrize("clip", [False, True], ids=["plain", "clip"])
+def test_mixed_precision_matches_eager_bf16_params_with_fp32_master(clip):
     torch.manual_seed(0)
     base = GPT(TINY)
     compiled = copy.deepcopy(base).to(torch.bfloat16)
@@ -103,10 +104,12 @@ def test_mixed_precision_matches_eager_bf16_params_with_fp32_master():
     master = [p.detach().float().clone().requires_grad_() for p in eager.parameters()]
     opt_master = torch.optim.AdamW(master, lr=3e-3, weight_decay=0.1, fused=True)
     opt_c = torch.optim.AdamW(compiled.parameters(), lr=3e-3, weight_decay=0.1)
-    step = offloaded(bucket_numel=4096)
+    step = offloaded(clipped_step if clip else train_step, bucket_numel=4096)
     for b in batches(10):
         loss_e = eager(b["input_ids"], labels=b["labels"])
         loss_e.backward()
+        if clip:   # on the bf16 gradients, as clipped_step does
+            torch.nn.utils.clip_grad_norm_(eager.parameters(), 0.5)
         for m, p in zip(master, eager.parameters()):
             m.grad = p.grad.float()
             p.grad = None
