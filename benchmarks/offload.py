@@ -57,7 +57,10 @@ def _graphoffload(device_updates):
 
 
 def _torchao(model, device):
-    from torchao.optim import CPUOffloadOptimizer
+    try:
+        from torchao.optim import CPUOffloadOptimizer
+    except ImportError:   # torchao releases before it left the prototypes
+        from torchao.prototype.low_bit_optim import CPUOffloadOptimizer
 
     opt = CPUOffloadOptimizer(model.parameters(), torch.optim.AdamW, fused=True, lr=LR, weight_decay=WEIGHT_DECAY)
     return lambda batch: autocast_train_step(model, opt, batch)

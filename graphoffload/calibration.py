@@ -135,7 +135,10 @@ def measure(device: torch.device, numel: int = 1 << 24) -> Calibration:
         loader.join()
     device_rate = _adamw_rate(device, numel) if cuda else cpu_rate
     a = torch.randn(2048, 2048, device=device, dtype=torch.bfloat16 if cuda else torch.float32)
-    flops = 2 * 2048**3 / _best_time(lambda: (a @ a, _sync(device)))
-    device_bytes = 2 * nbytes / _best_time(lambda: (dev.mul_(1.0), _sync(device)))
+    # on a GPU one such matmul, or one pass over the buffer, takes tens of microseconds, about
+    # what the synchronisation after it costs: time a run of them
+    reps = 10 if cuda else 1
+    flops = reps * 2 * 2048**3 / _best_time(lambda: ([a @ a for _ in range(reps)], _sync(device)))
+    device_bytes = reps * 2 * nbytes / _best_time(lambda: ([dev.mul_(1.0) for _ in range(reps)], _sync(device)))
     return Calibration(h2d_rate, d2h_rate, duplex_rate, cpu_rate, min(cpu_under_copy, cpu_rate), device_rate,
                        flops, device_bytes, device=str(device))

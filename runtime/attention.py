@@ -7,14 +7,25 @@ kernels run the very same dispatch on fake tensors (every aten SDPA kernel has a
 so a fake output always has the real output's strides.
 
 Layout follows SDPA: q is (batch, heads, q_len, head_dim), k/v are (batch, kv_heads, kv_len,
-head_dim); logsumexp is float32 (batch, heads, q_len). Grouped-query attention (kv_heads
-divides heads) is expanded inside the kernel on CUDA, and its key/value gradients are summed
-back (torch's CPU kernels take grouped K/V natively), so the graph carries the small K/V tensors.
+head_dim); logsumexp is float32 (batch, heads, q_len), except from CUDA's efficient-attention
+kernel, which pads q_len to a multiple of 32 (its backward reads that layout). Grouped-query
+attention (kv_heads divides heads) is expanded inside the kernel on CUDA, and its key/value
+gradients are summed back (torch's CPU kernels take grouped K/V natively), so the graph carries
+the small K/V tensors.
+
+On CUDA the kernel is chosen from shapes, dtype and the device alone, so the fake kernel at
+trace time and the real one pick the same and the logsumexp keeps its layout: flash attention
+for fp16/bf16 without a mask on sm80 and newer, else memory-efficient attention. Both need a
+head dim that is a multiple of 8 (eager SDPA pads for flash, or falls back to its math
+kernel), so q, k and v are zero-padded to one here and the outputs cut back.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 aten = torch.ops.aten
@@ -40,19 +51,70 @@ def _additive_mask(mask: Tensor | None, dtype: torch.dtype) -> Tensor | None:
     return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, float("-inf"))
 
 
-def _use_cuda_flash(q: Tensor, mask: Tensor | None) -> bool:
-    return mask is None and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256
+_CUDA_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _padded(d: int) -> int:
+    return -(-d // 8) * 8
+
+
+def _pad_head_dim(t: Tensor, width: int) -> Tensor:
+    if t.shape[-1] != width:
+        return F.pad(t, (0, width - t.shape[-1]))
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _use_cuda_flash(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool) -> bool:
+    d = _padded(q.shape[-1])
+    if (mask is not None or q.dtype not in (torch.float16, torch.bfloat16) or d > 256 or v.shape[-1] != q.shape[-1]
+            or not torch.backends.cuda.is_flash_attention_available()):
+        return False
+    # flash aligns a causal mask to the bottom right when q_len != kv_len; SDPA (and the
+    # efficient kernel) to the top left
+    if is_causal and q.shape[-2] != k.shape[-2]:
+        return False
+    capability = torch.cuda.get_device_capability(q.device)
+    # sm86-sm89 lack the shared memory for flash's backward at head dims in (192, 224]
+    return capability >= (8, 0) and not ((8, 6) <= capability <= (8, 9) and 192 < d <= 224)
+
+
+def _efficient_bias(mask: Tensor | None, q: Tensor, k: Tensor) -> Tensor | None:
+    """The mask as the efficient kernel reads it: additive, of q's dtype, (batch, heads, q_len,
+    kv_len) with every stride but the last a multiple of 8 (what eager SDPA's preprocessing does)."""
+    if mask is None:
+        return None
+    bias = _additive_mask(mask, q.dtype).to(q.dtype)
+    if bias.stride(-1) != 1 or any(s % 8 for s in bias.stride()[:-1]):
+        width = bias.shape[-1]
+        aligned = bias.new_empty((*bias.shape[:-1], _padded(width))).narrow(-1, 0, width)
+        aligned.copy_(bias)
+        bias = aligned
+    return bias.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+
+
+def _check_cuda(q: Tensor) -> None:
+    if q.dtype not in _CUDA_DTYPES or (q.dtype == torch.bfloat16 and torch.cuda.get_device_capability(q.device) < (8, 0)):
+        from graphoffload.errors import UnsupportedError
+
+        raise UnsupportedError(f"attention in {q.dtype} on {torch.cuda.get_device_name(q.device)}: torch's fused CUDA "
+                               "attention kernels take float16 and float32, and bfloat16 on sm80 (Ampere) and newer")
 
 
 def _forward(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool,
              scale: float | None) -> tuple[Tensor, Tensor]:
     if q.device.type == "cuda":
-        if _use_cuda_flash(q, mask):
-            res = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, is_causal, False, scale=scale)
-            return res[0], res[1]
-        res = aten._scaled_dot_product_efficient_attention(
-            q, k, v, _additive_mask(mask, q.dtype), True, 0.0, is_causal, scale=scale)
-        return res[0], res[1]
+        _check_cuda(q)
+        d, dv = q.shape[-1], v.shape[-1]
+        if scale is None and _padded(d) != d:   # the kernel would take it from the padded head dim
+            scale = 1.0 / math.sqrt(d)
+        qp, kp, vp = _pad_head_dim(q, _padded(d)), _pad_head_dim(k, _padded(d)), _pad_head_dim(v, _padded(dv))
+        if _use_cuda_flash(q, k, v, mask, is_causal):
+            res = aten._scaled_dot_product_flash_attention(qp, kp, vp, 0.0, is_causal, False, scale=scale)
+        else:
+            res = aten._scaled_dot_product_efficient_attention(
+                qp, kp, vp, _efficient_bias(mask, q, k), True, 0.0, is_causal, scale=scale)
+        out = res[0] if _padded(dv) == dv else res[0].narrow(-1, 0, dv)
+        return out, res[1]
     # torch's CPU kernel takes only an additive mask of q's dtype; eager SDPA converts bool masks so too
     res = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, is_causal,
                                                            attn_mask=_additive_mask(mask, q.dtype), scale=scale)
@@ -62,19 +124,29 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bo
 def _backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
               mask: Tensor | None, is_causal: bool, scale: float | None) -> tuple[Tensor, Tensor, Tensor]:
     if q.device.type == "cuda":
-        if _use_cuda_flash(q, mask):
-            empty = torch.empty(0, dtype=torch.int64, device=q.device)
+        d, dv = q.shape[-1], v.shape[-1]
+        if scale is None and _padded(d) != d:
+            scale = 1.0 / math.sqrt(d)
+        qp, kp, vp = _pad_head_dim(q, _padded(d)), _pad_head_dim(k, _padded(d)), _pad_head_dim(v, _padded(dv))
+        # the padded columns of the output are zeros, as the forward computed them
+        gp, op = _pad_head_dim(grad_out, _padded(dv)), _pad_head_dim(out, _padded(dv))
+        unused = torch.empty((), dtype=torch.int64, device=q.device)   # philox seed/offset: read only with dropout
+        if _use_cuda_flash(q, k, v, mask, is_causal):
+            # cum_seq_q/k undefined (None), as the forward returns them, selects the dense kernel;
+            # defined (even empty) ones select the variable-length one
             res = aten._scaled_dot_product_flash_attention_backward(
-                grad_out, q, k, v, out, lse, empty, empty, q.shape[-2], k.shape[-2], 0.0, is_causal,
-                torch.empty((), dtype=torch.int64, device=q.device),
-                torch.empty((), dtype=torch.int64, device=q.device), scale=scale)
-            return res[0], res[1], res[2]
-        bias = _additive_mask(mask, q.dtype)
-        empty = torch.empty((), dtype=torch.int64, device=q.device)
-        res = aten._scaled_dot_product_efficient_attention_backward(
-            grad_out, q, k, v, bias, out, lse, empty, empty, 0.0, [True, True, True, bias is not None],
-            is_causal, scale=scale)
-        return res[0], res[1], res[2]
+                gp, qp, kp, vp, op, lse, None, None, q.shape[-2], k.shape[-2], 0.0, is_causal,
+                unused, unused, scale=scale)
+        else:
+            # no gradient for the mask: it is not differentiable here, and its gradient would be
+            # a (batch, heads, q_len, kv_len) tensor
+            res = aten._scaled_dot_product_efficient_attention_backward(
+                gp, qp, kp, vp, _efficient_bias(mask, q, k), op, lse, unused, unused, 0.0,
+                [True, True, True, False], is_causal, scale=scale)
+        dq, dk, dvv = res[0], res[1], res[2]
+        if _padded(d) != d:
+            dq, dk = dq.narrow(-1, 0, d), dk.narrow(-1, 0, d)
+        return dq, dk, (dvv if _padded(dv) == dv else dvv.narrow(-1, 0, dv))
     res = aten._scaled_dot_product_flash_attention_for_cpu_backward(
         grad_out, q, k, v, out, lse, 0.0, is_causal, attn_mask=_additive_mask(mask, q.dtype), scale=scale)
     return res[0], res[1], res[2]

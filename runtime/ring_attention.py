@@ -141,7 +141,7 @@ def _block_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float |
 def _block_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool,
                     scale: float | None) -> tuple[Tensor, Tensor, Tensor]:
     heads = q.shape[-3]
-    if q.device.type == "cuda" and not _use_cuda_flash(q, None):
+    if q.device.type == "cuda" and not _use_cuda_flash(q, k, v, None, causal):
         pad = (-lse.shape[-1]) % 32   # the efficient kernel reads a padded lse
         lse = F.pad(lse, (0, pad)) if pad else lse
     dq, dk, dv = _backward(dout.contiguous(), q, _expand_kv(k, heads), _expand_kv(v, heads), out,

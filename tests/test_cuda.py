@@ -1,5 +1,6 @@
-"""The example GPT on a GPU: fp32 and bf16-autocast training match eager, and the predicted
-peak memory matches the CUDA caching allocator's measured peak. Skipped without a GPU."""
+"""On a GPU: graphoffload's attention op (flash and memory-efficient kernels) against float64
+SDPA, the example GPT's fp32 and bf16-autocast training against eager, and the predicted peak
+memory against the CUDA caching allocator's measured peak. Skipped without a GPU."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import torch
 from gpt import GPT, GPTConfig
 from helpers import assert_training_matches, run_steps, token_batches
 from steps import train_step
+from test_attention_op import CASES, make_inputs, reference
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 import graphoffload
 from graphoffload import CompileConfig
@@ -17,6 +20,9 @@ from graphoffload import CompileConfig
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 CFG = GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=2, d_model=32)
+
+# the fused attention kernels take bfloat16 from sm80 on (eager SDPA falls back to its math kernel)
+PRE_AMPERE = torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 0)
 
 
 def cuda_batches(n: int) -> list[dict]:
@@ -36,7 +42,41 @@ def bf16_step(model, optimizer, batch):
     return loss
 
 
-@pytest.mark.parametrize("step_fn,tol", [(train_step, 1e-5), (bf16_step, 2e-2)], ids=["fp32", "bf16-autocast"])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-3), (torch.float16, 2e-2)], ids=["f32", "f16"])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_attention_op_matches_float64_sdpa(case, dtype, tol):
+    # f16 without a mask runs flash attention on sm80+, everything else memory-efficient
+    # attention; the odd head dims go through the padding to a multiple of 8
+    q, k, v, mask, causal = make_inputs(case, dtype)
+    ref_out, ref_lse, ref_grads, grad_out = reference(q, k, v, mask, causal)
+    q, k, v = (t.cuda().requires_grad_() for t in (q, k, v))
+    mask = mask.cuda() if mask is not None else None
+    out, lse = torch.ops.graphoffload.attention(q, k, v, mask, causal)
+    assert lse.dtype == torch.float32 and lse.shape[:-1] == ref_lse.shape[:-1]
+    torch.testing.assert_close(out.double().cpu(), ref_out, rtol=tol, atol=tol)
+    torch.testing.assert_close(lse[..., :q.shape[-2]].double().cpu(), ref_lse, rtol=tol, atol=tol)
+    grads = torch.autograd.grad(out, (q, k, v), grad_out.to(dtype).cuda())
+    for name, g, r in zip("qkv", grads, ref_grads):
+        assert g.shape == r.shape, name
+        torch.testing.assert_close(g.double().cpu(), r, rtol=tol, atol=tol, msg=lambda m: f"d{name}: {m}")
+
+    # the fake kernels pick the same kernel as the real ones: same shapes and strides
+    mode = FakeTensorMode()
+    real = [out, lse, *grads]
+    with torch.no_grad():
+        fq, fk, fv, fo, fl = (mode.from_tensor(t.detach()) for t in (q, k, v, out, lse))
+        fmask = mode.from_tensor(mask) if mask is not None else None
+        with mode:
+            fake = [*torch.ops.graphoffload.attention(fq, fk, fv, fmask, causal),
+                    *torch.ops.graphoffload.attention_backward(torch.empty_like(fo), fq, fk, fv, fo, fl, fmask, causal)]
+    for r, f in zip(real, fake):
+        assert (f.shape, f.stride(), f.dtype) == (r.shape, r.stride(), r.dtype)
+
+
+@pytest.mark.parametrize("step_fn,tol", [
+    (train_step, 1e-5),
+    pytest.param(bf16_step, 2e-2, marks=pytest.mark.skipif(PRE_AMPERE, reason="bf16 attention needs sm80+")),
+], ids=["fp32", "bf16-autocast"])
 def test_gpt_on_gpu_matches_eager(step_fn, tol):
     torch.manual_seed(0)
     eager = GPT(CFG).cuda()
