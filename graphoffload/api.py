@@ -7,6 +7,7 @@ import functools
 import statistics
 import time
 import warnings
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, overload
@@ -80,6 +81,8 @@ class CompiledStep:
                                         builtin=builtin_passes(self.config))
         self._variants: dict[Any, CompiledVariant] = {}
         self._last: CompiledVariant | None = None
+        self._ran: Executor | None = None     # the executor of the last run, whose uploads may be in flight
+        self._hooked: set[int] = set()
         self.trace_count = 0
         functools.update_wrapper(self, fn)
 
@@ -118,9 +121,37 @@ class CompiledStep:
         key = self._key(args, kwargs)
         variant = self._variants.get(key)
         if variant is None:
+            self.synchronize()   # tracing reads the parameters
             variant = self._variants[key] = self._compile(args, kwargs)
+            if variant.executor.handed_over:
+                self._synchronize_before_outside_access(variant.capture.bindings)
         self._last = variant
         return key, variant
+
+    def synchronize(self) -> None:
+        """Wait until the last call's parameter uploads have landed. Only needed with
+        `Offload(overlap_next_step=True)`, before reading or changing parameters between calls
+        in ways the step does not see (it synchronizes itself before the model's forward and
+        before `state_dict()`/`load_state_dict()` of the model, the optimizer or the step)."""
+        if self._ran is not None:
+            self._ran.synchronize()
+
+    def _synchronize_before_outside_access(self, bindings: Any) -> None:
+        # public hooks, held weakly: the model and optimizer do not keep the step alive
+        ref = weakref.ref(self)
+
+        def sync(*_: Any) -> None:
+            step = ref()
+            if step is not None:
+                step.synchronize()
+        for obj in (*bindings.modules, *bindings.optimizers):
+            if id(obj) in self._hooked:
+                continue
+            self._hooked.add(id(obj))
+            obj.register_state_dict_pre_hook(sync)
+            obj.register_load_state_dict_pre_hook(sync)
+            if isinstance(obj, torch.nn.Module):
+                obj.register_forward_pre_hook(sync)
 
     def compile(self, *args: Any, **kwargs: Any) -> TrainGraph:
         """Trace and transform the step for these arguments without running it (so its graphs,
@@ -133,6 +164,10 @@ class CompiledStep:
         if self.config.sequence_parallel is not None:   # per-rank batch shards -> full sequence
             args, kwargs = self.config.sequence_parallel.prepare_inputs(args, kwargs)
         key, variant = self._variant(args, kwargs)
+        if self._ran is not variant.executor:
+            # only the executor that handed uploads over knows where its next run waits for them
+            self.synchronize()
+            self._ran = variant.executor
         offload = self.config.offload
         if variant.graph.schedule is None or offload is None or not offload.replan_after or variant.replans >= 3:
             return variant.executor.run(args, kwargs)
@@ -175,6 +210,7 @@ class CompiledStep:
     def state_dict(self) -> dict[str, Any]:
         """The state of every optimizer the step drives, as `optimizer.state_dict()` gives it:
         offloaded state (fp32 master weights, moments) stays in host memory."""
+        self.synchronize()
         return {"optimizers": [opt.state_dict() for opt in self.last.capture.bindings.optimizers]}
 
     def load_state_dict(self, state: dict[str, Any],
@@ -183,6 +219,7 @@ class CompiledStep:
         were saved (unlike `optimizer.load_state_dict`, which casts state to each parameter's
         device and dtype, so offloaded fp32 state would land on the GPU in bf16). Before the
         step's first call, pass the optimizers it will drive."""
+        self.synchronize()
         if optimizers is None:
             optimizers = self.last.capture.bindings.optimizers
         saved = state["optimizers"]

@@ -73,6 +73,13 @@ class Offload:
             (Deep Optimizer States' fixed schedule).
         calibration: rates for the performance model; None measures this machine once and
             caches the result (see `Calibration.load_or_measure`).
+        overlap_next_step: let the CPU path's last updates and uploads finish while the next
+            call's forward runs: that call waits for each bucket's parameters right before its
+            forward first reads them, instead of this call waiting for all of them at its end.
+            Between calls parameters may then still be in flight: the step synchronizes itself
+            before the model's forward or `state_dict()`/`load_state_dict()` of the model, the
+            optimizer or the step run; anything else that reads or writes parameters between
+            calls must call `step.synchronize()` first. Off by default.
         replan_after: with a planned schedule, time this many steps after each plan; if their
             median drifts from the prediction by more than `replan_threshold` (a fraction),
             profile the next step node by node and plan again from the measured times (at most
@@ -84,6 +91,7 @@ class Offload:
     pin_memory: bool = True
     device_updates: Literal["auto", "never"] | int = "auto"
     calibration: Calibration | None = None
+    overlap_next_step: bool = False
     replan_after: int = 3
     replan_threshold: float = 0.25
 

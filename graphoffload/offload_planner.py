@@ -38,6 +38,7 @@ class BucketCost:
     # (the step scales the gradients after backward, e.g. clipping, and the CPU path copies them
     # out unscaled while backward runs)
     grads_final_node: int | None = None
+    first_use_node: int = 0    # index of the first node that reads its parameters (in forward)
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,8 @@ class StepCosts:
     node_seconds: Sequence[float]        # compute-stream time of each node, in graph order
     live_bytes: Sequence[int]            # device bytes live at each node with every bucket on the CPU path
     buckets: Sequence[BucketCost]
+    # CPU-path uploads may finish in the next step's forward, before each bucket's first reader
+    overlap_next_step: bool = False
 
 
 @dataclass
@@ -162,6 +165,12 @@ def predict(costs: StepCosts, assignment: Sequence[str], cal: Calibration, budge
         compute_end = times[-1] + delay
         events.insert(0, Event("compute", "forward + backward", 0.0, compute_end))
         step = max([compute_end, *free.values()])
+        if costs.overlap_next_step:
+            # steady state: the next step starts when this one's compute ends, and an upload
+            # delays it only by how far it lands after the bucket's first reader there
+            late = [e.end - times[costs.buckets[e.bucket].first_use_node] for e in events
+                    if e.track == "h2d" and e.name.startswith("upload")]
+            step = max([compute_end, free["d2h"], *late])
         best = Prediction(tuple(assignment), step, prefetch, events, peak, times[:-1], device_bytes)
         link_busy = busy
     return best

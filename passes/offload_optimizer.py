@@ -106,7 +106,7 @@ def _find_scaling_after_backward(storages: StorageMap, k: UpdateKernel) -> _Scal
 
 def _emit_cpu_path(g: fx.Graph, k: UpdateKernel, masters: list[fx.Node], host_grads: list[fx.Node],
                    staging: list[fx.Node], scaling: dict[str, tuple[fx.Node, fx.Node]], meta: dict,
-                   scaled: _ScaledAfterBackward | None) -> None:
+                   scaled: _ScaledAfterBackward | None, hand_over: tuple[str, fx.Node] | None) -> None:
     """`scaling`: "grad_scale"/"found_inf"/"grad_multiplier" -> (device, host) nodes of a
     GradScaler's tensors and of the scalar in `scaled`, copied with the gradients so the host
     update can unscale, skip and scale.
@@ -114,7 +114,11 @@ def _emit_cpu_path(g: fx.Graph, k: UpdateKernel, masters: list[fx.Node], host_gr
     With `scaled`, each gradient goes to the host unscaled as soon as it is final, inside
     backward, and the host multiplies it: the device frees it there instead of keeping it for
     the scaling. The update's ticket is the scalars' copy, issued after every gradient's on the
-    same in-order copy stream, so when it is done they all are."""
+    same in-order copy stream, so when it is done they all are.
+
+    With `hand_over` = (key, node) (Offload.overlap_next_step), the step does not wait for the
+    upload: it hands it over under `key`, and the next step waits for it before `node`, its
+    forward's first reader of the bucket's parameters."""
     parked = []
     if scaled is not None:
         for source, final_at, host in zip(scaled.sources, scaled.final_at, host_grads):
@@ -129,9 +133,16 @@ def _emit_cpu_path(g: fx.Graph, k: UpdateKernel, masters: list[fx.Node], host_gr
                                     tuple(scaling[key][1] if key in scaling else None
                                           for key in ("grad_scale", "found_inf", "grad_multiplier")))
         to_device = g.call_function(ops.copy_to_device.default, (update, masters, staging, k.params))
+    waits = []
     with g.inserting_before(g.output_node()):
-        waited = g.call_function(ops.wait_device.default, (to_device, k.params))
-    _tag([*parked, to_host, to_device, waited], meta, "transfer")
+        if hand_over is None:
+            waits.append(g.call_function(ops.wait_device.default, (to_device, k.params)))
+        else:
+            key, first_reader = hand_over
+            waits.append(g.call_function(ops.hand_over.default, (to_device, k.params, key)))
+            with g.inserting_before(first_reader):
+                waits.append(g.call_function(ops.wait_handed_over.default, (k.params, key)))
+    _tag([*parked, to_host, to_device, *waits], meta, "transfer")
     _tag([update], meta, "optimizer")
 
 
@@ -180,6 +191,11 @@ def _emit_device_path(g: fx.Graph, k: UpdateKernel, masters: list[fx.Node], pref
     _tag([n for n in nodes if n is not waited] + [update], meta, "optimizer")
 
 
+def _first_reader(k: UpdateKernel, position: dict[fx.Node, int]) -> fx.Node:
+    """The first node that reads any of the bucket's parameters (in forward)."""
+    return min((u for p in k.params for u in p.users if u in position), key=position.__getitem__)
+
+
 def _choose_paths(graph: TrainGraph, kernels: list[UpdateKernel], ctx: PassContext, state_bytes_on_device: int,
                   scaled: list[_ScaledAfterBackward | None]) -> tuple[list[str], dict[int, int]]:
     """CPU or device path per bucket, and where device-path prefetches start (node index)."""
@@ -204,13 +220,13 @@ def _choose_paths(graph: TrainGraph, kernels: list[UpdateKernel], ctx: PassConte
         state = numel * 4 * (n_states + (1 if narrow else 0))
         final = max(index[n] for n in scaled[b].final_at) if scaled[b] is not None else None
         buckets.append(BucketCost(f"bucket {k.node.meta.get('bucket', b)}", numel, index[k.first_node] - 1,
-                                  grad_bytes, param_bytes, state, final))
+                                  grad_bytes, param_bytes, state, final, index[_first_reader(k, index)]))
     seconds = node_seconds(graph.graph, cal, ctx.measured_node_seconds)
     for k in kernels:   # the update kernels themselves are what the plan replaces
         for node in (k.node, k.counter):
             if node is not None:
                 seconds[index[node]] = 0.0
-    costs = StepCosts(seconds, live, buckets)
+    costs = StepCosts(seconds, live, buckets, offload.overlap_next_step)
     if isinstance(mode, int):
         chosen = predict(costs, [("device" if i % mode == mode - 1 else "cpu") for i in range(n)], cal,
                          offload.budget_bytes())
@@ -257,6 +273,7 @@ def offload_optimizer(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
     nodes = [nd for nd in g.nodes if nd.op != "output"]
     replaced = {nd for k in kernels for nd in (k.node, *k.nodes)}   # erased as the loop goes
 
+    position = {nd: i for i, nd in enumerate(nodes)}
     def prefetch_anchor(index: int) -> fx.Node:
         anchor = nodes[index]
         while anchor in replaced:
@@ -291,7 +308,8 @@ def offload_optimizer(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
                 d.meta["val"].dtype, names[0]))
                 for what, d in (("grad_scale", k.grad_scale), ("found_inf", k.found_inf),
                                 ("grad_multiplier", multiplier)) if d is not None}
-            _emit_cpu_path(g, k, masters, host_grads, staging, scaling, meta, scaled[b])
+            _emit_cpu_path(g, k, masters, host_grads, staging, scaling, meta, scaled[b],
+                           (f"bucket {b}", _first_reader(k, position)) if offload.overlap_next_step else None)
         else:
             _emit_device_path(g, k, masters, prefetch_anchor(prefetch_at[b]), ctx.device, meta)
         k.erase()
@@ -299,6 +317,9 @@ def offload_optimizer(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
             for node in scaled[b].scalings:
                 g.erase_node(node)
             scaled_buckets += 1
+    if offload.overlap_next_step:
+        graph.note("offload_optimizer", f"{paths.count('cpu')} CPU-path buckets hand their uploads over to the "
+                   "next step, which waits for each right before its forward first reads the bucket's parameters")
     if scaled_buckets:
         graph.note("offload_optimizer", f"{scaled_buckets} buckets' gradients are scaled after backward "
                    "(e.g. clip_grad_norm_): each goes to the host as soon as it is final and the host "

@@ -44,15 +44,20 @@ class Executor:
             # a re-planned graph keeps the host state, whose master weights are authoritative
             self.host_state = host_state or HostState(capture.bindings,
                                                       pin_memory=offload.pin_memory and device.type == "cuda")
+        # uploads a run hands over to the next (Offload.overlap_next_step): key -> parameter names
+        param_names = {s.name: s.target for s in graph.signature.inputs if s.kind == "param"}
+        self.handed_over = {n.args[2]: [param_names[p.name] for p in n.args[1]] for n in graph.graph.nodes
+                            if n.target is torch.ops.graphoffload.hand_over.default}
 
     def inputs(self, args: tuple, kwargs: dict) -> list[Tensor]:
         b = self.capture.bindings
         leaves = pytree.tree_leaves((args, kwargs))
         batch = [leaves[i] for i in self.capture.batch_positions]
         values: list[Tensor] = []
+        in_flight = set(self.params_in_flight())
         for spec in self.graph.signature.inputs:
             if spec.host:
-                values.append(self.host_state.tensor(spec, self.vals[spec.name]))
+                values.append(self.host_state.tensor(spec, self.vals[spec.name], in_flight))
             elif spec.kind == "param":
                 values.append(b.params[spec.target].detach())
             elif spec.kind == "buffer":
@@ -90,8 +95,20 @@ class Executor:
                 outputs = timer.run(*inputs)
                 profile.update(timer.seconds)
         if self.host_state is not None:
-            self.host_state.record_versions()
+            self.host_state.record_versions(skip=set(self.params_in_flight()))
         return self.write_back(outputs)
+
+    def params_in_flight(self) -> list[str]:
+        """Parameters whose upload an earlier run handed over and nobody has waited for yet."""
+        if self.offload_runtime is None:
+            return []
+        return [name for key in self.offload_runtime.carried for name in self.handed_over.get(key, ())]
+
+    def synchronize(self) -> None:
+        """Wait for the uploads the last run handed over (Offload.overlap_next_step)."""
+        if self.offload_runtime is not None and self.offload_runtime.carried:
+            self.offload_runtime.synchronize()
+            self.host_state.record_versions()
 
     def write_back(self, outputs: list[Tensor]) -> Any:
         b = self.capture.bindings

@@ -66,6 +66,10 @@ class OffloadRuntime:
         self._next = 0
         self.spans: list[tuple[str, str, float, float]] = []   # (track, name, start, end) of the last step
         self._t0 = time.perf_counter()
+        # uploads a step handed over to the next one (Offload.overlap_next_step): bucket key ->
+        # the upload's future; `inbound` is what the running step took over from the last one
+        self.carried: dict[str, Future] = {}
+        self.inbound: dict[str, Future] = {}
 
     def _span(self, track: str, name: str, start: float) -> None:
         self.spans.append((track, name, start - self._t0, time.perf_counter() - self._t0))
@@ -74,6 +78,7 @@ class OffloadRuntime:
     def active(self) -> Iterator[OffloadRuntime]:
         token = _ACTIVE.set(self)
         self.spans, self._t0 = [], time.perf_counter()
+        self.inbound, self.carried = self.carried, {}
         try:
             yield self
         finally:
@@ -82,10 +87,24 @@ class OffloadRuntime:
             self._span("compute", "step", self._t0)
 
     def drain(self) -> None:
-        """Wait for every in-flight task (after a step, or when a step failed half-way)."""
+        """Wait for every in-flight task (after a step, or when a step failed half-way), except
+        the uploads the step handed over to the next one."""
         pending, self._tickets = list(self._tickets.values()), {}
         for fut in pending:
             fut.exception()
+        # an upload the last step handed over that this one failed before waiting for: the
+        # next step (or synchronize) still must
+        for key, fut in self.inbound.items():
+            self.carried.setdefault(key, fut)
+        self.inbound = {}
+
+    def synchronize(self) -> None:
+        """Wait until every handed-over upload has landed in the parameters."""
+        carried, self.carried = list(self.carried.values()), {}
+        for fut in carried:
+            event = fut.result()
+            if event is not None:
+                event.synchronize()
 
     def issue(self, fut: Future) -> Tensor:
         ticket = self._next
@@ -180,9 +199,20 @@ class OffloadRuntime:
             event.synchronize()
 
     def wait_device(self, ticket: Tensor) -> None:
-        event = self.redeem(ticket).result()
+        self._wait_on_compute_stream(self.redeem(ticket))
+
+    def _wait_on_compute_stream(self, fut: Future) -> None:
+        event = fut.result()
         if event is not None:
             torch.cuda.current_stream(self.device).wait_event(event)
+
+    def hand_over(self, ticket: Tensor, key: str) -> None:
+        self.carried[key] = self.redeem(ticket)
+
+    def wait_handed_over(self, key: str) -> None:
+        fut = self.inbound.pop(key, None)
+        if fut is not None:   # the first step has nothing to wait for
+            self._wait_on_compute_stream(fut)
 
 
 def active_runtime() -> OffloadRuntime:
@@ -319,3 +349,27 @@ def wait_device(ticket: Tensor, params: list[Tensor]) -> None:
 @wait_device.register_fake
 def _(ticket, params):
     return None
+
+
+@torch.library.custom_op("graphoffload::hand_over", mutates_args=("params",))
+def hand_over(ticket: Tensor, params: list[Tensor], key: str) -> None:
+    """Let the upload behind `ticket` finish during the next step: that step's
+    `wait_handed_over(key)` waits for it, right before its forward first reads `params`."""
+    active_runtime().hand_over(ticket, key)
+
+
+@hand_over.register_fake
+def _(ticket, params, key):
+    return None
+
+
+@torch.library.custom_op("graphoffload::wait_handed_over", mutates_args=("params",))
+def wait_handed_over(params: list[Tensor], key: str) -> None:
+    """Make the compute stream wait for the upload the previous step handed over under `key`."""
+    active_runtime().wait_handed_over(key)
+
+
+@wait_handed_over.register_fake
+def _(params, key):
+    return None
+

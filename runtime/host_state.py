@@ -31,8 +31,10 @@ class HostState:
         return (t is not None and t.device.type == "cpu" and t.dtype == like.dtype and t.shape == like.shape
                 and (t.is_pinned() or not self.pin))
 
-    def tensor(self, spec: InputSpec, like: Tensor) -> Tensor:
-        """The host tensor for a placeholder, placed as the graph expects (`like`: its meta val)."""
+    def tensor(self, spec: InputSpec, like: Tensor, in_flight: set[str] = frozenset()) -> Tensor:
+        """The host tensor for a placeholder, placed as the graph expects (`like`: its meta val).
+        `in_flight`: parameters the last step's upload may still be writing; their version
+        counters move by that upload, not by an outside change."""
         if spec.kind == "host_scratch":
             if spec.target not in self.scratch:
                 self.scratch[spec.target] = self._empty(like)
@@ -41,7 +43,8 @@ class HostState:
         param = self.bindings.params[name]
         state = self.bindings.optimizer_of(name).state[param]
         current = state.get(key)
-        if key == "master_param" and (current is None or self.versions.get(name) != param._version):
+        if key == "master_param" and (current is None or (
+                name not in in_flight and self.versions.get(name) != param._version)):
             current = None    # new, or the parameter changed outside the step: mirror it again
             source = param.detach()
         else:
@@ -52,7 +55,9 @@ class HostState:
             state[key] = placed
         return state[key]
 
-    def record_versions(self) -> None:
-        """Remember each offloaded parameter's version after the step's own upload."""
+    def record_versions(self, skip: set[str] = frozenset()) -> None:
+        """Remember each offloaded parameter's version after the step's own upload (not yet for
+        those in `skip`, whose upload is still in flight)."""
         for name, param in self.bindings.params.items():
-            self.versions[name] = param._version
+            if name not in skip:
+                self.versions[name] = param._version

@@ -232,3 +232,37 @@ def test_param_groups_scheduler_and_dropout_with_hybrid_offload_match_eager():
     assert step.trace_count == 1    # the lr is a graph input: the schedule needs no re-trace
     for pe, pc in zip(eager.parameters(), compiled.parameters()):
         assert torch.equal(pe, pc)
+
+
+@pytest.mark.parametrize("step_fn", [train_step, clipped_step], ids=["plain", "clip"])
+def test_uploads_handed_over_to_the_next_step_keep_training_exact(step_fn):
+    torch.manual_seed(0)
+    eager = GPT(TINY)
+    compiled = copy.deepcopy(eager)
+    opt_e, opt_c = OPTIMIZERS["adamw"](eager.parameters()), OPTIMIZERS["adamw"](compiled.parameters())
+    step = graphoffload.offload_compile(step_fn, offload=Offload(overlap_next_step=True),
+                                        config=CompileConfig(fuse_optimizer=FuseOptimizer(bucket_numel=4096)))
+    probe = batches(1)[0]["input_ids"]
+    for i, b in enumerate(batches(8)):
+        assert step_fn(eager, opt_e, b).item() == step(compiled, opt_c, b).item()
+        if i == 3:   # the model's own forward between steps sees the uploaded parameters
+            with torch.no_grad():
+                assert torch.equal(compiled(probe), eager(probe))
+        if i == 5:   # and so does the optimizer's state_dict
+            saved = opt_c.state_dict()["state"]
+            for j, pe in enumerate(eager.parameters()):
+                assert torch.equal(saved[j]["master_param"], pe)
+    assert step.last.executor.params_in_flight()   # the last call's uploads were handed over
+    step.synchronize()
+    assert not step.last.executor.params_in_flight()
+    for (name, pe), pc in zip(eager.named_parameters(), compiled.parameters()):
+        assert torch.equal(pe, pc), name
+
+    graph = step.train_graph.graph
+    nodes = list(graph.nodes)
+    waits = [n for n in nodes if n.target is torch.ops.graphoffload.wait_handed_over.default]
+    assert len(waits) == len([n for n in nodes if n.target is torch.ops.graphoffload.hand_over.default]) > 1
+    assert not any(n.target is torch.ops.graphoffload.wait_device.default for n in nodes)
+    for wait in waits:   # each waits right before the first node that reads its parameters
+        first = min((u for p in wait.args[0] for u in p.users if u is not wait), key=nodes.index)
+        assert nodes.index(wait) < nodes.index(first) and first.meta["phase"] == "forward"

@@ -67,6 +67,24 @@ def test_gradients_scaled_after_backward_still_leave_during_backward_on_the_cpu_
     assert first_copy < early.node_start[end] <= first_update   # copies in backward, updates after it
 
 
+def test_handing_uploads_over_to_the_next_forward_hides_the_update_tail():
+    costs = synthetic_step()
+    n = len(costs.buckets)
+    # backward finalises the last layers first: the last bucket ready is the first one forward reads
+    buckets = [dataclasses.replace(b, first_use_node=2 * (n - 1 - i)) for i, b in enumerate(costs.buckets)]
+    waited = StepCosts(costs.node_seconds, costs.live_bytes, buckets)
+    handed_over = dataclasses.replace(waited, overlap_next_step=True)
+    at_end, _ = plan(waited, BALANCED)
+    overlapped, scored = plan(handed_over, BALANCED)
+    assert sum(costs.node_seconds) <= overlapped.step_seconds < at_end.step_seconds
+    assert overlapped.step_seconds <= min(scored.values()) + 1e-12
+    # all on the CPU the worker is the bottleneck and the last bucket it uploads is the first
+    # one forward reads: handing over gains nothing there, and the model says so
+    all_cpu = ("cpu",) * n
+    assert predict(handed_over, all_cpu, BALANCED).step_seconds == pytest.approx(
+        predict(waited, all_cpu, BALANCED).step_seconds)
+
+
 @pytest.mark.parametrize("cal", [BALANCED, SLOW_PCIE, SLOW_CPU], ids=["balanced", "slow-pcie", "slow-cpu"])
 def test_never_worse_than_any_fixed_stride(cal):
     best, scored = plan(synthetic_step(), cal)
