@@ -26,12 +26,15 @@ def build_gpt(args: Any, device: torch.device) -> tuple[GPT, GPTConfig]:
     return GPT(cfg).to(device), cfg
 
 
-def autocast_train_step(model, optimizer, batch):
-    """The step every benchmark times: bf16 autocast on a GPU, plain fp32 on a CPU."""
+def autocast_train_step(model, optimizer, batch, max_norm: float | None = None):
+    """The step every benchmark times: bf16 autocast on a GPU, plain fp32 on a CPU; with
+    `max_norm`, gradients clipped by global norm."""
     on_gpu = batch.device.type == "cuda"
     with torch.autocast("cuda" if on_gpu else "cpu", dtype=torch.bfloat16, enabled=on_gpu):
         loss = model(batch, labels=batch)
     loss.backward()
+    if max_norm is not None:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
     optimizer.step()
     optimizer.zero_grad()
     return loss

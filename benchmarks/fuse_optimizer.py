@@ -2,6 +2,8 @@
 
     python benchmarks/fuse_optimizer.py                 # GPU if present, else CPU
     python benchmarks/fuse_optimizer.py --smoke         # tiny CPU run (seconds)
+    python benchmarks/fuse_optimizer.py --clip 1.0      # with clip_grad_norm_, plus a row with
+                                                        # the waiting gradients parked on the host
 
 On a GPU the peak is measured (`torch.cuda.max_memory_allocated` over one step) beside the
 prediction of the memory analysis; on a CPU only the prediction exists (the eager row shows the
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import os
 import sys
 
@@ -24,7 +27,7 @@ from common import (autocast_train_step, build_gpt, device_name, median, print_t
                     time_interleaved, write_json)
 
 import graphoffload  # noqa: E402
-from graphoffload import CompileConfig  # noqa: E402
+from graphoffload import CompileConfig, FuseOptimizer  # noqa: E402
 
 
 def peak_row(step, model, opt, batch, device) -> dict:
@@ -53,6 +56,8 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--clip", type=float, default=None, metavar="MAX_NORM",
+                   help="clip gradients by global norm in the step (adds the compiled+fused+parked row)")
     p.add_argument("--smoke", action="store_true", help="tiny model on the CPU")
     p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "fuse_optimizer.json"))
     args = p.parse_args()
@@ -65,10 +70,15 @@ def main() -> None:
     n_params = sum(p.numel() for p in base.parameters())
     grad_mib = sum(p.numel() * p.element_size() for p in base.parameters()) / 2**20
 
-    compiled = graphoffload.offload_compile(autocast_train_step, config=CompileConfig(disable_passes=("fuse_optimizer",)))
-    fused = graphoffload.offload_compile(autocast_train_step)
+    train_step = functools.partial(autocast_train_step, max_norm=args.clip)
+    compiled = graphoffload.offload_compile(train_step, config=CompileConfig(disable_passes=("fuse_optimizer",)))
+    fused = graphoffload.offload_compile(train_step)
+    steps = [("eager", train_step), ("compiled", compiled), ("compiled+fused", fused)]
+    if args.clip is not None:
+        steps.append(("compiled+fused+parked", graphoffload.offload_compile(train_step, config=CompileConfig(
+            fuse_optimizer=FuseOptimizer(park_gradients=True)))))
     variants = {}
-    for name, step in (("eager", autocast_train_step), ("compiled", compiled), ("compiled+fused", fused)):
+    for name, step in steps:
         model = copy.deepcopy(base)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=True)
         variants[name] = (step, model, opt)
@@ -81,11 +91,12 @@ def main() -> None:
     for r in rows:
         r["vs_compiled_time"] = r["step_ms"] / rows[1]["step_ms"]
     print(f"GPT {n_params / 1e6:.1f}M params ({cfg.n_layer} layers, d={cfg.d_model}), batch {args.batch}x{args.seq}, "
-          f"gradients {grad_mib:.1f} MiB, on {device_name(device)}")
+          f"gradients {grad_mib:.1f} MiB, clip {args.clip}, on {device_name(device)}")
     columns = ["mode", "step_ms", "vs_compiled_time", "peak_predicted_MiB", "peak_measured_MiB", "peak_above_start_MiB"]
     print_table(rows, columns)
-    drop = rows[1]["peak_predicted_MiB"] - rows[2]["peak_predicted_MiB"]
-    print(f"predicted peak drop from fusion: {drop:.1f} MiB = {drop / grad_mib:.2f} x gradient bytes")
+    for r in rows[2:]:
+        drop = rows[1]["peak_predicted_MiB"] - r["peak_predicted_MiB"]
+        print(f"predicted peak drop of {r['mode']}: {drop:.1f} MiB = {drop / grad_mib:.2f} x gradient bytes")
     write_json(args.out, {"benchmark": "fuse_optimizer", "device": device_name(device), "params": n_params,
                           "gradient_MiB": grad_mib, "config": vars(args), "rows": rows})
 

@@ -106,7 +106,7 @@ class CompiledStep:
         self.trace_count += 1
         if self.trace_count == self.config.retrace_warning_after:
             warnings.warn(
-                f"graphoffload traced {self.fn.__name__} {self.trace_count} times: each new input shape, "
+                f"graphoffload traced {self._name} {self.trace_count} times: each new input shape, "
                 "dtype, train/eval mode or optimizer setting re-traces the step. Pad inputs to fixed "
                 "shapes to avoid it.", stacklevel=3)
         ctx = PassContext(self.config, capture.bindings.device)
@@ -241,7 +241,12 @@ class CompiledStep:
         if self.last.graph.schedule is None:
             raise RuntimeError("no planned schedule: plot() needs offload=Offload(...) with device_updates "
                                "'auto' or k (and a GPU or an explicit calibration)")
-        return timeline.plot(path, self.last.graph.schedule, self.fn.__name__)
+        return timeline.plot(path, self.last.graph.schedule, self._name)
+
+    @property
+    def _name(self) -> str:
+        fn = getattr(self.fn, "func", self.fn)   # a functools.partial names its function
+        return getattr(fn, "__name__", type(fn).__name__)
 
     @property
     def last(self) -> CompiledVariant:

@@ -19,11 +19,15 @@ def _run(script: str, *args: str, out) -> dict:
     return json.loads(out.read_text())
 
 
-@pytest.mark.parametrize("script", ["fuse_optimizer.py", "offload.py"])
-def test_benchmark_smoke_run_writes_rows(script, tmp_path):
-    result = _run(script, "--smoke", out=tmp_path / "r.json")
+@pytest.mark.parametrize("script,extra", [("fuse_optimizer.py", ()), ("fuse_optimizer.py", ("--clip", "1.0")),
+                                          ("offload.py", ())], ids=["fuse", "fuse-clip", "offload"])
+def test_benchmark_smoke_run_writes_rows(script, extra, tmp_path):
+    result = _run(script, "--smoke", *extra, out=tmp_path / "r.json")
     assert len(result["rows"]) >= 2
     assert all(r.get("status", "ok") == "ok" for r in result["rows"])
+    if extra:
+        rows = {r["mode"]: r for r in result["rows"]}
+        assert rows["compiled+fused+parked"]["peak_predicted_MiB"] < rows["compiled+fused"]["peak_predicted_MiB"]
 
 
 def test_offload_predictions_on_the_meta_device(tmp_path):
