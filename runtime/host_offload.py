@@ -129,7 +129,9 @@ class OffloadRuntime:
             for d, h in zip(device_tensors, host):
                 h.copy_(d, non_blocking=True)
                 d.record_stream(self.d2h)
-            event = torch.cuda.Event()
+            # threads block on this event (the worker before its update, wait_host): a blocking
+            # event makes them sleep instead of spinning on a core the CPU update needs
+            event = torch.cuda.Event(blocking=True)
             event.record(self.d2h)
         return self.issue(_done(event))
 
@@ -171,7 +173,7 @@ class OffloadRuntime:
             with torch.cuda.stream(self.h2d):
                 for d, s in zip(device_tensors, sources):
                     d.copy_(s, non_blocking=True)
-                event = torch.cuda.Event()
+                event = torch.cuda.Event(blocking=True)   # synchronize() may block a thread on it
                 event.record(self.h2d)
             return event
         return self.issue(self.pool.submit(task))
