@@ -234,7 +234,7 @@ class CompiledStep:
         """Write a Chrome/Perfetto trace of the last step: the offload planner's predicted
         timeline beside the measured spans of the last run, one track per stream and CPU worker."""
         runtime = self.last.executor.offload_runtime
-        return timeline.write_chrome_trace(path, self.last.graph.schedule, runtime.spans if runtime else [])
+        return timeline.write_chrome_trace(path, self.last.graph.schedule, runtime.measured_spans() if runtime else [])
 
     def plot(self, path: str = "schedule.png") -> str:
         """Write a PNG of the planned schedule with device memory over the step."""

@@ -66,6 +66,10 @@ class OffloadRuntime:
         self._next = 0
         self.spans: list[tuple[str, str, float, float]] = []   # (track, name, start, end) of the last step
         self._t0 = time.perf_counter()
+        # on CUDA the copies run on the streams, not on a thread: their spans are timing events,
+        # read after the GPU got there (measured_spans), relative to an event at the step's start
+        self._stream_spans: list[tuple[str, str, torch.cuda.Event, torch.cuda.Event]] = []
+        self._t0_event: torch.cuda.Event | None = None
         # uploads a step handed over to the next one (Offload.overlap_next_step): bucket key ->
         # the upload's future; `inbound` is what the running step took over from the last one
         self.carried: dict[str, Future] = {}
@@ -74,10 +78,36 @@ class OffloadRuntime:
     def _span(self, track: str, name: str, start: float) -> None:
         self.spans.append((track, name, start - self._t0, time.perf_counter() - self._t0))
 
+    def _stream_start(self, stream: torch.cuda.Stream) -> torch.cuda.Event:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(stream)
+        return event
+
+    def _stream_end(self, track: str, name: str, start: torch.cuda.Event, stream: torch.cuda.Stream) -> torch.cuda.Event:
+        """The event that marks the end of copies on `stream`; threads may block on it."""
+        end = torch.cuda.Event(enable_timing=True, blocking=True)
+        end.record(stream)
+        self._stream_spans.append((track, name, start, end))
+        return end
+
+    def measured_spans(self) -> list[tuple[str, str, float, float]]:
+        """(track, name, start, end) in seconds from the last step's start: the CPU worker's and,
+        on CUDA, each copy stream's (this waits for the GPU to finish the step's copies)."""
+        spans = list(self.spans)
+        if self.cuda and self._t0_event is not None and self._stream_spans:
+            torch.cuda.synchronize(self.device)
+            t0 = self._t0_event
+            spans += [(track, name, t0.elapsed_time(a) / 1e3, t0.elapsed_time(b) / 1e3)
+                      for track, name, a, b in self._stream_spans]
+        return spans
+
     @contextlib.contextmanager
     def active(self) -> Iterator[OffloadRuntime]:
         token = _ACTIVE.set(self)
         self.spans, self._t0 = [], time.perf_counter()
+        if self.cuda:
+            self._stream_spans = []
+            self._t0_event = self._stream_start(torch.cuda.current_stream(self.device))
         self.inbound, self.carried = self.carried, {}
         try:
             yield self
@@ -126,13 +156,13 @@ class OffloadRuntime:
             return self.issue(_done(None))
         self.d2h.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.d2h):
+            start = self._stream_start(self.d2h)
             for d, h in zip(device_tensors, host):
                 h.copy_(d, non_blocking=True)
                 d.record_stream(self.d2h)
             # threads block on this event (the worker before its update, wait_host): a blocking
             # event makes them sleep instead of spinning on a core the CPU update needs
-            event = torch.cuda.Event(blocking=True)
-            event.record(self.d2h)
+            event = self._stream_end("d2h", "copy", start, self.d2h)
         return self.issue(_done(event))
 
     def run_on_host(self, after: Tensor, work) -> Tensor:
@@ -171,11 +201,10 @@ class OffloadRuntime:
                 return None
             self.h2d.wait_event(issued_at)
             with torch.cuda.stream(self.h2d):
+                start = self._stream_start(self.h2d)
                 for d, s in zip(device_tensors, sources):
                     d.copy_(s, non_blocking=True)
-                event = torch.cuda.Event(blocking=True)   # synchronize() may block a thread on it
-                event.record(self.h2d)
-            return event
+                return self._stream_end("h2d", "upload", start, self.h2d)
         return self.issue(self.pool.submit(task))
 
     def prefetch(self, host: list[Tensor]) -> list[Tensor]:
@@ -188,11 +217,11 @@ class OffloadRuntime:
         # the buffers may reuse blocks that held activations the compute stream still reads
         self.h2d.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.h2d):
+            start = self._stream_start(self.h2d)
             for o, h in zip(out, host):
                 o.copy_(h, non_blocking=True)
                 o.record_stream(self.h2d)
-            event = torch.cuda.Event()
-            event.record(self.h2d)
+            event = self._stream_end("h2d", "prefetch", start, self.h2d)
         return out + [self.issue(_done(event))]
 
     def wait_host(self, ticket: Tensor) -> None:
