@@ -43,10 +43,13 @@ class _Parked:
     backward that read it (they read the restored copy instead)."""
 
     param: str
+    storage: int
     source: fx.Node
     aliases: set[fx.Node]      # the values made in backward that those nodes read it through
     after: fx.Node
     readers: list[fx.Node]
+    host: fx.Node | None = None      # its host buffer and the ticket of the copy there, once emitted
+    ticket: fx.Node | None = None
 
 
 def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -80,7 +83,7 @@ def _plan_parking(storages: StorageMap, grad: fx.Node, param: str, end: int,
     after = max((a.node for a in early), key=storages.position.__getitem__)
     if storages.position[after] >= end:
         return "it is final only at the end of backward"
-    return _Parked(param, source, aliases, after, readers)
+    return _Parked(param, sid, source, aliases, after, readers)
 
 
 def _reads_other_buckets(reader: fx.Node, own: set[int], storages: StorageMap, parked: set[int]) -> bool:
@@ -120,11 +123,10 @@ def park_gradients(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
             plans.append((k, bucket))
     # a node after backward that reads gradients of several buckets (a GradScaler's unscale of
     # all gradients) would need them all back at once: parking those saves nothing
-    sid_of = {id(p): storages.of(p.source)[0] for _, bucket in plans for p in bucket}
-    parked_sids = set(sid_of.values())
+    parked_sids = {p.storage for _, bucket in plans for p in bucket}
     kept_plans = []
     for k, bucket in plans:
-        own = {sid_of[id(p)] for p in bucket}
+        own = {p.storage for p in bucket}
         shared = [p for p in bucket if any(_reads_other_buckets(r, own, storages, parked_sids) for r in p.readers)]
         for p in shared:
             graph.note("park_gradients", f"{p.param}: stays on the device: read after backward together "
@@ -139,18 +141,16 @@ def park_gradients(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
     specs = list(graph.signature.inputs)
     device = ctx.device
     parked_bytes = 0
-    tickets: dict[int, fx.Node] = {}
-    hosts: dict[int, fx.Node] = {}
     for _, bucket in kept_plans:
         for p in bucket:
             val = p.source.meta["val"]
             safe = "".join(c if c.isalnum() else "_" for c in p.param)
-            hosts[id(p)] = graph.add_host_input(specs, InputSpec(
+            p.host = graph.add_host_input(specs, InputSpec(
                 "host_scratch", f"h_parked_grad_{safe}", (p.param, "parked_grad"), True, True),
                 val.shape, val.dtype, p.param)
             with g.inserting_after(p.after):
-                tickets[id(p)] = g.call_function(ops.copy_to_host.default, ([p.source], [hosts[id(p)]]))
-            tickets[id(p)].meta.update({"phase": "transfer", "param": (p.param,)})
+                p.ticket = g.call_function(ops.copy_to_host.default, ([p.source], [p.host]))
+            p.ticket.meta.update({"phase": "transfer", "param": (p.param,)})
             parked_bytes += val.numel() * val.element_size()
 
     # each bucket comes back while the bucket before it is scaled and updated
@@ -161,8 +161,8 @@ def park_gradients(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
         issue_at = min(first_reader[max(j - 1, 0)], first_reader[j], key=position.__getitem__)
         meta = {"phase": "transfer", "param": tuple(p.param for p in bucket), "bucket": k.node.meta.get("bucket")}
         with g.inserting_before(issue_at):
-            landed = [g.call_function(ops.wait_host.default, (tickets[id(p)], [hosts[id(p)]])) for p in bucket]
-            fetched = g.call_function(ops.prefetch_to_device.default, ([hosts[id(p)] for p in bucket], device))
+            landed = [g.call_function(ops.wait_host.default, (p.ticket, [p.host])) for p in bucket]
+            fetched = g.call_function(ops.prefetch_to_device.default, ([p.host for p in bucket], device))
             items = [g.call_function(operator.getitem, (fetched, i)) for i in range(len(bucket) + 1)]
         with g.inserting_before(first_reader[j]):
             waited = g.call_function(ops.wait_device.default, (items[-1], items[:-1]))
