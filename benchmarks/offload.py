@@ -8,7 +8,8 @@ state on the host, against all-on-GPU eager training and the offload anchors.
 
 Rows: `gpu` (eager, everything on the device, fused AdamW), `graphoffload-cpu` (this
 project's `offload_optimizer`, every update on the CPU), `graphoffload-hybrid` (the performance
-model picks CPU or device per bucket; `predicted_s` is its prediction), `fixed-k2` (one bucket in
+model picks CPU or device per bucket; `predicted_s` is its prediction; `-overlap`: with
+`Offload(overlap_next_step=True)`, the last uploads finish in the next forward), `fixed-k2` (one bucket in
 two on the device, Deep Optimizer States' schedule), `torchao`
 (`torchao.optim.CPUOffloadOptimizer`) and `deepspeed` (ZeRO-2 with `offload_optimizer: cpu`)
 where they import. Every row runs in its own process, so its
@@ -39,13 +40,13 @@ def _gpu_eager(model, device):
     return lambda batch: autocast_train_step(model, opt, batch)
 
 
-def _graphoffload(device_updates):
+def _graphoffload(device_updates, overlap_next_step=False):
     def build(model, device):
         import graphoffload
 
         opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
-        step = graphoffload.offload_compile(autocast_train_step,
-                                            offload=graphoffload.Offload(device_updates=device_updates))
+        step = graphoffload.offload_compile(autocast_train_step, offload=graphoffload.Offload(
+            device_updates=device_updates, overlap_next_step=overlap_next_step))
 
         def run(batch):
             loss = step(model, opt, batch)
@@ -91,6 +92,7 @@ def _deepspeed(model, device):
 
 
 MODES = {"gpu": _gpu_eager, "graphoffload-cpu": _graphoffload("never"), "graphoffload-hybrid": _graphoffload("auto"),
+         "graphoffload-hybrid-overlap": _graphoffload("auto", overlap_next_step=True),
          "fixed-k2": _graphoffload(2), "torchao": _torchao, "deepspeed": _deepspeed}
 
 
@@ -128,10 +130,11 @@ def predict_rows(args) -> list[dict]:
     model, cfg = build_gpt(cfg_args, torch.device("meta"))
     batch = torch.empty((args.batch, args.seq), dtype=torch.long, device="meta")
     rows = []
-    for name, updates in (("graphoffload-cpu", "never"), ("fixed-k2", 2), ("graphoffload-hybrid", "auto")):
+    for name, updates, overlap in (("graphoffload-cpu", "never", False), ("fixed-k2", 2, False),
+                                   ("graphoffload-hybrid", "auto", False), ("graphoffload-hybrid-overlap", "auto", True)):
         opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
         step = graphoffload.offload_compile(autocast_train_step, offload=graphoffload.Offload(
-            device_updates=updates, calibration=cal, replan_after=0))
+            device_updates=updates, calibration=cal, replan_after=0, overlap_next_step=overlap))
         graph = step.compile(model, opt, batch)
         # "never" has no schedule of its own: score the all-CPU assignment with the same model
         schedule = graph.schedule or graphoffload.offload_compile(
