@@ -159,7 +159,8 @@ def _is_pure(node: fx.Node) -> bool:
 
 # foreach ops that compute each tensor on its own: one call over many gradients equals one call per
 # gradient, bit for bit. Reductions return a list; scalings write their list in place.
-_PER_TENSOR_FOREACH = {aten._foreach_norm, aten._foreach_mul_, aten._foreach_div_}
+_PER_TENSOR_FOREACH = {aten._foreach_norm, aten._foreach_mul_, aten._foreach_div_,
+                       aten._amp_foreach_non_finite_check_and_unscale_}
 
 
 def _split_foreach_gradient_ops(graph: fx.Graph) -> None:
@@ -189,6 +190,58 @@ def _split_foreach_gradient_ops(graph: fx.Graph) -> None:
                 graph.erase_node(user)
         if not node.users:
             graph.erase_node(node)
+
+
+def _early_chain(node: fx.Node, storages: StorageMap, before: int, chain: list[fx.Node]) -> bool:
+    """Whether `node` can be computed right after the placeholders instead of where it is, for a
+    reader at position `before`: it is pure and reads only placeholders nothing writes before
+    that reader, or nodes that can move too (appended to `chain`, inputs first)."""
+    if node.op == "placeholder":
+        return not any(a.writes and a.node is not node and a.position < before
+                       for sid in storages.of(node) for a in storages.accesses[sid])
+    if node in chain:
+        return True
+    if not _is_pure(node) or not all(_early_chain(i, storages, before, chain) for i in node.all_input_nodes):
+        return False
+    chain.append(node)
+    return True
+
+
+_INF_CHECK = aten._amp_foreach_non_finite_check_and_unscale_
+
+
+def _hoist_inf_checks(graph: fx.Graph) -> int:
+    """Move a GradScaler's per-gradient inf check and unscale (split by
+    _split_foreach_gradient_ops) to right after its gradient's last access in backward. Every
+    part sets the shared found_inf flag only to 1, so their order does not matter; its creation
+    and the inverse scale, computed from placeholders alone, move to the top first."""
+    storages = StorageMap(graph)
+    checks = [n for n in graph.nodes if getattr(n.target, "overloadpacket", None) is _INF_CHECK
+              and n.meta.get("phase") == "optimizer" and len(n.args[0]) == 1]
+    last_placeholder = [n for n in graph.nodes if n.op == "placeholder"][-1]
+    moved = 0
+    for check in checks:
+        grad, found_inf, inv_scale = check.args
+        grad = grad[0]
+        pos = storages.position[check]
+        chain: list[fx.Node] = []
+        if not (_early_chain(found_inf, storages, pos, chain) and _early_chain(inv_scale, storages, pos, chain)):
+            continue
+        flag = set(storages.of(found_inf))
+        # nothing but other checks may touch the flag before this one
+        if any(a.position < pos and a.node is not check and
+               getattr(a.node.target, "overloadpacket", None) is not _INF_CHECK and a.node not in chain
+               for sid in flag for a in storages.accesses[sid]):
+            continue
+        for node in chain:
+            last_placeholder.append(node)
+            last_placeholder = node
+        accesses = [a.node for sid in storages.of(grad) for a in storages.accesses[sid] if a.position < pos]
+        anchor = _latest(storages, accesses + [grad])
+        if anchor.next is not check:
+            anchor.append(check)
+            moved += 1
+    return moved
 
 
 def _hoist_gradient_reductions(graph: fx.Graph) -> int:
@@ -222,6 +275,10 @@ def fuse_optimizer(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
     bucket_numel = cfg.bucket_numel or min(max(total // 32, 1 << 16), 1 << 24)
     _hoist_scalar_inputs(g, [k.node for k in kernels])
     _split_foreach_gradient_ops(g)
+    checks = _hoist_inf_checks(g)
+    if checks:
+        graph.note("fuse_optimizer", f"{checks} GradScaler inf checks of single gradients moved into backward, "
+                   "each right after its gradient is final (the updates still wait for all of them)")
     hoisted = _hoist_gradient_reductions(g)
     if hoisted:
         graph.note("fuse_optimizer", f"{hoisted} reductions of single gradients (clip_grad_norm_'s norms) "

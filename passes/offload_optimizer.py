@@ -7,9 +7,9 @@ device-to-host, the CPU updates the master weights with the same fused kernel to
 (`_fused_adamw_` & co. on CPU tensors), and the updated weights go back host-to-device,
 narrowed through a pinned staging buffer when the parameters are bf16/fp16. Each step is an
 explicit node (runtime/host_offload.py), so the printed graph shows the schedule. When the step
-scales the gradients after backward before updating (global-norm clipping's clip_coef), the
-host update does that multiply: each gradient still leaves as soon as it is final, unscaled,
-and only the scalar follows after backward (as DeepSpeed's ZeRO-Offload clips on the host).
+makes every update wait past backward (global-norm clipping, a GradScaler's inf checks), each
+gradient still leaves as soon as it is final, and the host applies clipping's clip_coef: only
+scalars follow after backward (as DeepSpeed's ZeRO-Offload clips on the host).
 
 Where `Offload.device_updates` allows (default "auto" on a GPU), a performance model picks,
 per bucket, the device path instead (graphoffload/offload_planner.py): the bucket's state is
@@ -67,67 +67,86 @@ def _tag(nodes: list[fx.Node], meta: dict, phase: str) -> None:
 
 
 @dataclass
-class _ScaledAfterBackward:
-    """A bucket whose gradients the step multiplies by one scalar after backward before the
-    update (clip_grad_norm_'s clip_coef), with nothing else reading them after it."""
+class _EarlyGradients:
+    """A bucket whose update waits past backward (for clip_grad_norm_'s norm, a GradScaler's
+    inf checks) while its gradients are final inside backward: each can go to the host there.
+    When the step multiplies them by one scalar after backward (clip_coef) and nothing else
+    reads them after it, the host update does that multiply."""
 
-    sources: list[fx.Node]     # each unscaled gradient
-    final_at: list[fx.Node]    # its last access before the scaling
-    scalings: list[fx.Node]    # the device scaling nodes, replaced by a multiply on the host
-    multiplier: fx.Node
+    sources: list[fx.Node]     # each gradient, as it is when final (before any scaling)
+    final_at: list[fx.Node]    # its last access before that
+    scalings: list[fx.Node]    # the device scaling nodes the host multiply replaces
+    multiplier: fx.Node | None
 
 
-def _find_scaling_after_backward(storages: StorageMap, k: UpdateKernel) -> _ScaledAfterBackward | None:
+def _is_scaling(node: fx.Node, storage: int, storages: StorageMap) -> bool:
+    if node.target not in (aten.mul_.Tensor, aten._foreach_mul_.Tensor):
+        return False
+    source, multiplier = node.args
+    source = source[0] if isinstance(source, (list, tuple)) and len(source) == 1 else source
+    mval = getattr(multiplier, "meta", {}).get("val")
+    return isinstance(source, fx.Node) and storage in storages.of(source) and \
+        isinstance(mval, torch.Tensor) and mval.dim() == 0
+
+
+def _find_early_gradients(storages: StorageMap, k: UpdateKernel, end: int) -> _EarlyGradients | None:
+    """`end`: the position of the last backward node."""
+    if storages.position[k.first_node] <= end:
+        return None   # the update runs inside backward: its one copy right before it is early enough
     unit = {k.node, *k.nodes}
-    found = _ScaledAfterBackward([], [], [], None)
+    found = _EarlyGradients([], [], [], None)
     for grad, param in zip(k.grads, k.params):
         sids = storages.of(grad)
         if len(sids) != 1 or sids[0] in storages.output_reads:
             return None
         accesses = [a for a in storages.accesses[sids[0]] if a.node not in unit]
-        if len(accesses) < 2:
+        source, final_at = grad, accesses[-1]
+        if _is_scaling(accesses[-1].node, sids[0], storages):
+            if len(accesses) < 2 or (found.sources and found.multiplier is None):
+                return None
+            scaling = accesses[-1].node
+            source, multiplier = scaling.args
+            source = source[0] if isinstance(source, (list, tuple)) else source
+            if found.multiplier not in (None, multiplier):
+                return None
+            found.scalings.append(scaling)
+            found.multiplier, final_at = multiplier, accesses[-2]
+        elif found.multiplier is not None:
             return None
-        scaling, before = accesses[-1].node, accesses[-2].node
-        if scaling.target not in (aten.mul_.Tensor, aten._foreach_mul_.Tensor):
-            return None
-        source, multiplier = scaling.args
-        source = source[0] if isinstance(source, (list, tuple)) and len(source) == 1 else source
-        mval, sval = multiplier.meta.get("val"), getattr(source, "meta", {}).get("val")
-        if not (isinstance(mval, torch.Tensor) and mval.dim() == 0 and isinstance(sval, torch.Tensor)
-                and sval.is_contiguous() and sval.shape == param.meta["val"].shape
-                and sids[0] in storages.of(source) and found.multiplier in (None, multiplier)):
+        sval = source.meta.get("val")
+        if not (isinstance(sval, torch.Tensor) and sval.is_contiguous() and sval.shape == param.meta["val"].shape):
             return None
         found.sources.append(source)
-        found.final_at.append(before)
-        found.scalings.append(scaling)
-        found.multiplier = multiplier
+        found.final_at.append(final_at.node)
+    if found.multiplier is None and min(storages.position[n] for n in found.final_at) >= end:
+        return None   # all final at the end of backward: the bucket's one copy before its update is as early
     return found
 
 
 def _emit_cpu_path(g: fx.Graph, k: UpdateKernel, masters: list[fx.Node], host_grads: list[fx.Node],
                    staging: list[fx.Node], scaling: dict[str, tuple[fx.Node, fx.Node]], meta: dict,
-                   scaled: _ScaledAfterBackward | None, hand_over: tuple[str, fx.Node] | None) -> None:
+                   early: _EarlyGradients | None, hand_over: tuple[str, fx.Node] | None) -> None:
     """`scaling`: "grad_scale"/"found_inf"/"grad_multiplier" -> (device, host) nodes of a
-    GradScaler's tensors and of the scalar in `scaled`, copied with the gradients so the host
+    GradScaler's tensors and of the scalar in `early`, copied with the gradients so the host
     update can unscale, skip and scale.
 
-    With `scaled`, each gradient goes to the host unscaled as soon as it is final, inside
-    backward, and the host multiplies it: the device frees it there instead of keeping it for
-    the scaling. The update's ticket is the scalars' copy, issued after every gradient's on the
-    same in-order copy stream, so when it is done they all are.
+    With `early`, each gradient goes to the host as soon as it is final, inside backward (and
+    the host applies the scaling after backward): the device frees it there instead of keeping
+    it until the update. The update's ticket is the scalars' copy, issued after every
+    gradient's on the same in-order copy stream, so when it is done they all are.
 
     With `hand_over` = (key, node) (Offload.overlap_next_step), the step does not wait for the
     upload: it hands it over under `key`, and the next step waits for it before `node`, its
     forward's first reader of the bucket's parameters."""
     parked = []
-    if scaled is not None:
-        for source, final_at, host in zip(scaled.sources, scaled.final_at, host_grads):
+    if early is not None:
+        for source, final_at, host in zip(early.sources, early.final_at, host_grads):
             with g.inserting_after(final_at):
                 parked.append(g.call_function(ops.copy_to_host.default, ([source], [host])))
     with g.inserting_before(k.first_node):
-        grads = [] if scaled is not None else k.grads
+        grads = [] if early is not None else k.grads
         to_host = g.call_function(ops.copy_to_host.default, (
-            grads + [d for d, _ in scaling.values()], ([] if scaled is not None else host_grads) +
+            grads + [d for d, _ in scaling.values()], ([] if early is not None else host_grads) +
             [h for _, h in scaling.values()]))
         update = k.emit_host_update(g, to_host, masters, host_grads, _host_lr,
                                     tuple(scaling[key][1] if key in scaling else None
@@ -197,7 +216,7 @@ def _first_reader(k: UpdateKernel, position: dict[fx.Node, int]) -> fx.Node:
 
 
 def _choose_paths(graph: TrainGraph, kernels: list[UpdateKernel], ctx: PassContext, state_bytes_on_device: int,
-                  scaled: list[_ScaledAfterBackward | None]) -> tuple[list[str], dict[int, int]]:
+                  early: list[_EarlyGradients | None]) -> tuple[list[str], dict[int, int]]:
     """CPU or device path per bucket, and where device-path prefetches start (node index)."""
     offload = ctx.config.offload
     n = len(kernels)
@@ -218,7 +237,7 @@ def _choose_paths(graph: TrainGraph, kernels: list[UpdateKernel], ctx: PassConte
         n_states = len([pos for pos in k.rule.list_positions[2:] if pos != k.rule.steps_position and k.node.args[pos]])
         narrow = k.params[0].meta["val"].dtype != MASTER_DTYPE
         state = numel * 4 * (n_states + (1 if narrow else 0))
-        final = max(index[n] for n in scaled[b].final_at) if scaled[b] is not None else None
+        final = max(index[n] for n in early[b].final_at) if early[b] is not None else None
         buckets.append(BucketCost(f"bucket {k.node.meta.get('bucket', b)}", numel, index[k.first_node] - 1,
                                   grad_bytes, param_bytes, state, final, index[_first_reader(k, index)]))
     seconds = node_seconds(graph.graph, cal, ctx.measured_node_seconds)
@@ -267,9 +286,10 @@ def offload_optimizer(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
     state_bytes = sum(st.meta["val"].numel() * st.meta["val"].element_size()
                       for k in kernels for st in k.state_placeholders())
     storages = StorageMap(g)
-    scaled = [_find_scaling_after_backward(storages, k) for k in kernels]
-    paths, prefetch_at = _choose_paths(graph, kernels, ctx, state_bytes, scaled)
-    scaled = [found if path == "cpu" else None for found, path in zip(scaled, paths)]
+    backward = [storages.position[nd] for nd in g.nodes if nd.meta.get("phase") == "backward"]
+    early = [_find_early_gradients(storages, k, max(backward)) if backward else None for k in kernels]
+    paths, prefetch_at = _choose_paths(graph, kernels, ctx, state_bytes, early)
+    early = [found if path == "cpu" else None for found, path in zip(early, paths)]
     nodes = [nd for nd in g.nodes if nd.op != "output"]
     replaced = {nd for k in kernels for nd in (k.node, *k.nodes)}   # erased as the loop goes
 
@@ -279,7 +299,7 @@ def offload_optimizer(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
         while anchor in replaced:
             anchor = anchor.prev
         return anchor
-    moved_bytes = scaled_buckets = 0
+    moved_bytes = early_buckets = 0
     for b, k in enumerate(kernels):
         names = [specs[spec_of[p.name]].target for p in k.params]
         masters, host_grads, staging = [], [], []
@@ -302,28 +322,28 @@ def offload_optimizer(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
             moved_bytes += state.meta["val"].numel() * 4
         meta = {key: k.node.meta[key] for key in ("param", "subgroup", "bucket", "stack_trace") if key in k.node.meta}
         if paths[b] == "cpu":
-            multiplier = scaled[b].multiplier if scaled[b] is not None else None
+            multiplier = early[b].multiplier if early[b] is not None else None
             scaling = {what: (d, graph.add_host_input(specs, InputSpec(
                 "host_scratch", f"h_{what}_{safe}", (names[0], what), True, True), d.meta["val"].shape,
                 d.meta["val"].dtype, names[0]))
                 for what, d in (("grad_scale", k.grad_scale), ("found_inf", k.found_inf),
                                 ("grad_multiplier", multiplier)) if d is not None}
-            _emit_cpu_path(g, k, masters, host_grads, staging, scaling, meta, scaled[b],
+            _emit_cpu_path(g, k, masters, host_grads, staging, scaling, meta, early[b],
                            (f"bucket {b}", _first_reader(k, position)) if offload.overlap_next_step else None)
         else:
             _emit_device_path(g, k, masters, prefetch_anchor(prefetch_at[b]), ctx.device, meta)
         k.erase()
-        if scaled[b] is not None:
-            for node in scaled[b].scalings:
+        if early[b] is not None:
+            early_buckets += 1
+            for node in early[b].scalings:
                 g.erase_node(node)
-            scaled_buckets += 1
     if offload.overlap_next_step:
         graph.note("offload_optimizer", f"{paths.count('cpu')} CPU-path buckets hand their uploads over to the "
                    "next step, which waits for each right before its forward first reads the bucket's parameters")
-    if scaled_buckets:
-        graph.note("offload_optimizer", f"{scaled_buckets} buckets' gradients are scaled after backward "
-                   "(e.g. clip_grad_norm_): each goes to the host as soon as it is final and the host "
-                   "update scales it, so the device frees it inside backward")
+    if early_buckets:
+        graph.note("offload_optimizer", f"{early_buckets} buckets' updates wait past backward (clipping's norm, a "
+                   "GradScaler's inf checks) but their gradients go to the host as soon as they are final, "
+                   "inside backward, so the device frees them there (the host applies clip_grad_norm_'s scaling)")
     graph = graph.with_signature(inputs=tuple(specs))
     fill_missing_meta(graph, "offload_optimizer")   # the prefetched buffers' sizes count below
     device_peak = analyze_memory(graph).peak

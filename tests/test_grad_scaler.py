@@ -71,3 +71,27 @@ def test_loss_scaled_training_matches_eager(offload, step_fn, opt_name, init_sca
         assert scales[0] < init_scale          # the overflow was seen and skipped
     else:
         assert max(scales) > init_scale        # growth_interval=2: the scale grew
+
+
+def test_offloaded_scaled_gradients_leave_the_device_inside_backward():
+    # the inf checks run per gradient inside backward, so although every update waits for all
+    # of them, each gradient is copied to the host (and freed) as soon as it is final
+    from gpt import GPTConfig
+    from steps import train_step
+    cfg = GPTConfig(vocab_size=256, seq_len=8, n_layer=8, n_head=4, d_model=128)
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    opt = OPTIMIZERS["adamw"](model.parameters())
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    batch = token_batches(1, cfg.vocab_size, cfg.seq_len, batch=1)[0]
+    grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    plain = graphoffload.offload_compile(train_step, offload=Offload(device_updates="never"))
+    plain.compile(model, opt, batch)
+    scaled = graphoffload.offload_compile(scaled_step, offload=Offload(device_updates="never"))
+    scaled.compile(model, opt, scaler, batch)
+    assert scaled.memory("final").peak <= plain.memory("final").peak + 0.1 * grad_bytes
+    nodes = list(scaled.train_graph.graph.nodes)
+    last_backward = max(i for i, n in enumerate(nodes) if n.meta["phase"] == "backward")
+    copies = [i for i, n in enumerate(nodes) if n.target is torch.ops.graphoffload.copy_to_host.default
+              and n.args[0] and n.args[0][0].meta["val"].dim() > 0]
+    assert sum(i < last_backward for i in copies) >= len(list(model.parameters())) - 1
