@@ -218,7 +218,8 @@ def _hoist_inf_checks(graph: fx.Graph) -> int:
     storages = StorageMap(graph)
     checks = [n for n in graph.nodes if getattr(n.target, "overloadpacket", None) is _INF_CHECK
               and n.meta.get("phase") == "optimizer" and len(n.args[0]) == 1]
-    last_placeholder = [n for n in graph.nodes if n.op == "placeholder"][-1]
+    top = [n for n in graph.nodes if n.op == "placeholder"][-1]
+    at_top: set[fx.Node] = set()
     moved = 0
     for check in checks:
         grad, found_inf, inv_scale = check.args
@@ -234,8 +235,10 @@ def _hoist_inf_checks(graph: fx.Graph) -> int:
                for sid in flag for a in storages.accesses[sid]):
             continue
         for node in chain:
-            last_placeholder.append(node)
-            last_placeholder = node
+            if node not in at_top:
+                top.append(node)
+                top = node
+                at_top.add(node)
         accesses = [a.node for sid in storages.of(grad) for a in storages.accesses[sid] if a.position < pos]
         anchor = _latest(storages, accesses + [grad])
         if anchor.next is not check:
