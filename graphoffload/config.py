@@ -79,7 +79,8 @@ class Offload:
             Between calls parameters may then still be in flight: the step synchronizes itself
             before the model's forward or `state_dict()`/`load_state_dict()` of the model, the
             optimizer or the step run; anything else that reads or writes parameters between
-            calls must call `step.synchronize()` first. Off by default.
+            calls (another compiled step on the same model too) must call `step.synchronize()`
+            first. Off by default.
         replan_after: with a planned schedule, time this many steps after each plan; if their
             median drifts from the prediction by more than `replan_threshold` (a fraction),
             profile the next step node by node and plan again from the measured times (at most
