@@ -62,6 +62,9 @@ def _plan_updates(storages: StorageMap, k: UpdateKernel) -> list[_Update]:
     kernel_pos = storages.position[kernel]
     own = {kernel, *k.nodes}
     scalars = [n for n in kernel.kwargs.values() if isinstance(n, fx.Node)]
+    # and every write to them: a GradScaler's found_inf is set by each gradient's inf check
+    scalars += [a.node for n in list(scalars) for sid in storages.of(n) for a in storages.accesses[sid]
+                if a.writes and a.position < kernel_pos and a.node not in own]
     updates = []
     for i, param in enumerate(kernel.args[0]):
         must_follow = list(scalars)

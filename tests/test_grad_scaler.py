@@ -95,3 +95,31 @@ def test_offloaded_scaled_gradients_leave_the_device_inside_backward():
     copies = [i for i, n in enumerate(nodes) if n.target is torch.ops.graphoffload.copy_to_host.default
               and n.args[0] and n.args[0][0].meta["val"].dim() > 0]
     assert sum(i < last_backward for i in copies) >= len(list(model.parameters())) - 1
+
+
+def test_an_overflow_in_the_last_gradient_skips_every_bucket():
+    # only the embedding's gradient overflows, and it is final last in backward: the buckets
+    # whose gradients were final (and checked) earlier must still wait for its check
+    def poisoned_step(model, optimizer, scaler, batch):
+        loss = model(batch["input_ids"], labels=batch["labels"])
+        weight = model.tok.weight
+        loss = loss + 1e37 * (weight - weight.detach()).sum()   # adds 0, but a gradient of 1e37
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad()
+        return loss
+
+    torch.manual_seed(0)
+    eager = GPT(TINY)
+    compiled = copy.deepcopy(eager)
+    opt_e, opt_c = OPTIMIZERS["adamw"](eager.parameters()), OPTIMIZERS["adamw"](compiled.parameters())
+    scaler_e, scaler_c = (torch.amp.GradScaler("cpu", init_scale=2.0**8) for _ in range(2))
+    step = graphoffload.offload_compile(poisoned_step, config=CompileConfig(
+        fuse_optimizer=FuseOptimizer(bucket_numel=1)))
+    before = [p.detach().clone() for p in compiled.parameters()]
+    for batch in token_batches(3, TINY.vocab_size, TINY.seq_len):
+        assert step(compiled, opt_c, scaler_c, batch).item() == poisoned_step(eager, opt_e, scaler_e, batch).item()
+    assert scaler_c.get_scale() == scaler_e.get_scale() == 2.0**8 / 8   # three skipped steps
+    for pe, pc, p0 in zip(eager.parameters(), compiled.parameters(), before):
+        assert torch.equal(pc, pe) and torch.equal(pc, p0)
