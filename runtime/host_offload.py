@@ -94,11 +94,14 @@ class OffloadRuntime:
         """(track, name, start, end) in seconds from the last step's start: the CPU worker's and,
         on CUDA, each copy stream's (this waits for the GPU to finish the step's copies)."""
         spans = list(self.spans)
-        if self.cuda and self._t0_event is not None and self._stream_spans:
+        if self.cuda and self._t0_event is not None:
+            # the worker may still record uploads handed over to the next step: read only the
+            # events recorded before the synchronization, which it completes
+            recorded = list(self._stream_spans)
             torch.cuda.synchronize(self.device)
             t0 = self._t0_event
             spans += [(track, name, t0.elapsed_time(a) / 1e3, t0.elapsed_time(b) / 1e3)
-                      for track, name, a, b in self._stream_spans]
+                      for track, name, a, b in recorded]
         return spans
 
     @contextlib.contextmanager
