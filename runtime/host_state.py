@@ -6,7 +6,8 @@ to the host the first time a compiled step needs it there, and again whenever so
 instance `optimizer.load_state_dict`, which casts state to each parameter's device) put it
 back on the device. The master weights (`state["master_param"]`) mirror the device
 parameters: they are created from them, and refreshed from them when the parameter was changed
-outside the compiled step (its version counter moved). Scratch buffers are allocated once.
+outside the compiled step (its version counter moved and it no longer equals the master
+weights in its own dtype). Scratch buffers are allocated once.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ class HostState:
         state = self.bindings.optimizer_of(name).state[param]
         current = state.get(key)
         if key == "master_param" and (current is None or (
-                name not in in_flight and self.versions.get(name) != param._version)):
+                name not in in_flight and self._changed_outside(name, param, current))):
             current = None    # new, or the parameter changed outside the step: mirror it again
             source = param.detach()
         else:
@@ -54,6 +55,16 @@ class HostState:
             placed.copy_(source)
             state[key] = placed
         return state[key]
+
+    def _changed_outside(self, name: str, param: Tensor, master: Tensor) -> bool:
+        """Whether the parameter no longer holds its master weights rounded to its dtype. Its
+        version counter moving is not enough: another compiled variant of the step (a new input
+        shape) uploads it too, and a resumed checkpoint loads parameters and master weights
+        together; mirroring the low-precision parameter then would drop the fp32 master bits."""
+        if self.versions.get(name) == param._version:
+            return False
+        return master.shape != param.shape or not torch.equal(
+            master.to(device=param.device, dtype=param.dtype), param.detach())
 
     def record_versions(self, skip: set[str] = frozenset()) -> None:
         """Remember each offloaded parameter's version after the step's own upload (not yet for

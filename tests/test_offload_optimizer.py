@@ -266,3 +266,55 @@ def test_uploads_handed_over_to_the_next_step_keep_training_exact(step_fn):
     for wait in waits:   # each waits right before the first node that reads its parameters
         first = min((u for p in wait.args[0] for u in p.users if u is not wait), key=nodes.index)
         assert nodes.index(wait) < nodes.index(first) and first.meta["phase"] == "forward"
+
+
+def test_bf16_checkpoint_round_trip_keeps_the_fp32_master_weights():
+    # loading the bf16 parameters moves their version counters; the loaded master weights
+    # (which the parameters equal once rounded) must not be replaced by the bf16 values
+    torch.manual_seed(0)
+    model = GPT(TINY).to(torch.bfloat16)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
+    step = offloaded()
+    data = batches(6)
+    for b in data[:3]:
+        step(model, opt, b)
+    saved_model, saved_state = copy.deepcopy(model.state_dict()), copy.deepcopy(step.state_dict())
+    for b in data[3:]:
+        step(model, opt, b)
+
+    resumed = GPT(TINY).to(torch.bfloat16)
+    resumed.load_state_dict(saved_model)
+    resumed_opt = torch.optim.AdamW(resumed.parameters(), lr=3e-3, weight_decay=0.1)
+    resumed_step = offloaded()
+    resumed_step.load_state_dict(saved_state, optimizers=[resumed_opt])
+    for b in data[3:]:
+        resumed_step(resumed, resumed_opt, b)
+    for (name, p), q in zip(model.named_parameters(), resumed.parameters()):
+        assert torch.equal(p, q), name
+        for key in opt.state[p]:
+            assert torch.equal(opt.state[p][key], resumed_opt.state[q][key]), (name, key)
+
+
+def test_bf16_steps_of_two_input_shapes_share_the_fp32_master_weights():
+    # each shape is a graph of its own; each uploads the parameters the other one reads
+    torch.manual_seed(0)
+    base = GPT(TINY)
+    compiled, eager = copy.deepcopy(base).to(torch.bfloat16), copy.deepcopy(base).to(torch.bfloat16)
+    master = [p.detach().float().clone().requires_grad_() for p in eager.parameters()]
+    opt_master = torch.optim.AdamW(master, lr=3e-3, weight_decay=0.1, fused=True)
+    opt_c = torch.optim.AdamW(compiled.parameters(), lr=3e-3, weight_decay=0.1)
+    step = offloaded()
+    long, short = token_batches(3, seq=16), token_batches(3, seq=8, seed=1)
+    for b in [b for pair in zip(long, short) for b in pair]:
+        eager(b["input_ids"], labels=b["labels"]).backward()
+        for m, p in zip(master, eager.parameters()):
+            m.grad, p.grad = p.grad.float(), None
+        opt_master.step()
+        with torch.no_grad():
+            for m, p in zip(master, eager.parameters()):
+                p.copy_(m)
+        step(compiled, opt_c, b)
+    assert step.trace_count == 2
+    for (name, pe), pc, m in zip(eager.named_parameters(), compiled.parameters(), master):
+        assert torch.equal(opt_c.state[pc]["master_param"], m.detach()), name
+        assert torch.equal(pc, pe), name
