@@ -21,7 +21,7 @@ from graphoffload.capture import Capture, capture_step, find_bindings
 from graphoffload.checkpoint import load_optimizer_state_exactly
 from graphoffload.config import CompileConfig, Offload
 from graphoffload.graph import TrainGraph
-from graphoffload.optimizer_lowering import is_first_step
+from graphoffload.optimizer_lowering import first_step_params
 from graphoffload.memory import MemoryProfile, analyze_memory
 from graphoffload.passes.manager import Pass, PassContext, PassFn, PassManager, builtin_passes
 from graphoffload.runtime.executor import Executor
@@ -57,7 +57,7 @@ def _optimizer_key(opt: torch.optim.Optimizer) -> Any:
     for g in opt.param_groups:
         options = tuple(sorted((k, repr(v)) for k, v in g.items() if k not in ("params", "lr", "initial_lr")))
         groups.append((options, tuple(id(p) for p in g["params"])))
-    return (type(opt), tuple(groups), is_first_step(opt))
+    return (type(opt), tuple(groups), tuple(id(p) for p in first_step_params(opt)))
 
 
 class CompiledStep:

@@ -140,7 +140,8 @@ def find_bindings(fn: Callable, args: tuple, kwargs: dict) -> StepBindings:
                 if id(p) not in param_names:
                     raise CaptureError(f"{type(opt).__name__} holds a parameter of shape {tuple(p.shape)} "
                                        "that belongs to none of the step's models; pass its module too")
-                state_keys.extend((param_names[id(p)], k) for k in rule.state_keys(group))
+                if p.requires_grad:   # as in torch.optim, frozen parameters get no state
+                    state_keys.extend((param_names[id(p)], k) for k in rule.state_keys(group))
     return StepBindings(modules, optimizers, params, buffers, state_keys, lr_groups, param_names, scalers)
 
 
@@ -185,7 +186,7 @@ def _set_for_trace(stack: contextlib.ExitStack, obj: Any, attr: str, value: Any)
 
 @contextlib.contextmanager
 def _lowered_optimizers(b: StepBindings, leaves: dict[str, Tensor], states: dict[tuple[str, str], Tensor],
-                        lrs: dict[tuple[int, int], Tensor], first_steps: list[bool],
+                        lrs: dict[tuple[int, int], Tensor], first_steps: list[set[str]],
                         config: CompileConfig, events: _StepEvents) -> Iterator[None]:
     """Swap each optimizer's step()/zero_grad() for graphoffload's traced lowering, and its
     param groups' parameters for the traced leaves (code in the step that walks
@@ -417,7 +418,7 @@ def capture_step(fn: Callable, args: tuple, kwargs: dict, config: CompileConfig)
 
 
 def _capture_step(fn: Callable, args: tuple, kwargs: dict, config: CompileConfig, b: StepBindings) -> Capture:
-    first_steps = [optimizer_lowering.prepare_state(opt) for opt in b.optimizers]
+    first_steps = [{b.param_names[id(p)] for p in optimizer_lowering.prepare_state(opt)} for opt in b.optimizers]
     leaves, in_spec = pytree.tree_flatten((args, kwargs))
     batch_positions = [i for i, x in enumerate(leaves) if isinstance(x, Tensor)]
     param_names = list(b.params)
@@ -480,16 +481,7 @@ def _capture_step(fn: Callable, args: tuple, kwargs: dict, config: CompileConfig
     except Exception as exc:  # noqa: BLE001 - every tracing failure becomes a graphoffload error
         raise _translate_trace_error(exc) from exc
     finally:
-        for (oi, gi), lr in zip(b.lr_groups, lr_before):
-            if b.lr(oi, gi) != lr:
-                group = b.optimizers[oi].param_groups[gi]
-                if isinstance(group["lr"], Tensor):
-                    group["lr"].fill_(lr)
-                else:
-                    group["lr"] = lr
-                raise CaptureError(
-                    "the learning rate changed while the step was traced: call scheduler.step() "
-                    "outside the compiled step (it would run only once, at trace time)")
+        _restore_lrs(b, lr_before)
 
     if "backward" not in events.order:
         raise CaptureError("the train step never calls loss.backward(): graphoffload compiles "
@@ -520,6 +512,23 @@ def _capture_step(fn: Callable, args: tuple, kwargs: dict, config: CompileConfig
                    zero_grad_before_backward="zero_grad" in events.order[:first_backward],
                    calls_zero_grad="zero_grad" in events.order,
                    stepped_optimizers=sorted(events.stepped), batch_positions=batch_positions)
+
+
+def _restore_lrs(b: StepBindings, lr_before: list[float]) -> None:
+    """Put back every learning rate the step changed at trace time (all of them, before raising)."""
+    changed = False
+    for (oi, gi), lr in zip(b.lr_groups, lr_before):
+        if b.lr(oi, gi) != lr:
+            changed = True
+            group = b.optimizers[oi].param_groups[gi]
+            if isinstance(group["lr"], Tensor):
+                group["lr"].fill_(lr)
+            else:
+                group["lr"] = lr
+    if changed:
+        raise CaptureError(
+            "the learning rate changed while the step was traced: call scheduler.step() "
+            "outside the compiled step (it would run only once, at trace time)")
 
 
 def _reject_scalar_reads(gm: fx.GraphModule) -> None:
@@ -564,7 +573,7 @@ def _is_mutated(node: fx.Node) -> bool:
 
 
 def _annotate(gm: fx.GraphModule, input_specs: list[InputSpec]) -> None:
-    """Turn what tracing recorded into the node meta DESIGN.md fixes."""
+    """Turn what tracing recorded into the node meta passes/README.md fixes."""
     spec_of = {s.name: s for s in input_specs}
     fake_mode = fake_mode_of(gm.graph)
     forward_by_seq: dict[int, fx.Node] = {}

@@ -112,7 +112,7 @@ def _lower_sgd(u: TracedUpdate, first_step: bool) -> None:
 class OptimizerRule:
     state_keys: Callable[[dict[str, Any]], tuple[str, ...]]
     init_state: Callable[[Tensor, dict[str, Any], dict[str, Any]], None]
-    lower: Callable[[TracedUpdate, bool], None]   # (update, is the optimizer's first step)
+    lower: Callable[[TracedUpdate, bool], None]   # (update, is it its parameters' first update)
     # whether the first update differs from later ones (SGD copies the gradient into its
     # momentum buffer), so the first step gets a graph of its own
     first_step_differs: bool = False
@@ -144,27 +144,34 @@ def rule_for(optimizer: torch.optim.Optimizer) -> OptimizerRule:
     return rule
 
 
-def is_first_step(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether the next step must be traced as a first step (its state is not created yet and
-    the optimizer's first update differs from later ones)."""
+def first_step_params(optimizer: torch.optim.Optimizer) -> list[Tensor]:
+    """The parameters whose next update is their first and differs from later ones (SGD copies
+    the gradient into a momentum buffer it has not created yet). torch.optim decides this per
+    parameter, so a param group added later, or a parameter unfrozen later, starts afresh while
+    the others keep their momentum."""
     rule = rule_for(optimizer)
-    return rule.first_step_differs and any(
-        not optimizer.state.get(p) for g in optimizer.param_groups for p in g["params"]
-        if rule.state_keys(g))
+    if not rule.first_step_differs:
+        return []
+    return [p for g in optimizer.param_groups if rule.state_keys(g) for p in g["params"]
+            if p.requires_grad and not optimizer.state.get(p)]
 
 
-def prepare_state(optimizer: torch.optim.Optimizer) -> bool:
-    """Create any missing optimizer state the way torch.optim would on its first step.
+def prepare_state(optimizer: torch.optim.Optimizer) -> list[Tensor]:
+    """Create any missing optimizer state the way torch.optim would on its first step. Frozen
+    parameters (requires_grad=False) get none, as in torch.optim, which creates state only for
+    parameters with a gradient.
 
-    Returns `is_first_step(optimizer)` as it was before the state was created."""
+    Returns `first_step_params(optimizer)` as it was before the state was created."""
     rule = rule_for(optimizer)
-    first = is_first_step(optimizer)
+    first = first_step_params(optimizer)
     for group in optimizer.param_groups:
         keys = rule.state_keys(group)
         for p in group["params"]:
+            if not (keys and p.requires_grad):
+                continue
             state = optimizer.state[p]
             missing = [k for k in keys if k not in state]
-            if len(missing) == len(keys) and keys:
+            if len(missing) == len(keys):
                 rule.init_state(p, group, state)
             elif missing:
                 raise StateError(f"optimizer state of a parameter lacks {missing}; was it loaded "
@@ -187,21 +194,23 @@ def split_subgroups(numels: Sequence[int], keys: Sequence[Any], subgroup_numel: 
     return subgroups
 
 
-def lower_step(optimizer: torch.optim.Optimizer, updates: list[TracedUpdate], first_step: bool,
+def lower_step(optimizer: torch.optim.Optimizer, updates: list[TracedUpdate], first_step: set[str],
                subgroup_numel: int, subgroup_base: int) -> int:
     """Emit the update of every param group, one annotated chunk of nodes per subgroup.
+    `first_step`: names of the parameters whose update is their first (see `first_step_params`);
+    a subgroup holds only such parameters or none, as the kernels take one flag for all.
 
     Returns the number of subgroups emitted."""
     rule = rule_for(optimizer)
     count = 0
     for u in updates:
-        keys = [(p.device, p.dtype) for p in u.params]
+        keys = [(p.device, p.dtype, n in first_step) for p, n in zip(u.params, u.names)]
         for idx in split_subgroups([p.numel() for p in u.params], keys, subgroup_numel):
             part = TracedUpdate(u.group, [u.names[i] for i in idx], [u.params[i] for i in idx],
                                 [u.grads[i] for i in idx],
                                 lambda j, key, idx=idx, u=u: u.state(idx[j], key), u.lr, u.grad_scale, u.found_inf)
             meta = {"phase": "optimizer", "subgroup": subgroup_base + count, "param": tuple(part.names)}
             with fx_traceback.annotate(meta):
-                rule.lower(part, first_step)
+                rule.lower(part, part.names[0] in first_step)
             count += 1
     return count

@@ -126,6 +126,23 @@ def test_scheduler_step_inside_the_step_is_a_capture_error():
     assert opt.param_groups[0]["lr"] == lr_before
 
 
+@pytest.mark.filterwarnings(r"ignore:Seems like `optimizer.step\(\)` has been overridden")
+def test_scheduler_step_inside_the_step_leaves_every_param_group_lr_as_it_was():
+    model = tiny_gpt()
+    matrices = [p for p in model.parameters() if p.dim() >= 2]
+    vectors = [p for p in model.parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": matrices}, {"params": vectors, "lr": 1e-3}], lr=1e-2, fused=True)
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+
+    def step_with_scheduler(model, optimizer, batch):
+        loss = train_step(model, optimizer, batch)
+        scheduler.step()
+        return loss
+
+    compile_and_fail(step_with_scheduler, CaptureError, model, opt)
+    assert [g["lr"] for g in opt.param_groups] == [1e-2, 1e-3]
+
+
 def step_zeroing_after(model, optimizer, batch):
     loss = model(batch["input_ids"], labels=batch["labels"])
     loss.backward()

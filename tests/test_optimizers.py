@@ -7,6 +7,8 @@ import pytest
 import torch
 from helpers import assert_training_matches, eager_and_compiled, run_steps, tiny_gpt, token_batches, train_step
 
+import graphoffload
+
 FUSED = {
     "adamw": lambda m: torch.optim.AdamW(m.parameters(), lr=3e-3, weight_decay=0.1, fused=True),
     "adam": lambda m: torch.optim.Adam(m.parameters(), lr=3e-3, weight_decay=0.01, fused=True),
@@ -96,3 +98,56 @@ def test_param_groups_with_different_hyperparameters_match_fused_torch(opt_cls):
     lrs = [g["lr"] for g in opt_c.param_groups]
     assert lrs[0] != lrs[1]
     assert step.trace_count == (2 if opt_cls is torch.optim.SGD else 1)
+
+
+def _vectors(model) -> list[torch.nn.Parameter]:
+    return [p for p in model.parameters() if p.dim() < 2]
+
+
+def test_sgd_param_group_added_later_starts_its_momentum_while_the_others_keep_theirs():
+    # torch.optim decides the first momentum step per parameter: the new group's buffers start
+    # from its gradients, the old group's keep accumulating
+    def make(model):
+        model.requires_grad_(False)
+        matrices = [p.requires_grad_() for p in model.parameters() if p.dim() >= 2]
+        return torch.optim.SGD(matrices, lr=0.05, momentum=0.9, fused=True)
+
+    def add_vectors(model, opt):
+        opt.add_param_group({"params": [p.requires_grad_() for p in _vectors(model)], "lr": 0.02})
+
+    eager, compiled = tiny_gpt(), tiny_gpt()
+    opt_e, opt_c = make(eager), make(compiled)
+    step = graphoffload.offload_compile(train_step)
+    losses_e, losses_c = [], []
+    for i, b in enumerate(token_batches(6)):
+        if i == 3:
+            add_vectors(eager, opt_e)
+            add_vectors(compiled, opt_c)
+        losses_e.append(train_step(eager, opt_e, b).detach())
+        losses_c.append(step(compiled, opt_c, b).detach())
+    assert_training_matches(eager, opt_e, losses_e, compiled, opt_c, losses_c, exact=True)
+
+
+# fused SGD cannot run a group in which only some parameters have a momentum buffer: that case
+# is checked against the default (foreach) implementation
+@pytest.mark.parametrize("make_opt,exact", [
+    (lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.8, dampening=0.3), False),
+    (lambda ps: torch.optim.AdamW(ps, lr=3e-3, weight_decay=0.1, fused=True), True),
+], ids=["sgd-dampening", "adamw"])
+def test_frozen_params_get_no_state_and_start_afresh_when_unfrozen(make_opt, exact):
+    eager, compiled = tiny_gpt(), tiny_gpt()
+    opt_e, opt_c = make_opt(eager.parameters()), make_opt(compiled.parameters())
+    for model in (eager, compiled):
+        for p in _vectors(model):
+            p.requires_grad_(False)
+    step = graphoffload.offload_compile(train_step)
+    losses_e, losses_c = [], []
+    for i, b in enumerate(token_batches(6)):
+        if i == 3:
+            for p in _vectors(eager) + _vectors(compiled):
+                p.requires_grad_(True)
+        losses_e.append(train_step(eager, opt_e, b).detach())
+        losses_c.append(step(compiled, opt_c, b).detach())
+        if i == 0:   # torch.optim creates no state for a parameter without a gradient
+            assert not any(opt_c.state.get(p) for p in _vectors(compiled))
+    assert_training_matches(eager, opt_e, losses_e, compiled, opt_c, losses_c, exact=exact)
