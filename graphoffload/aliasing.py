@@ -44,8 +44,15 @@ def written_args(node: fx.Node) -> list[fx.Node]:
             if arg.alias_info is not None and arg.alias_info.is_write for n in _nodes_in(value)]
 
 
+# `_unsafe_view` returns a view of its input, but its schema declares a fresh tensor (so that
+# autograd does not track it as a view); make_fx records one after every batched matmul
+_UNDECLARED_VIEWS = {torch.ops.aten._unsafe_view.default}
+
+
 def _aliased_arg(node: fx.Node, ret_index: int) -> object:
     """The argument (node or list of nodes) output `ret_index` of `node` aliases, if any."""
+    if node.target in _UNDECLARED_VIEWS:
+        return node.args[0]
     schema = getattr(node.target, "_schema", None)
     if schema is None or ret_index >= len(schema.returns):
         return None

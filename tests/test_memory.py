@@ -106,3 +106,15 @@ def test_in_place_ops_write_into_their_argument_without_allocating():
     ops = [n.name for n in graph.graph.nodes if n.op == "call_function"]
     assert len(ops) == 3
     assert all(profile.live_at(name) == 2 * f32(1024) for name in ops)
+
+
+def test_unsafe_view_after_a_batched_matmul_shares_the_product_storage():
+    def fn(a, w):
+        return [(a @ w).sum()]    # make_fx: view, mm, _unsafe_view (a view, though its schema says not)
+
+    graph = hand_graph(fn, torch.randn(4, 64, 64), torch.randn(64, 256))
+    profile = analyze_memory(graph)
+    product = f32(4, 64, 256)
+    unsafe_view = next(n.name for n in graph.graph.nodes if n.target == torch.ops.aten._unsafe_view.default)
+    assert profile.live_at(unsafe_view) == profile.resident + product
+    assert profile.peak == profile.resident + product + f32()
