@@ -11,7 +11,8 @@ it (zigzag or contiguous layout, `runtime/ring_attention.py`):
   sharded one (an elementwise op, the loss's targets, an embedding gradient's indices) it is
   sharded there, by the same layout, so positions become each rank's global positions. Size
   arguments (`view`, `expand`, `slice_backward`) are rewritten to the local length, and every
-  node's `meta["val"]` is recomputed on the graph's fake tensors.
+  node's `meta["val"]` is recomputed on the graph's fake tensors. Ops that combine positions
+  along the split sequence (a cumulative sum, a softmax over it, a convolution) are rejected.
 * **Attention** is the only op that needs the other ranks: each attention node pair is
   retargeted by the rule table `RING_RULES` to the ring ops.
 * **Reductions over the sequence** (weight gradients: `mm`, `sum`, embedding and norm
@@ -75,10 +76,11 @@ REDUCING = {aten.sum.dim_IntList, aten.sum.default, aten.mm.default, aten.bmm.de
             aten.embedding_dense_backward.default, aten.native_layer_norm_backward.default}
 LEFT_ALIGNED = {aten.embedding_dense_backward.default: (1, 0), aten.nll_loss_forward.default: (1, 0),
                 aten.nll_loss_backward.default: (2, 1)}   # op: (index tensor position, data position)
-
-
-def _shape(val: Any) -> tuple[int, ...] | None:
-    return tuple(val.shape) if isinstance(val, torch.Tensor) else None
+# ops that combine values at different positions along their `dim`/`dims` argument: on one
+# rank's part of the sequence they keep its shape but compute something else
+ALONG_DIM = {aten.cumsum.default, aten.cumprod.default, aten.logcumsumexp.default, aten.cummax.default,
+             aten.cummin.default, aten._softmax.default, aten._log_softmax.default, aten.sort.default,
+             aten.sort.stable, aten.roll.default, aten.flip.default, aten.gather.default}
 
 
 class _Sharder:
@@ -102,7 +104,10 @@ class _Sharder:
             raise UnsupportedError(f"attention calls see different sequence lengths {sorted(lengths)}; "
                                    "sequence parallelism needs one")
         self.seq = lengths.pop()
-        chunk_ranges(sp.layout, 0, self.world, self.seq)   # raises when the length does not divide
+        try:
+            chunk_ranges(sp.layout, 0, self.world, self.seq)
+        except ValueError as exc:
+            raise UnsupportedError(f"sequence parallelism: {exc}; pad the batch's sequence to such a length") from exc
         batch = {n for n in self.g.nodes if n.op == "placeholder" and graph.signature.input(n.name).kind == "batch"}
         self.from_batch: set[fx.Node] = set()
         for n in self.g.nodes:
@@ -260,10 +265,9 @@ class _Sharder:
         node.meta["val"] = val
         orig = self.orig.get(node)
         if isinstance(val, (tuple, list)):
-            self.spec[node] = tuple(self.out_spec(node, o, v, sharded, partial, i)
-                                    for i, (o, v) in enumerate(zip(orig, val)))
+            self.spec[node] = tuple(self.out_spec(node, o, v, sharded, partial) for o, v in zip(orig, val))
         else:
-            self.spec[node] = self.out_spec(node, orig, val, sharded, partial, None)
+            self.spec[node] = self.out_spec(node, orig, val, sharded, partial)
         if self.spec[node] == "mean":
             self.spec[node] = PARTIAL
             users = list(node.users)
@@ -271,7 +275,7 @@ class _Sharder:
             for u in users:
                 u.replace_input_with(node, wait)
 
-    def out_spec(self, node, orig, val, sharded, partial, index) -> Any:
+    def out_spec(self, node, orig, val, sharded, partial) -> Any:
         if not isinstance(val, torch.Tensor):
             return None
         full, local = tuple(orig.shape), tuple(val.shape)
@@ -343,6 +347,10 @@ class _Sharder:
         if not isinstance(s, Shard):
             return
         full_in = self.orig[x].shape if x in self.orig else None
+        if self._mixes_positions(node, s.dim):
+            where = user_line_of_stack_trace(node.meta.get("stack_trace")) or "an unknown line"
+            raise UnsupportedError(f"sequence parallelism: {node.name} ({target}) at {where} combines positions "
+                                   "along the split sequence dimension; only attention may do that")
         if target in VIEWS:
             out = list(self.orig[node].shape)
             in_shape = list(full_in)
@@ -378,6 +386,23 @@ class _Sharder:
                                      and (len(node.args) < 5 or node.args[4] == 1)):
                 raise UnsupportedError(f"sequence parallelism: {node.name} ({target}) takes part of the split "
                                        "sequence dimension; only whole-sequence slices are supported")
+
+    @staticmethod
+    def _mixes_positions(node: fx.Node, seq_dim: int) -> bool:
+        ndim = node.args[0].meta["val"].dim()
+        if node.target == aten.convolution.default:   # (input, weight, bias, stride, padding, ...)
+            axis = seq_dim - 2
+            return axis >= 0 and (node.args[1].meta["val"].shape[seq_dim] > 1 or node.args[3][axis] != 1
+                                  or node.args[4][axis] != 0)
+        if node.target not in ALONG_DIM:
+            return False
+        for i, arg in enumerate(node.target._schema.arguments):
+            if arg.name in ("dim", "dims"):
+                value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name, arg.default_value)
+                dims = value if isinstance(value, (list, tuple)) else [value]
+                # roll with no dims rolls the flattened tensor
+                return not dims or seq_dim in {d % ndim for d in dims}
+        return False
 
     # ------------------------------------------------------------------ attention and loss
 

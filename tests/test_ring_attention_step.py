@@ -125,8 +125,42 @@ def _unsupported_mask(rank, world):
         step(model, opt, _batches(1, False)[0])
 
 
+class _PositionMixing(torch.nn.Module):
+    """Token embedding -> an op across sequence positions -> attention -> loss."""
+
+    def __init__(self, mix):
+        super().__init__()
+        self.emb = torch.nn.Embedding(64, 8)
+        self.conv = torch.nn.Conv1d(8, 8, 3, padding=1)
+        self.mix = mix
+
+    def forward(self, idx, labels):
+        x = self.emb(idx)
+        x = x.cumsum(1) if self.mix == "cumsum" else self.conv(x.transpose(1, 2)).transpose(1, 2)
+        y = torch.nn.functional.scaled_dot_product_attention(x[:, None], x[:, None], x[:, None], is_causal=True)
+        return torch.nn.functional.cross_entropy((y[:, 0] @ self.emb.weight.t()).flatten(0, 1), labels.flatten())
+
+
+def _unsupported_position_mixing_and_length(rank, world):
+    import graphoffload
+
+    batch = _batches(1, False)[0]
+    for mix, line in (("cumsum", "x.cumsum(1)"), ("conv", "self.conv(")):
+        model = _PositionMixing(mix)
+        step = graphoffload.offload_compile(gpt_step, sequence_parallel=graphoffload.SequenceParallel())
+        with pytest.raises(graphoffload.UnsupportedError, match=r"combines positions along the split sequence") as info:
+            step(model, torch.optim.SGD(model.parameters(), lr=0.1), batch)
+        assert line in str(info.value)
+    model = _gpt(torch.float32)
+    step = graphoffload.offload_compile(gpt_step, sequence_parallel=graphoffload.SequenceParallel())
+    short = {k: v[:, :10] for k, v in batch.items()}   # zigzag on 2 ranks needs a multiple of 4
+    with pytest.raises(graphoffload.UnsupportedError, match=r"divisible by 2 x 2 ranks, got 10; pad"):
+        step(model, torch.optim.SGD(model.parameters(), lr=0.1), short)
+
+
 def _world2(rank, world):
     _unsupported_mask(rank, world)
+    _unsupported_position_mixing_and_length(rank, world)
     _train_and_compare(rank, world, "gpt", "zigzag", torch.float32, count_exchanges=True)
     _train_and_compare(rank, world, "llama", "zigzag", torch.float32)
     _train_and_compare(rank, world, "gpt", "contiguous", torch.float64, batch_mode="sharded")
