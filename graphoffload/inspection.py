@@ -179,42 +179,46 @@ inf, nan = float("inf"), float("nan")
 _RUNNABLE_FOOTER = '''
 
 INPUTS = {inputs!r}
+CONSTANTS = {constants!r}   # tensors the step created (get_attr), by attribute name
+
+
+def example_tensor(shape, dtype, dev):
+    dt = getattr(torch, dtype)
+    if dt.is_floating_point:
+        return torch.randn(shape, dtype=dt, device=dev) * 0.02
+    if dt == torch.bool:
+        return torch.ones(shape, dtype=dt, device=dev)
+    return torch.zeros(shape, dtype=dt, device=dev)
 
 
 def example_inputs():
-    dtypes = {{name: getattr(torch, name) for name in ("float32", "float64", "float16", "bfloat16", "int64", "int32", "bool")}}
-    out = []
-    for shape, dtype, dev in INPUTS:
-        dt = dtypes[dtype]
-        if dt.is_floating_point:
-            out.append(torch.randn(shape, dtype=dt, device=dev) * 0.02)
-        elif dt == torch.bool:
-            out.append(torch.ones(shape, dtype=dt, device=dev))
-        else:
-            out.append(torch.zeros(shape, dtype=dt, device=dev))
-    return out
+    return [example_tensor(*spec) for spec in INPUTS]
 
 
 if __name__ == "__main__":
     from graphoffload.runtime.host_offload import OffloadRuntime   # streams/worker of offload ops
 
     inputs = example_inputs()
+    module = GraphModule()
+    for name, spec in CONSTANTS.items():
+        setattr(module, name, example_tensor(*spec))
     with torch.no_grad(), OffloadRuntime(inputs[0].device if inputs else "cpu").active():
-        result = GraphModule()(*inputs)
+        result = module(*inputs)
     print("ran stage {stage}:", [tuple(r.shape) for r in result if isinstance(r, torch.Tensor)])
 '''
 
 
 def runnable_source(graph: TrainGraph, stage: str, fname: str) -> str:
     body = graph.gm.print_readable(print_output=False)
-    inputs = []
-    for n in graph.graph.nodes:
-        if n.op == "placeholder":
-            v = n.meta["val"]
-            inputs.append((tuple(v.shape), str(v.dtype).replace("torch.", ""), v.device.type))
+    inputs = [_tensor_spec(n.meta["val"]) for n in graph.graph.nodes if n.op == "placeholder"]
+    constants = {n.target: _tensor_spec(n.meta["val"]) for n in graph.graph.nodes if n.op == "get_attr"}
     made_by = {n.meta.get("pass") for n in graph.graph.nodes} - {"capture", None}
     return (_RUNNABLE_HEADER.format(stage=stage, made_by=", ".join(sorted(made_by)) or "capture", fname=fname)
-            + body + _RUNNABLE_FOOTER.format(inputs=inputs, stage=stage))
+            + body + _RUNNABLE_FOOTER.format(inputs=inputs, constants=constants, stage=stage))
+
+
+def _tensor_spec(v: Any) -> tuple[tuple[int, ...], str, str]:
+    return tuple(v.shape), str(v.dtype).replace("torch.", ""), v.device.type
 
 
 def dump(stages: dict[str, TrainGraph], directory: str) -> list[str]:

@@ -90,3 +90,20 @@ def test_dump_writes_every_stage_and_the_final_module_runs_standalone(step, tmp_
     proc = subprocess.run([sys.executable, final[0]], capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "ran stage final" in proc.stdout
+
+
+def test_dumped_module_runs_with_the_tensor_constants_the_step_created(tmp_path):
+    def step_with_constant(model, optimizer, x):
+        loss = (model(x) * torch.tensor([1.0, 2.0])).sum()   # a get_attr constant in the graph
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss
+
+    model = torch.nn.Linear(4, 2)
+    compiled = graphoffload.offload_compile(step_with_constant)
+    compiled(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.randn(3, 4))
+    assert any(n.op == "get_attr" for n in compiled.graphs["final"].graph.nodes)
+    final = next(f for f in compiled.dump(str(tmp_path)) if f.endswith("_final.py"))
+    proc = subprocess.run([sys.executable, final], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
