@@ -130,8 +130,17 @@ def find_bindings(fn: Callable, args: tuple, kwargs: dict) -> StepBindings:
             for attr, b in mod._buffers.items():
                 if b is not None:
                     buffers[prefix(i) + (f"{mod_name}.{attr}" if mod_name else attr)] = (mod, attr)
+    state_keys, lr_groups = _optimizer_bindings(optimizers, param_names)
+    return StepBindings(modules, optimizers, params, buffers, state_keys, lr_groups, param_names, scalers)
+
+
+def _optimizer_bindings(optimizers: list[torch.optim.Optimizer], param_names: dict[int, str]
+                        ) -> tuple[list[tuple[str, str]], list[tuple[int, int]]]:
+    """The (param name, state key) of every optimizer-state tensor and the (optimizer, group) of
+    every learning rate."""
     state_keys: list[tuple[str, str]] = []
     lr_groups: list[tuple[int, int]] = []
+    optimized: set[int] = set()
     for oi, opt in enumerate(optimizers):
         rule = optimizer_lowering.rule_for(opt)
         for gi, group in enumerate(opt.param_groups):
@@ -140,9 +149,13 @@ def find_bindings(fn: Callable, args: tuple, kwargs: dict) -> StepBindings:
                 if id(p) not in param_names:
                     raise CaptureError(f"{type(opt).__name__} holds a parameter of shape {tuple(p.shape)} "
                                        "that belongs to none of the step's models; pass its module too")
+                if id(p) in optimized:   # its state is looked up by parameter alone
+                    raise UnsupportedError(f"parameter {param_names[id(p)]} is held by more than one of the "
+                                           "step's optimizers; give each parameter to one optimizer")
+                optimized.add(id(p))
                 if p.requires_grad:   # as in torch.optim, frozen parameters get no state
                     state_keys.extend((param_names[id(p)], k) for k in rule.state_keys(group))
-    return StepBindings(modules, optimizers, params, buffers, state_keys, lr_groups, param_names, scalers)
+    return state_keys, lr_groups
 
 
 # --------------------------------------------------------------------------- tracing helpers

@@ -17,10 +17,12 @@ from torch import Tensor
 def load_optimizer_state_exactly(opt: torch.optim.Optimizer, state: dict[str, Any]) -> None:
     params = [p for g in opt.param_groups for p in g["params"]]
     saved = [i for g in state["param_groups"] for i in g["params"]]
-    if len(params) != len(saved) or len(opt.param_groups) != len(state["param_groups"]):
-        raise ValueError(f"{type(opt).__name__} state does not match the optimizer: {len(saved)} saved "
-                         f"parameters in {len(state['param_groups'])} groups, {len(params)} in "
-                         f"{len(opt.param_groups)} groups here")
+    # per group: equal totals split differently would give groups each other's hyper-parameters
+    here = [len(g["params"]) for g in opt.param_groups]
+    there = [len(g["params"]) for g in state["param_groups"]]
+    if here != there:
+        raise ValueError(f"{type(opt).__name__} state does not match the optimizer: saved param groups "
+                         f"of {there} parameters, here of {here}")
     for group, saved_group in zip(opt.param_groups, state["param_groups"]):
         group.update({k: v for k, v in saved_group.items() if k != "params"})
     opt.state.clear()

@@ -100,6 +100,22 @@ def test_unsupported_optimizer_names_the_supported_ones():
         assert name in message
 
 
+def test_parameter_held_by_two_optimizers_is_unsupported_naming_it():
+    model = tiny_gpt()
+    adamw = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    sgd = torch.optim.SGD([model.pos.weight], lr=0.1, momentum=0.9)
+
+    def two_optimizer_step(model, optimizer, batch):
+        loss = train_step(model, optimizer, batch)
+        sgd.step()
+        sgd.zero_grad()
+        return loss
+
+    message = compile_and_fail(two_optimizer_step, UnsupportedError, model, adamw)
+    assert "pos.weight" in message
+    assert not sgd.state
+
+
 def forward_only_step(model, optimizer, batch):
     return model(batch["input_ids"], labels=batch["labels"])
 

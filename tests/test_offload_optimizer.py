@@ -318,3 +318,21 @@ def test_bf16_steps_of_two_input_shapes_share_the_fp32_master_weights():
     for (name, pe), pc, m in zip(eager.named_parameters(), compiled.parameters(), master):
         assert torch.equal(opt_c.state[pc]["master_param"], m.detach()), name
         assert torch.equal(pc, pe), name
+
+
+def test_checkpoint_of_differently_split_param_groups_is_refused():
+    torch.manual_seed(0)
+    model = GPT(TINY)
+    params = list(model.parameters())
+
+    def split_at(k):
+        return torch.optim.AdamW([{"params": params[:k]}, {"params": params[k:], "lr": 1e-4}], lr=3e-3)
+
+    opt = split_at(2)
+    step = offloaded()
+    step(model, opt, batches(1)[0])
+    other = split_at(3)
+    before = copy.deepcopy(other.state_dict())
+    with pytest.raises(ValueError, match="param groups"):
+        step.load_state_dict(step.state_dict(), optimizers=[other])
+    assert other.state_dict() == before
