@@ -25,6 +25,7 @@ from graphoffload.optimizer_lowering import first_step_params
 from graphoffload.memory import MemoryProfile, analyze_memory
 from graphoffload.passes.manager import Pass, PassContext, PassFn, PassManager, builtin_passes
 from graphoffload.runtime.executor import Executor
+from graphoffload.runtime.host_state import HostState
 
 
 @dataclass
@@ -83,6 +84,7 @@ class CompiledStep:
         self._last: CompiledVariant | None = None
         self._ran: Executor | None = None     # the executor of the last run, whose uploads may be in flight
         self._hooked: set[int] = set()
+        self._host_states: dict[Any, HostState] = {}
         self.trace_count = 0
         functools.update_wrapper(self, fn)
 
@@ -115,7 +117,14 @@ class CompiledStep:
         except BaseException:
             capture.discard_created_state()
             raise
-        return CompiledVariant(capture, graph, stages, Executor(graph, capture, self.config.offload), dict(ctx.timings))
+        # every variant over the same parameters and optimizers shares one host state, so the
+        # versions it records after each run stay right whichever variant ran last
+        b = capture.bindings
+        owner = (tuple(id(p) for p in b.params.values()), tuple(id(o) for o in b.optimizers))
+        executor = Executor(graph, capture, self.config.offload, host_state=self._host_states.get(owner))
+        if executor.host_state is not None:
+            self._host_states.setdefault(owner, executor.host_state)
+        return CompiledVariant(capture, graph, stages, executor, dict(ctx.timings))
 
     def _variant(self, args: tuple, kwargs: dict) -> tuple[Any, CompiledVariant]:
         key = self._key(args, kwargs)

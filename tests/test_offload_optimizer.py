@@ -318,6 +318,8 @@ def test_bf16_steps_of_two_input_shapes_share_the_fp32_master_weights():
     for (name, pe), pc, m in zip(eager.named_parameters(), compiled.parameters(), master):
         assert torch.equal(opt_c.state[pc]["master_param"], m.detach()), name
         assert torch.equal(pc, pe), name
+    # one host state for both graphs: each records the versions the other's uploads leave
+    assert len({id(v.executor.host_state) for v in step._variants.values()}) == 1
 
 
 def test_checkpoint_of_differently_split_param_groups_is_refused():
