@@ -121,3 +121,10 @@ class StorageMap:
     def of(self, node: fx.Node) -> list[int]:
         """Storages a node's value(s) live in."""
         return [s for s in self.ids.get(node, []) if s is not None]
+
+
+def written_placeholders(graph: fx.Graph) -> set[str]:
+    """Names of the placeholders some node writes into, directly or through a view."""
+    storages = StorageMap(graph)
+    return {n.name for n in graph.nodes if n.op == "placeholder"
+            and any(a.writes and a.node is not n for sid in storages.of(n) for a in storages.accesses[sid])}

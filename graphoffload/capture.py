@@ -37,7 +37,7 @@ from torch.overrides import TorchFunctionMode
 
 import graphoffload
 from graphoffload import optimizer_lowering
-from graphoffload.aliasing import written_args
+from graphoffload.aliasing import written_placeholders
 from graphoffload.config import CompileConfig
 from graphoffload.errors import CaptureError, GraphOffloadError, UnsupportedError
 from graphoffload.graph import TENSOR_SLOT, GraphSignature, InputSpec, OutputSpec, TrainGraph, fake_mode_of
@@ -513,7 +513,7 @@ def _capture_step(fn: Callable, args: tuple, kwargs: dict, config: CompileConfig
     graph = _rename_placeholders(gm, [s.name for s in input_specs])
     _annotate(graph, input_specs)
     _reject_scalar_reads(graph)
-    mutated = {n.name for n in graph.graph.nodes if n.op == "placeholder" and _is_mutated(n)}
+    mutated = written_placeholders(graph.graph)
     input_specs = [InputSpec(s.kind, s.name, s.target, s.name in mutated) for s in input_specs]
     signature = GraphSignature(tuple(input_specs), tuple(result["specs"]))
     train_graph = TrainGraph(graph, signature)
@@ -578,11 +578,6 @@ def _rename_placeholders(gm: fx.GraphModule, names: list[str]) -> fx.GraphModule
             continue
         val_map[node] = graph.node_copy(node, lambda n: val_map[n])
     return fx.GraphModule(gm, graph)
-
-
-def _is_mutated(node: fx.Node) -> bool:
-    """Whether an op writes into `node` (an in-place argument of its schema)."""
-    return any(node in written_args(user) for user in node.users)
 
 
 def _annotate(gm: fx.GraphModule, input_specs: list[InputSpec]) -> None:

@@ -6,6 +6,7 @@ the graph broken, the node, and what is wrong with it.
 
 from __future__ import annotations
 
+from graphoffload.aliasing import written_placeholders
 from graphoffload.errors import PassError
 from graphoffload.graph import PHASES, TrainGraph
 
@@ -37,3 +38,8 @@ def verify_train_graph(graph: TrainGraph, pass_name: str) -> None:
             fail(f"node {node.name} has phase {node.meta.get('phase')!r}, expected one of {PHASES}")
         if "pass" not in node.meta:
             fail(f"node {node.name} does not record the pass that created it")
+    mutable = {spec.name for spec in graph.signature.inputs if spec.mutable}
+    for name in written_placeholders(graph.graph) - mutable:
+        fail(f"placeholder {name} is written to (directly or through a view) but its signature entry is "
+             "not marked mutable")
+

@@ -91,8 +91,18 @@ def drops_a_placeholder_from_the_signature(graph, ctx):
     return graph.with_signature(inputs=graph.signature.inputs[1:])
 
 
+def writes_into_the_batch_through_a_view(graph, ctx):
+    batch = next(n for n in graph.graph.nodes if n.op == "placeholder" and n.name.startswith("batch"))
+    with graph.graph.inserting_after(batch):
+        view = graph.graph.call_function(torch.ops.aten.view.default, (batch, [-1]))
+    with graph.graph.inserting_after(view):
+        graph.graph.call_function(torch.ops.aten.zero_.default, (view,))
+    return graph
+
+
 @pytest.mark.parametrize("bad_pass", [erase_a_used_node, move_a_node_before_its_input, returns_none,
-                                      drops_a_placeholder_from_the_signature])
+                                      drops_a_placeholder_from_the_signature,
+                                      writes_into_the_batch_through_a_view])
 def test_a_pass_that_breaks_the_graph_is_a_pass_error_naming_it(bad_pass):
     model = tiny_gpt()
     opt = adamw(model)
