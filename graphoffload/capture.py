@@ -249,6 +249,19 @@ def _lowered_optimizers(b: StepBindings, leaves: dict[str, Tensor], states: dict
 
 
 @contextlib.contextmanager
+def _recorded_module_zero_grad(b: StepBindings, events: _StepEvents) -> Iterator[None]:
+    """`model.zero_grad()` in the step clears gradients as `optimizer.zero_grad()` does: record
+    it alike, so the executor knows gradients left by an earlier call are discarded."""
+    with contextlib.ExitStack() as stack:
+        for module in b.modules:
+            def zero_grad(set_to_none: bool = True, module: nn.Module = module) -> None:
+                events.order.append("zero_grad")
+                type(module).zero_grad(module, set_to_none)
+            _set_for_trace(stack, module, "zero_grad", zero_grad)
+        yield
+
+
+@contextlib.contextmanager
 def _swapped_scaler_state(b: StepBindings, traced: dict[tuple[int, str], Tensor]) -> Iterator[None]:
     """Point each GradScaler at traced copies of its scale and growth tracker (graph inputs it
     updates in place), and give it back its per-step bookkeeping afterwards."""
@@ -467,7 +480,7 @@ def _capture_step(fn: Callable, args: tuple, kwargs: dict, config: CompileConfig
         step_args, step_kwargs = pytree.tree_unflatten(step_leaves, in_spec)
         with _swapped_module_tensors(b, params, buffers), \
                 _lowered_optimizers(b, params, states, lrs, first_steps, config, events), \
-                _swapped_scaler_state(b, scaler_state), _StepMode(events):
+                _recorded_module_zero_grad(b, events), _swapped_scaler_state(b, scaler_state), _StepMode(events):
             out = fn(*step_args, **step_kwargs)
             rebound = {n: b.buffer(n) for n in buffer_names}
         out_leaves, out_spec = pytree.tree_flatten(out)

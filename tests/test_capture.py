@@ -138,3 +138,23 @@ def test_new_batch_shape_retraces_and_same_shape_reuses_the_graph():
     assert step.trace_count == 2
     run_steps(step, model, opt, token_batches(1, batch=2, seed=5))
     assert step.trace_count == 2
+
+
+def test_model_zero_grad_in_the_step_clears_gradients_like_optimizer_zero_grad():
+    # gradients stay on .grad after each call; the next call's model.zero_grad() discards them
+    def zero_first(model, optimizer, batch):
+        model.zero_grad()
+        loss = model(batch["input_ids"], labels=batch["labels"])
+        loss.backward()
+        optimizer.step()
+        return loss
+
+    eager = tiny_gpt()
+    compiled = copy.deepcopy(eager)
+    opt_e, opt_c = adamw(eager), adamw(compiled)
+    step = graphoffload.offload_compile(zero_first)
+    for batch in token_batches(3):
+        assert step(compiled, opt_c, batch).item() == zero_first(eager, opt_e, batch).item()
+    for pe, pc in zip(eager.parameters(), compiled.parameters()):
+        assert torch.equal(pe, pc) and torch.equal(pe.grad, pc.grad)
+    assert "zero_grad" not in vars(compiled)   # the trace's stand-in is gone
