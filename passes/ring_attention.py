@@ -418,6 +418,12 @@ class _Sharder:
         if mask is not None:
             raise UnsupportedError(f"sequence parallelism: attention {node.name} has an attention mask; ring "
                                    "attention supports is_causal=True or no mask")
+        q_len, k_len = (self._global_length(t, t.meta["val"].dim() - 2) for t in (q, k))
+        if q_len != k_len:
+            where = user_line_of_stack_trace(node.meta.get("stack_trace")) or "an unknown line"
+            raise UnsupportedError(f"sequence parallelism: attention {node.name} at {where} attends {q_len} "
+                                   f"queries to {k_len} keys; ring attention splits self-attention over the "
+                                   "sequence (queries and keys of the same length) only")
         local = []
         for t in tensors:
             st = self.spec.get(t)
@@ -436,6 +442,10 @@ class _Sharder:
             node.meta["val"] = node.target(*a)
         self.spec[node] = tuple(Shard(v.dim() - (1 if forward and i == 1 else 2)) for i, v in enumerate(node.meta["val"]))
         self.counts["fwd" if forward else "bwd"] += 1
+
+    def _global_length(self, t: fx.Node, seq_dim: int) -> int:
+        n = t.meta["val"].shape[seq_dim]
+        return n * self.world if self.spec.get(t) == Shard(seq_dim) else n
 
     def loss(self, node: fx.Node) -> None:
         """Cross-entropy's mean over all ranks' tokens: local sum and count, all-reduced together."""

@@ -136,6 +136,10 @@ class _PositionMixing(torch.nn.Module):
 
     def forward(self, idx, labels):
         x = self.emb(idx)
+        if self.mix == "memory":   # cross-attention to a few learned slots: not along the sequence
+            kv = self.emb.weight[:5].expand(x.shape[0], 5, 8)
+            y = torch.nn.functional.scaled_dot_product_attention(x[:, None], kv[:, None], kv[:, None])
+            return torch.nn.functional.cross_entropy((y[:, 0] @ self.emb.weight.t()).flatten(0, 1), labels.flatten())
         x = x.cumsum(1) if self.mix == "cumsum" else self.conv(x.transpose(1, 2)).transpose(1, 2)
         y = torch.nn.functional.scaled_dot_product_attention(x[:, None], x[:, None], x[:, None], is_causal=True)
         return torch.nn.functional.cross_entropy((y[:, 0] @ self.emb.weight.t()).flatten(0, 1), labels.flatten())
@@ -151,6 +155,10 @@ def _unsupported_position_mixing_and_length(rank, world):
         with pytest.raises(graphoffload.UnsupportedError, match=r"combines positions along the split sequence") as info:
             step(model, torch.optim.SGD(model.parameters(), lr=0.1), batch)
         assert line in str(info.value)
+    model = _PositionMixing("memory")
+    step = graphoffload.offload_compile(gpt_step, sequence_parallel=graphoffload.SequenceParallel())
+    with pytest.raises(graphoffload.UnsupportedError, match=r"queries to 5 keys; ring attention splits self-attention"):
+        step(model, torch.optim.SGD(model.parameters(), lr=0.1), batch)
     model = _gpt(torch.float32)
     step = graphoffload.offload_compile(gpt_step, sequence_parallel=graphoffload.SequenceParallel())
     short = {k: v[:, :10] for k, v in batch.items()}   # zigzag on 2 ranks needs a multiple of 4
