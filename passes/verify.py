@@ -24,6 +24,9 @@ def verify_train_graph(graph: TrainGraph, pass_name: str) -> None:
     if [n.name for n in placeholders] != names:
         fail(f"placeholders {[n.name for n in placeholders]} do not match the signature's inputs {names}")
     outputs = graph.graph.output_node().args[0]
+    if not isinstance(outputs, (tuple, list)):
+        fail(f"the output node returns {type(outputs).__name__}, expected a tuple with one value per "
+             "signature output")
     if len(outputs) != len(graph.signature.outputs):
         fail(f"the graph returns {len(outputs)} values but its signature lists {len(graph.signature.outputs)}")
     for node in graph.graph.nodes:

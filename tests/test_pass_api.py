@@ -100,9 +100,15 @@ def writes_into_the_batch_through_a_view(graph, ctx):
     return graph
 
 
+def returns_a_single_value_from_the_graph(graph, ctx):
+    out = graph.graph.output_node()
+    out.args = (out.args[0][0],)
+    return graph
+
+
 @pytest.mark.parametrize("bad_pass", [erase_a_used_node, move_a_node_before_its_input, returns_none,
                                       drops_a_placeholder_from_the_signature,
-                                      writes_into_the_batch_through_a_view])
+                                      writes_into_the_batch_through_a_view, returns_a_single_value_from_the_graph])
 def test_a_pass_that_breaks_the_graph_is_a_pass_error_naming_it(bad_pass):
     model = tiny_gpt()
     opt = adamw(model)
