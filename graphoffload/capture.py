@@ -185,6 +185,8 @@ def _swapped_module_tensors(b: StepBindings, params: dict[str, Tensor],
 @dataclass
 class _StepEvents:
     order: list[str] = field(default_factory=list)
+    # names of the parameters each zero_grad() clears, in the order of the "zero_grad" entries
+    zeroed: list[frozenset[str]] = field(default_factory=list)
     subgroups: int = 0
     stepped: set[int] = field(default_factory=set)     # indices of the optimizers whose step() ran
 
@@ -230,6 +232,7 @@ def _lowered_optimizers(b: StepBindings, leaves: dict[str, Tensor], states: dict
     def make_zero_grad(opt: torch.optim.Optimizer) -> Callable:
         def zero_grad(set_to_none: bool = True) -> None:
             events.order.append("zero_grad")
+            events.zeroed.append(frozenset(leaf_name[id(p)] for g in opt.param_groups for p in g["params"]))
             for group in opt.param_groups:
                 for p in group["params"]:
                     p.grad = None
@@ -254,8 +257,11 @@ def _recorded_module_zero_grad(b: StepBindings, events: _StepEvents) -> Iterator
     it alike, so the executor knows gradients left by an earlier call are discarded."""
     with contextlib.ExitStack() as stack:
         for module in b.modules:
-            def zero_grad(set_to_none: bool = True, module: nn.Module = module) -> None:
+            names = frozenset(b.param_names[id(p)] for p in module.parameters())
+
+            def zero_grad(set_to_none: bool = True, module: nn.Module = module, names: frozenset = names) -> None:
                 events.order.append("zero_grad")
+                events.zeroed.append(names)
                 type(module).zero_grad(module, set_to_none)
             _set_for_trace(stack, module, "zero_grad", zero_grad)
         yield
@@ -409,8 +415,8 @@ class Capture:
     bindings: StepBindings
     out_spec: Any                      # pytree spec of the step's return value
     out_constants: list[Any]           # its non-tensor leaves (TENSOR_SLOT where a tensor goes)
-    zero_grad_before_backward: bool
-    calls_zero_grad: bool
+    zeroed_before_backward: frozenset[str]   # parameters whose .grad a zero_grad() clears before backward
+    zeroed: frozenset[str]                   # ... or at any point of the step
     stepped_optimizers: list[int]      # optimizers whose step() the graph performs
     batch_positions: list[int]         # positions of tensor leaves among the (args, kwargs) leaves
     created_state: list[tuple[torch.optim.Optimizer, list[Tensor]]] = field(default_factory=list)
@@ -478,9 +484,10 @@ def _capture_step(fn: Callable, args: tuple, kwargs: dict, config: CompileConfig
         for pos, t in zip(batch_positions, flat[n_p + n_b + n_s + n_lr + n_sc:]):
             step_leaves[pos] = t
         step_args, step_kwargs = pytree.tree_unflatten(step_leaves, in_spec)
-        with _swapped_module_tensors(b, params, buffers), \
+        # module parameters are named before _swapped_module_tensors puts the traced ones in
+        with _recorded_module_zero_grad(b, events), _swapped_module_tensors(b, params, buffers), \
                 _lowered_optimizers(b, params, states, lrs, first_steps, config, events), \
-                _recorded_module_zero_grad(b, events), _swapped_scaler_state(b, scaler_state), _StepMode(events):
+                _swapped_scaler_state(b, scaler_state), _StepMode(events):
             out = fn(*step_args, **step_kwargs)
             rebound = {n: b.buffer(n) for n in buffer_names}
         out_leaves, out_spec = pytree.tree_flatten(out)
@@ -535,9 +542,14 @@ def _capture_step(fn: Callable, args: tuple, kwargs: dict, config: CompileConfig
                      f"step calls: {' -> '.join(events.order)}")
     first_backward = events.order.index("backward")
     return Capture(train_graph, b, result["out_spec"], result["constants"],
-                   zero_grad_before_backward="zero_grad" in events.order[:first_backward],
-                   calls_zero_grad="zero_grad" in events.order,
+                   zeroed_before_backward=_zeroed(events, events.order[:first_backward]),
+                   zeroed=_zeroed(events, events.order),
                    stepped_optimizers=sorted(events.stepped), batch_positions=batch_positions)
+
+
+def _zeroed(events: _StepEvents, order: list[str]) -> frozenset[str]:
+    calls = order.count("zero_grad")
+    return frozenset().union(*events.zeroed[:calls])
 
 
 def _restore_lrs(b: StepBindings, lr_before: list[float]) -> None:

@@ -73,14 +73,13 @@ class Executor:
         return values
 
     def check_start_state(self) -> None:
-        if self.capture.zero_grad_before_backward:
-            return
         for name, p in self.capture.bindings.params.items():
-            if p.grad is not None:
+            if p.grad is not None and name not in self.capture.zeroed_before_backward:
                 raise StateError(
                     f"parameter {name} has a .grad left from an earlier step and the compiled step does "
-                    "not zero gradients before backward; gradient accumulation across compiled calls is "
-                    "not supported: call optimizer.zero_grad() before calling the step, or inside it")
+                    "not zero it before backward; gradient accumulation across compiled calls is not "
+                    "supported: zero it (optimizer.zero_grad() or model.zero_grad()) before calling the "
+                    "step, or inside it before backward")
 
     def run(self, args: tuple, kwargs: dict, profile: dict[str, float] | None = None) -> Any:
         """Run one step. With `profile` (a dict), time every node into it instead (slower)."""
@@ -115,9 +114,8 @@ class Executor:
         for i in self.capture.stepped_optimizers:
             # torch's contract with lr schedulers: their step() checks that the optimizer stepped
             b.optimizers[i]._opt_called = True
-        if self.capture.calls_zero_grad:
-            for p in b.params.values():
-                p.grad = None
+        for name in self.capture.zeroed:
+            b.params[name].grad = None
         user: list[Tensor] = []
         for spec, value in zip(self.graph.signature.outputs, outputs):
             if spec.kind == "user":
