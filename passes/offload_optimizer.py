@@ -79,14 +79,17 @@ class _EarlyGradients:
     multiplier: fx.Node | None
 
 
-def _is_scaling(node: fx.Node, storage: int, storages: StorageMap) -> bool:
+def _scaling_operands(node: fx.Node, storage: int, storages: StorageMap) -> tuple[fx.Node, fx.Node] | None:
+    """(gradient, scalar) when `node` multiplies the gradient in `storage` in place by a scalar."""
     if node.target not in (aten.mul_.Tensor, aten._foreach_mul_.Tensor):
-        return False
+        return None
     source, multiplier = node.args
     source = source[0] if isinstance(source, (list, tuple)) and len(source) == 1 else source
     mval = getattr(multiplier, "meta", {}).get("val")
-    return isinstance(source, fx.Node) and storage in storages.of(source) and \
-        isinstance(mval, torch.Tensor) and mval.dim() == 0
+    if isinstance(source, fx.Node) and storage in storages.of(source) and \
+            isinstance(mval, torch.Tensor) and mval.dim() == 0:
+        return source, multiplier
+    return None
 
 
 def _find_early_gradients(storages: StorageMap, k: UpdateKernel, end: int) -> _EarlyGradients | None:
@@ -101,15 +104,14 @@ def _find_early_gradients(storages: StorageMap, k: UpdateKernel, end: int) -> _E
             return None
         accesses = [a for a in storages.accesses[sids[0]] if a.node not in unit]
         source, final_at = grad, accesses[-1]
-        if _is_scaling(accesses[-1].node, sids[0], storages):
+        operands = _scaling_operands(accesses[-1].node, sids[0], storages)
+        if operands is not None:
             if len(accesses) < 2 or (found.sources and found.multiplier is None):
                 return None
-            scaling = accesses[-1].node
-            source, multiplier = scaling.args
-            source = source[0] if isinstance(source, (list, tuple)) else source
+            source, multiplier = operands
             if found.multiplier not in (None, multiplier):
                 return None
-            found.scalings.append(scaling)
+            found.scalings.append(accesses[-1].node)
             found.multiplier, final_at = multiplier, accesses[-2]
         elif found.multiplier is not None:
             return None
