@@ -16,6 +16,15 @@ def train_step(model, optimizer, batch):
     return loss
 
 
+def zero_first_step(model, optimizer, batch):
+    """optimizer.zero_grad() first: the gradients stay on .grad after the step."""
+    optimizer.zero_grad()
+    loss = model(batch["input_ids"], labels=batch["labels"])
+    loss.backward()
+    optimizer.step()
+    return loss
+
+
 def clipped_step(model, optimizer, batch, max_norm: float = 0.5):
     loss = model(batch["input_ids"], labels=batch["labels"])
     loss.backward()

@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 from helpers import assert_unchanged, snapshot, tiny_gpt, token_batches
-from steps import train_step
+from steps import train_step, zero_first_step
 from torch import nn
 
 import graphoffload
@@ -188,20 +188,13 @@ def test_leftover_grad_without_zero_grad_before_backward_is_a_state_error():
 def test_a_gradient_no_zero_grad_clears_is_refused_not_overwritten():
     # ln_f.bias is in no optimizer: optimizer.zero_grad() leaves its .grad, which eager then
     # accumulates into; the compiled step says so instead of silently starting it afresh
-    def zero_first(model, optimizer, batch):
-        optimizer.zero_grad()
-        loss = model(batch["input_ids"], labels=batch["labels"])
-        loss.backward()
-        optimizer.step()
-        return loss
-
     eager = tiny_gpt()
     compiled = copy.deepcopy(eager)
     make_opt = lambda m: torch.optim.AdamW([p for n, p in m.named_parameters() if n != "ln_f.bias"], lr=1e-2)
     opt_e, opt_c = make_opt(eager), make_opt(compiled)
-    step = graphoffload.offload_compile(zero_first)
+    step = graphoffload.offload_compile(zero_first_step)
     batch = token_batches(1)[0]
-    assert step(compiled, opt_c, batch).item() == zero_first(eager, opt_e, batch).item()
+    assert step(compiled, opt_c, batch).item() == zero_first_step(eager, opt_e, batch).item()
     assert torch.equal(compiled.ln_f.bias.grad, eager.ln_f.bias.grad)   # kept, as eager keeps it
     with pytest.raises(StateError, match="ln_f.bias has a .grad left"):
         step(compiled, opt_c, batch)

@@ -8,7 +8,7 @@ import functools
 import pytest
 import torch
 from gpt import GPT, GPTConfig
-from steps import TINY, clipped_step, foreach_clipped_step, token_batches, train_step
+from steps import TINY, clipped_step, foreach_clipped_step, token_batches, train_step, zero_first_step
 
 import graphoffload
 from graphoffload import CompileConfig, FuseOptimizer
@@ -159,13 +159,7 @@ def test_gradient_left_on_param_grad_is_kept_and_reported():
     eager = GPT(TINY)
     compiled = copy.deepcopy(eager)
 
-    def train_step(model, optimizer, batch):   # zero_grad first: gradients stay on .grad
-        optimizer.zero_grad()
-        loss = model(batch["input_ids"], labels=batch["labels"])
-        loss.backward()
-        optimizer.step()
-        return loss
-
+    train_step = zero_first_step   # gradients stay on .grad
     step = graphoffload.offload_compile(train_step)
     batches = list(_batches(3, TINY.vocab_size, TINY.seq_len))
     _, eager_opt = _train(eager, OPTIMIZERS["adamw"], train_step, batches)
