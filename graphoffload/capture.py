@@ -445,8 +445,37 @@ def capture_step(fn: Callable, args: tuple, kwargs: dict, config: CompileConfig)
     except BaseException:
         _discard_state(fresh)
         raise
-    capture.created_state = fresh
+    capture.created_state = _drop_unread_state(capture, fresh)
     return capture
+
+
+def _drop_unread_state(capture: Capture, fresh: list[tuple[torch.optim.Optimizer, list[Tensor]]]
+                       ) -> list[tuple[torch.optim.Optimizer, list[Tensor]]]:
+    """Optimizer state is created before tracing, for every parameter that may get a gradient.
+    torch.optim creates it only for parameters that had one when `step()` ran: drop what this
+    step never reads again (an unused layer's state would otherwise show in `state_dict()` and
+    be offloaded for nothing). Returns `fresh` less what was dropped."""
+    b, graph = capture.bindings, capture.graph
+    placeholders = graph.placeholders()
+    read = {s.target[0] for s in graph.signature.inputs
+            if s.kind == "state" and placeholders[s.name].users}
+    kept: list[tuple[torch.optim.Optimizer, list[Tensor]]] = []
+    dropped: set[str] = set()
+    for opt, params in fresh:
+        unread = [p for p in params if p in opt.state and b.param_names[id(p)] not in read]
+        _discard_state([(opt, unread)])
+        dropped.update(b.param_names[id(p)] for p in unread)
+        kept.append((opt, [p for p in params if b.param_names[id(p)] not in dropped]))
+    if dropped:
+        inputs = []
+        for s in graph.signature.inputs:
+            if s.kind == "state" and s.target[0] in dropped:
+                graph.graph.erase_node(placeholders[s.name])
+            else:
+                inputs.append(s)
+        graph.gm.recompile()
+        capture.graph = graph.with_signature(inputs=tuple(inputs))
+    return kept
 
 
 def _capture_step(fn: Callable, args: tuple, kwargs: dict, config: CompileConfig, b: StepBindings) -> Capture:

@@ -151,3 +151,16 @@ def test_frozen_params_get_no_state_and_start_afresh_when_unfrozen(make_opt, exa
         if i == 0:   # torch.optim creates no state for a parameter without a gradient
             assert not any(opt_c.state.get(p) for p in _vectors(compiled))
     assert_training_matches(eager, opt_e, losses_e, compiled, opt_c, losses_c, exact=exact)
+
+
+@pytest.mark.parametrize("name", ["adamw", "sgd-nesterov"])
+def test_a_parameter_without_gradient_gets_no_state_as_in_torch_optim(name):
+    """A layer the forward never uses keeps requires_grad=True but never gets a gradient:
+    torch.optim skips it and creates no state for it, so the compiled step must too."""
+    model = tiny_gpt()
+    model.spare = torch.nn.Linear(4, 4)
+    eager, opt_e, losses_e, compiled, opt_c, losses_c, step = eager_and_compiled(
+        model, FUSED[name], token_batches(4))
+    assert not opt_c.state.get(compiled.spare.weight) and not opt_c.state.get(compiled.spare.bias)
+    assert len(opt_c.state_dict()["state"]) == len(opt_e.state_dict()["state"])
+    assert_training_matches(eager, opt_e, losses_e, compiled, opt_c, losses_c, exact=True)
