@@ -63,7 +63,7 @@ class Executor:
             elif spec.kind == "buffer":
                 values.append(b.buffer(spec.target))
             elif spec.kind == "state":
-                values.append(b.state(*spec.target))
+                values.append(self.placed_state(spec.target, self.vals[spec.name]))
             elif spec.kind == "lr":
                 values.append(torch.tensor(b.lr(*spec.target), dtype=torch.float64))
             elif spec.kind == "scaler":
@@ -71,6 +71,25 @@ class Executor:
             else:
                 values.append(batch[spec.target].detach())
         return values
+
+    def placed_state(self, target: tuple[str, str], like: Tensor) -> Tensor:
+        """An optimizer-state tensor where the graph was traced to find it. `load_state_dict`
+        leaves Adam's step counter on the device the checkpoint had it on (the CPU when torch's
+        default implementation saved it): move it back, in the optimizer too, as torch.optim
+        moves what it needs itself. Another dtype or shape is an error, not a silent cast."""
+        b = self.capture.bindings
+        t = b.state(*target)
+        if t.device == like.device and t.dtype == like.dtype and t.shape == like.shape:
+            return t
+        name, key = target
+        if t.dtype != like.dtype or t.shape != like.shape:
+            raise StateError(
+                f"optimizer state {key!r} of parameter {name} is {t.dtype} of shape {tuple(t.shape)}, but "
+                f"the step was compiled with {like.dtype} of shape {tuple(like.shape)}; was a state_dict "
+                "of another model or precision loaded? Load a matching one, or compile a new step")
+        placed = t.to(like.device)
+        b.optimizer_of(name).state[b.params[name]][key] = placed
+        return placed
 
     def check_start_state(self) -> None:
         for name, p in self.capture.bindings.params.items():

@@ -200,3 +200,18 @@ def test_a_gradient_no_zero_grad_clears_is_refused_not_overwritten():
         step(compiled, opt_c, batch)
     compiled.ln_f.bias.grad = None
     step(compiled, opt_c, batch)
+
+
+def test_optimizer_state_of_another_precision_is_a_state_error_before_any_update():
+    model = tiny_gpt()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    step = graphoffload.offload_compile(train_step)
+    batch = token_batches(1)[0]
+    step(model, opt, batch)
+    # as if a state_dict saved in float64 had been put into the optimizer's state by hand
+    weight = next(model.parameters())
+    opt.state[weight]["exp_avg"] = opt.state[weight]["exp_avg"].double()
+    before = snapshot(model, opt)
+    with pytest.raises(StateError, match="exp_avg.*torch.float64.*compiled with torch.float32"):
+        step(model, opt, batch)
+    assert_unchanged(model, opt, before)
