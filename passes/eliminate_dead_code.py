@@ -3,7 +3,8 @@
 Tracing leaves `detach` and view nodes behind that nothing uses; they cost nothing to run but
 clutter every dump. A node is kept when it writes into any of its arguments (its schema says
 so: optimizer updates, the model's own in-place ops), draws random numbers, or is marked
-impure, so side effects survive without relying on node order.
+impure, so side effects survive without relying on node order. A collective's wait is kept
+even when its value is unread.
 """
 
 from __future__ import annotations
@@ -20,6 +21,10 @@ if TYPE_CHECKING:
 
 
 def _has_side_effect(node: fx.Node) -> bool:
+    if node.target is torch.ops._c10d_functional.wait_tensor.default:
+        # completes its collective: one of a coalesced all-reduce's waits may go unread, and
+        # dropping it would leave that work pending on the process group
+        return True
     schema = getattr(node.target, "_schema", None)
     if schema is not None and schema.is_mutable:
         return True

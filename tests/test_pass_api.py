@@ -3,6 +3,8 @@ passes are reported, and the example pass (gradients rounded to bf16) against ea
 
 from __future__ import annotations
 
+import operator
+
 import pytest
 import torch
 from custom_pass import cast_grads_to_bf16
@@ -160,3 +162,24 @@ def test_cast_grads_to_bf16_pass_matches_eager_training_on_rounded_grads(fuse):
     stamped = [n for n in step.graphs["final"].graph.nodes if n.meta.get("pass") == "cast_grads_to_bf16"]
     assert len(stamped) == 2 * n_params
     assert all(n.meta["param"] for n in stamped)
+
+
+def test_dead_code_elimination_keeps_every_wait_of_a_coalesced_all_reduce():
+    """A wait completes its collective: an unread one must stay, or the work stays pending."""
+    from torch import fx
+
+    from graphoffload.graph import GraphSignature, TrainGraph
+    from graphoffload.passes.eliminate_dead_code import eliminate_dead_code
+
+    c10d = torch.ops._c10d_functional
+    g = fx.Graph()
+    a, b = g.placeholder("a"), g.placeholder("b")
+    reduced = g.call_function(c10d.all_reduce_coalesced.default, ([a, b], "sum", "0"))
+    waits = [g.call_function(c10d.wait_tensor.default, (g.call_function(operator.getitem, (reduced, i)),))
+             for i in range(2)]
+    unused_view = g.call_function(aten.view.default, (a, [-1]))
+    g.output((waits[0],))
+    graph = eliminate_dead_code(TrainGraph(fx.GraphModule(torch.nn.Module(), g), GraphSignature((), ())), None)
+    kept = list(graph.graph.nodes)
+    assert all(w in kept for w in waits) and reduced in kept
+    assert unused_view not in kept   # the pass does remove what is really dead
