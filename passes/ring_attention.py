@@ -326,7 +326,9 @@ class _Sharder:
                 if sd.dim < len(ishape) and ishape[sd.dim] == self._full_size(data, sd):
                     node.replace_input_with(idx, self.shard_of(idx, sd))
             return
-        if target in RING_RULES:
+        if target in RING_RULES or torch.Tag.pointwise not in getattr(target, "tags", ()):
+            # broadcasting lines dimensions up only for elementwise ops: an embedding's table
+            # as wide as the sequence is long is not a full-sequence tensor
             return
         out_ndim = max(n.meta["val"].dim() for n in specs if isinstance(n.meta.get("val"), torch.Tensor))
         pos = ref.dim + out_ndim - ref_node.meta["val"].dim()
@@ -455,18 +457,30 @@ class _Sharder:
         target = node.args[1]
         if reduction == 0:
             return self.generic(node)
+        phase = node.meta.get("phase")
+        dtype = node.meta["val"][0].dtype
+        # sums and counts of bf16/fp16 losses are added and divided in fp32 and rounded once, as
+        # eager's kernel does: a bf16 count is inexact beyond 256 tokens
+        wide = torch.promote_types(dtype, torch.float32)
+
+        def cast(t: fx.Node, to: torch.dtype) -> fx.Node:
+            if t.meta["val"].dtype == to:
+                return t
+            return self._new(aten._to_copy.default, (t,), {"dtype": to}, like=node, phase=phase)
+
         with self.g.inserting_before(node):
             local = self._new(aten.nll_loss_forward.default, (inp, target, weight, 2, ignore_index), like=node,
-                              phase=node.meta.get("phase"))
-            total = self._new(operator.getitem, (local, 0), like=node, phase=node.meta.get("phase"))
-            count = self._new(operator.getitem, (local, 1), like=node, phase=node.meta.get("phase"))
-            both = self._new(aten.stack.default, ([total, count],), like=node, phase=node.meta.get("phase"))
+                              phase=phase)
+            total = cast(self._new(operator.getitem, (local, 0), like=node, phase=phase), wide)
+            count = cast(self._new(operator.getitem, (local, 1), like=node, phase=phase), wide)
+            both = self._new(aten.stack.default, ([total, count],), like=node, phase=phase)
             red = self._new(c10d.all_reduce.default, (both, "sum", self.group), phase="comm", like=node)
             wait = self._new(c10d.wait_tensor.default, (red,), phase="comm", like=node)
-            g_total = self._new(aten.select.int, (wait, 0, 0), like=node, phase=node.meta.get("phase"))
-            g_count = self._new(aten.select.int, (wait, 0, 1), like=node, phase=node.meta.get("phase"))
+            g_total = self._new(aten.select.int, (wait, 0, 0), like=node, phase=phase)
+            g_count = self._new(aten.select.int, (wait, 0, 1), like=node, phase=phase)
             value = g_total if reduction == 2 else self._new(aten.div.Tensor, (g_total, g_count), like=node,
-                                                              phase=node.meta.get("phase"))
+                                                              phase=phase)
+            value, g_count = cast(value, dtype), cast(g_count, dtype)
         for user in list(node.users):
             if user.target is operator.getitem:
                 user.replace_all_uses_with(value if user.args[1] == 0 else g_count)
