@@ -307,6 +307,11 @@ def fuse_optimizer(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
             numel = sum(u.numel for u in bucket)
             if ready_in_backward:
                 graph.note("fuse_optimizer", f"{label} ({numel:,} elements) runs in backward after {_describe(anchor)}")
+            elif anchor.target is torch.ops._c10d_functional.wait_tensor.default:
+                graph.note("fuse_optimizer", f"{label} ({numel:,} elements) stays after backward: it must follow "
+                           f"{_describe(anchor)}, the end of its gradients' all-reduce, whose bucket closes "
+                           "after the last backward op (smaller SequenceParallel(bucket_numel=...) buckets "
+                           "close earlier)")
             else:
                 graph.note("fuse_optimizer", f"{label} ({numel:,} elements) stays after backward: it must follow "
                            f"{_describe(anchor)}, which writes or reads its gradients, parameters or state "
