@@ -26,6 +26,7 @@ from graphoffload.memory import MemoryProfile, analyze_memory
 from graphoffload.passes.manager import Pass, PassContext, PassFn, PassManager, builtin_passes
 from graphoffload.runtime.executor import Executor
 from graphoffload.runtime.host_state import HostState
+from graphoffload.sequence_parallel import RankAgreement
 
 
 @dataclass
@@ -85,6 +86,7 @@ class CompiledStep:
         self._ran: Executor | None = None     # the executor of the last run, whose uploads may be in flight
         self._hooked: set[int] = set()
         self._host_states: dict[Any, HostState] = {}
+        self._rank_agreement: RankAgreement | None = None   # made on the first call with sequence_parallel
         self.trace_count = 0
         functools.update_wrapper(self, fn)
 
@@ -170,7 +172,11 @@ class CompiledStep:
         return self._variant(args, kwargs)[1].graph
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if self.config.sequence_parallel is not None:   # per-rank batch shards -> full sequence
+        if self.config.sequence_parallel is not None:
+            if self._rank_agreement is None:
+                self._rank_agreement = RankAgreement(self.config.sequence_parallel)
+            self._rank_agreement.check(args, kwargs)
+            # per-rank batch shards -> full sequence
             args, kwargs = self.config.sequence_parallel.prepare_inputs(args, kwargs)
         key, variant = self._variant(args, kwargs)
         if self._ran is not variant.executor:

@@ -21,4 +21,10 @@ class PassError(GraphOffloadError):
 
 
 class StateError(GraphOffloadError):
-    """The model or optimizer is in a state a compiled step cannot start from."""
+    """The model, the optimizer, or the ranks' inputs are in a state a compiled step cannot
+    start from."""
+
+
+class RingTimeoutError(GraphOffloadError, RuntimeError):
+    """Under sequence parallelism, a rank did not answer in time: it failed, or never reached
+    the step or one of its ring exchanges. Raised on the ranks that waited, instead of a hang."""

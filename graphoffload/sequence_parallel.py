@@ -15,10 +15,15 @@ Two ways to feed the batch (both give the same result):
   * ``batch="sharded"``: each rank passes ``sp.shard(batch)``, its own part of every tensor's
     sequence dimension; the compiled step gathers the (small, integer) token tensors back to
     full length before the graph runs, so labels shifted inside the model keep their targets.
+
+Every call first checks that the ranks pass tensors of the same shapes and dtypes
+(`RankAgreement`: one small all-gather over gloo).
 """
 
 from __future__ import annotations
 
+import datetime
+import zlib
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -26,7 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
 
-from graphoffload.errors import UnsupportedError
+from graphoffload.errors import RingTimeoutError, StateError, UnsupportedError
 
 
 @dataclass(frozen=True)
@@ -112,3 +117,54 @@ class SequenceParallel:
         if self.batch == "full":
             return args, kwargs
         return self.gather((args, kwargs))
+
+
+class RankAgreement:
+    """Checks before every call that all ranks pass tensors of the same shapes and dtypes.
+
+    Ring attention exchanges equal blocks: a rank with another sequence length would fail
+    inside a collective (gloo aborts the process) or wait forever, and a rank whose new shape
+    alone makes it re-trace would talk to ranks that did not. The check is one 8-byte
+    all-gather a call over gloo (the group itself, or a gloo group beside an NCCL one), so it
+    never waits for the GPU; it names what differs on every rank, or times out.
+    """
+
+    def __init__(self, sp: SequenceParallel):
+        self.sp = sp
+        self._group: dist.ProcessGroup | None = None
+
+    def group(self) -> dist.ProcessGroup:
+        if self._group is None:
+            group = self.sp.process_group()
+            if "gloo" in str(dist.get_backend(group)):
+                self._group = group
+            else:   # only the group's own ranks take part in creating it
+                self._group = dist.new_group(dist.get_process_group_ranks(group), backend="gloo",
+                                             timeout=datetime.timedelta(seconds=self.sp.timeout_s),
+                                             use_local_synchronization=True)
+        return self._group
+
+    def check(self, args: tuple, kwargs: dict) -> None:
+        inputs = [f"{tuple(x.shape)} {x.dtype}".replace("torch.", "")
+                  for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
+        digest = torch.tensor([zlib.crc32(repr(inputs).encode())], dtype=torch.int64)
+        group, world = self.group(), self.sp.world_size
+        digests = [torch.empty_like(digest) for _ in range(world)]
+        try:
+            ok = dist.all_gather(digests, digest, group=group, async_op=True).wait(
+                datetime.timedelta(seconds=self.sp.timeout_s))
+        except Exception as exc:  # noqa: BLE001 - backends raise their own error types
+            ok, cause = False, f" ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
+        else:
+            cause = ""
+        if ok is False:
+            raise RingTimeoutError(f"sequence parallelism: rank {self.sp.rank} of {world} waited {self.sp.timeout_s:g} s "
+                                   f"for the other ranks to start the step: a rank failed or never called it{cause}")
+        if all(d.item() == digest.item() for d in digests):
+            return
+        every: list[Any] = [None] * world
+        dist.all_gather_object(every, inputs, group=group)
+        listed = "; ".join(f"rank {r}: {', '.join(i) or 'no tensors'}" for r, i in enumerate(every))
+        raise StateError(f"sequence parallelism: the ranks pass step inputs of different shapes or dtypes ({listed}). "
+                         "Every rank must pass the same shapes: with batch='full' the whole batch, with "
+                         "batch='sharded' sp.shard(batch) of equal-shaped batches.")

@@ -34,13 +34,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
+from graphoffload.errors import RingTimeoutError
 from graphoffload.runtime.attention import _backward, _expand_kv, _forward, _reduce_kv_grad, _use_cuda_flash
 
 LAYOUTS = ("zigzag", "contiguous")
-
-
-class RingTimeoutError(RuntimeError):
-    """A rank of the ring did not answer in time (it failed, or never reached this attention)."""
 
 
 # --------------------------------------------------------------------------- layouts

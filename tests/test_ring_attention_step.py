@@ -127,6 +127,9 @@ def _train_and_compare(rank, world, model_name, layout, dtype, batch_mode="full"
     assert targets.count(torch.ops._c10d_functional.all_reduce_coalesced.default) >= layers   # gradient buckets
     notes = "\n".join(step.last.stages["final"].notes["ring_attention"])
     assert "-> ring attention" in notes and "all-reduced in" in notes
+    # one update bucket (a tiny model): it waits for its gradients' all-reduce, and says so
+    fuse_notes = "\n".join(step.last.stages["final"].notes["fuse_optimizer"])
+    assert "the end of its gradients' all-reduce" in fuse_notes
 
 
 class _MaskedAttention(torch.nn.Module):
@@ -192,7 +195,25 @@ def _unsupported_position_mixing_and_length(rank, world):
         step(model, torch.optim.SGD(model.parameters(), lr=0.1), short)
 
 
+def _mismatched_inputs(rank, world):
+    """Ranks passing different sequence lengths are told so on every rank, before any collective
+    of the step (gloo would abort the process on mismatched sizes)."""
+    import graphoffload
+
+    for mode in ("full", "sharded"):
+        model = _gpt(torch.float32)
+        step = graphoffload.offload_compile(gpt_step, sequence_parallel=graphoffload.SequenceParallel(batch=mode))
+        length = 16 if rank == 0 else 8
+        batch = {k: v[:, :length // (2 if mode == "sharded" else 1)] for k, v in _batches(1, False)[0].items()}
+        before = [p.detach().clone() for p in model.parameters()]
+        with pytest.raises(graphoffload.StateError, match=r"rank 0: \(2, \d+\) int64.*rank 1: \(2, \d+\) int64"):
+            step(model, torch.optim.SGD(model.parameters(), lr=0.1), batch)
+        assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+        assert step.trace_count == 0
+
+
 def _world2(rank, world):
+    _mismatched_inputs(rank, world)
     _unsupported_mask(rank, world)
     _unsupported_position_mixing_and_length(rank, world)
     _train_and_compare(rank, world, "gpt", "zigzag", torch.float32, count_exchanges=True)
@@ -246,6 +267,25 @@ def test_sequence_parallel_steps_world2():
 
 def test_sequence_parallel_steps_world4():
     run_ranks(_world4, 4, deadline_s=300)
+
+
+def _silent_rank(rank, world):
+    import graphoffload
+
+    gave_up = torch.zeros(1)
+    if rank == 1:   # never calls the step; once rank 0 gave up, answers the check it left pending
+        dist.recv(gave_up, 0, tag=7)
+        dist.all_gather([torch.empty(1, dtype=torch.int64) for _ in range(world)], torch.zeros(1, dtype=torch.int64))
+        return
+    model = _gpt(torch.float32)
+    step = graphoffload.offload_compile(gpt_step, sequence_parallel=graphoffload.SequenceParallel(timeout_s=1))
+    with pytest.raises(graphoffload.RingTimeoutError, match="rank 0 of 2 waited 1 s for the other ranks to start the step"):
+        step(model, torch.optim.SGD(model.parameters(), lr=0.1), _batches(1, False)[0])
+    dist.send(gave_up, 1, tag=7)
+
+
+def test_a_rank_that_never_calls_the_step_times_out_the_others():
+    run_ranks(_silent_rank, 2, deadline_s=60)
 
 
 def test_sequence_parallel_config_errors():
