@@ -210,6 +210,18 @@ def _mismatched_inputs(rank, world):
             step(model, torch.optim.SGD(model.parameters(), lr=0.1), batch)
         assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
         assert step.trace_count == 0
+    # beside an NCCL group the check runs over a gloo group of the same ranks
+    from graphoffload.sequence_parallel import RankAgreement
+
+    agreement = RankAgreement(graphoffload.SequenceParallel())
+    real = dist.get_backend
+    dist.get_backend = lambda group=None: "nccl"
+    try:
+        side = agreement.group()
+    finally:
+        dist.get_backend = real
+    assert side is not dist.group.WORLD and dist.get_backend(side) == "gloo"
+    agreement.check((_batches(1, False)[0],), {})   # the same shapes everywhere: passes
 
 
 def _world2(rank, world):
