@@ -93,12 +93,13 @@ def _plan_updates(storages: StorageMap, k: UpdateKernel) -> list[_Update]:
 def _hoist_scalar_inputs(graph: fx.Graph, kernels: list[fx.Node]) -> None:
     """Move the kernels' scalar inputs computed from placeholders alone (the lr copied to the
     device) to the top, so they do not pin the updates after them."""
-    last_placeholder = [n for n in graph.nodes if n.op == "placeholder"][-1]
+    storages = StorageMap(graph)
+    top = _Top(graph)
     for kernel in kernels:
         for value in kernel.kwargs.values():
-            if isinstance(value, fx.Node) and value.op == "call_function" and \
-                    all(i.op == "placeholder" for i in value.all_input_nodes) and not written_args(value):
-                last_placeholder.append(value)
+            chain: list[fx.Node] = []
+            if isinstance(value, fx.Node) and _early_chain(value, storages, storages.position[kernel], chain):
+                top.move(chain)
 
 
 def _buckets(updates: list[_Update], position: dict[fx.Node, int], bucket_numel: int) -> list[list[_Update]]:
@@ -195,19 +196,41 @@ def _split_foreach_gradient_ops(graph: fx.Graph) -> None:
             graph.erase_node(node)
 
 
+class _Top:
+    """Where nodes computed from placeholders alone go: right after the placeholders, in the
+    order they are moved (inputs first)."""
+
+    def __init__(self, graph: fx.Graph):
+        self.last = [n for n in graph.nodes if n.op == "placeholder"][-1]
+        self.moved: set[fx.Node] = set()
+
+    def move(self, chain: list[fx.Node]) -> None:
+        for node in chain:
+            if node not in self.moved:
+                self.last.append(node)
+                self.last = node
+                self.moved.add(node)
+
+
 def _early_chain(node: fx.Node, storages: StorageMap, before: int, chain: list[fx.Node]) -> bool:
     """Whether `node` can be computed right after the placeholders instead of where it is, for a
-    reader at position `before`: it is pure and reads only placeholders nothing writes before
-    that reader, or nodes that can move too (appended to `chain`, inputs first)."""
+    reader at position `before`: it is pure, and every value it reads is one nothing writes
+    before that reader (a placeholder, or a node that can move too; those are appended to
+    `chain`, inputs first). A placeholder `node` itself must not be written before either."""
     if node.op == "placeholder":
-        return not any(a.writes and a.node is not node and a.position < before
-                       for sid in storages.of(node) for a in storages.accesses[sid])
+        return not _written_before(node, storages, before)
     if node in chain:
         return True
-    if not _is_pure(node) or not all(_early_chain(i, storages, before, chain) for i in node.all_input_nodes):
+    if not _is_pure(node) or any(_written_before(i, storages, before) or not _early_chain(i, storages, before, chain)
+                                 for i in node.all_input_nodes):
         return False
     chain.append(node)
     return True
+
+
+def _written_before(node: fx.Node, storages: StorageMap, before: int) -> bool:
+    return any(a.writes and a.node is not node and a.position < before
+               for sid in storages.of(node) for a in storages.accesses[sid])
 
 
 _INF_CHECK = aten._amp_foreach_non_finite_check_and_unscale_
@@ -221,8 +244,7 @@ def _hoist_inf_checks(graph: fx.Graph) -> int:
     storages = StorageMap(graph)
     checks = [n for n in graph.nodes if getattr(n.target, "overloadpacket", None) is _INF_CHECK
               and n.meta.get("phase") == "optimizer" and len(n.args[0]) == 1]
-    top = [n for n in graph.nodes if n.op == "placeholder"][-1]
-    at_top: set[fx.Node] = set()
+    top = _Top(graph)
     moved = 0
     for check in checks:
         grad, found_inf, inv_scale = check.args
@@ -237,11 +259,7 @@ def _hoist_inf_checks(graph: fx.Graph) -> int:
                getattr(a.node.target, "overloadpacket", None) is not _INF_CHECK and a.node not in chain
                for sid in flag for a in storages.accesses[sid]):
             continue
-        for node in chain:
-            if node not in at_top:
-                top.append(node)
-                top = node
-                at_top.add(node)
+        top.move(chain)
         accesses = [a.node for sid in storages.of(grad) for a in storages.accesses[sid] if a.position < pos]
         anchor = _latest(storages, accesses + [grad])
         if anchor.next is not check:
