@@ -16,8 +16,9 @@ Two ways to feed the batch (both give the same result):
     sequence dimension; the compiled step gathers the (small, integer) token tensors back to
     full length before the graph runs, so labels shifted inside the model keep their targets.
 
-Every call first checks that the ranks pass tensors of the same shapes and dtypes
-(`RankAgreement`: one small all-gather over gloo).
+Every call first checks that the ranks pass tensors of the same shapes and dtypes, and the
+first call with ``batch="full"`` that they pass the same batch (`RankAgreement`: one small
+all-gather over gloo).
 """
 
 from __future__ import annotations
@@ -120,17 +121,21 @@ class SequenceParallel:
 
 
 class RankAgreement:
-    """Checks before every call that all ranks pass tensors of the same shapes and dtypes.
+    """Checks before every call that all ranks pass tensors of the same shapes and dtypes, and
+    on the first call with ``batch="full"`` that they pass the same batch.
 
     Ring attention exchanges equal blocks: a rank with another sequence length would fail
     inside a collective (gloo aborts the process) or wait forever, and a rank whose new shape
-    alone makes it re-trace would talk to ranks that did not. The check is one 8-byte
-    all-gather a call over gloo (the group itself, or a gloo group beside an NCCL one), so it
-    never waits for the GPU; it names what differs on every rank, or times out.
+    alone makes it re-trace would talk to ranks that did not. Ranks given different full
+    batches (a data loader sharded over the sequence-parallel ranks) would train on a mix of
+    sequences without any error. The check is one small all-gather a call over gloo (the group
+    itself, or a gloo group beside an NCCL one), so it never waits for the GPU, except on the
+    first call, which reads the batch once; it names what differs on every rank, or times out.
     """
 
     def __init__(self, sp: SequenceParallel):
         self.sp = sp
+        self.calls = 0
         self._group: dist.ProcessGroup | None = None
 
     def group(self) -> dist.ProcessGroup:
@@ -145,13 +150,32 @@ class RankAgreement:
         return self._group
 
     def check(self, args: tuple, kwargs: dict) -> None:
-        inputs = [f"{tuple(x.shape)} {x.dtype}".replace("torch.", "")
-                  for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
-        digest = torch.tensor([zlib.crc32(repr(inputs).encode())], dtype=torch.int64)
+        tensors = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
+        inputs = [f"{tuple(x.shape)} {x.dtype}".replace("torch.", "") for x in tensors]
+        contents = self.sp.batch == "full" and self.calls == 0
+        self.calls += 1
+        mine = torch.tensor([zlib.crc32(repr(inputs).encode()),
+                             _contents_digest(tensors) if contents else 0], dtype=torch.int64)
+        every = self._gather(mine)
+        if any(d[0] != mine[0] for d in every):
+            described: list[Any] = [None] * len(every)
+            dist.all_gather_object(described, inputs, group=self.group())
+            listed = "; ".join(f"rank {r}: {', '.join(i) or 'no tensors'}" for r, i in enumerate(described))
+            raise StateError(f"sequence parallelism: the ranks pass step inputs of different shapes or dtypes "
+                             f"({listed}). Every rank must pass the same shapes: with batch='full' the whole "
+                             "batch, with batch='sharded' sp.shard(batch) of equal-shaped batches.")
+        differ = [r for r, d in enumerate(every) if d[1] != mine[1]]
+        if differ:
+            raise StateError(f"sequence parallelism: rank {self.sp.rank} was given another batch than rank(s) "
+                             f"{differ}. With batch='full' every rank of the group passes the same whole batch "
+                             "and keeps its part of the sequence; do not shard the data loader over these "
+                             "ranks (shard it over data-parallel replicas only).")
+
+    def _gather(self, mine: torch.Tensor) -> list[torch.Tensor]:
         group, world = self.group(), self.sp.world_size
-        digests = [torch.empty_like(digest) for _ in range(world)]
+        every = [torch.empty_like(mine) for _ in range(world)]
         try:
-            ok = dist.all_gather(digests, digest, group=group, async_op=True).wait(
+            ok = dist.all_gather(every, mine, group=group, async_op=True).wait(
                 datetime.timedelta(seconds=self.sp.timeout_s))
         except Exception as exc:  # noqa: BLE001 - backends raise their own error types
             ok, cause = False, f" ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
@@ -160,11 +184,12 @@ class RankAgreement:
         if ok is False:
             raise RingTimeoutError(f"sequence parallelism: rank {self.sp.rank} of {world} waited {self.sp.timeout_s:g} s "
                                    f"for the other ranks to start the step: a rank failed or never called it{cause}")
-        if all(d.item() == digest.item() for d in digests):
-            return
-        every: list[Any] = [None] * world
-        dist.all_gather_object(every, inputs, group=group)
-        listed = "; ".join(f"rank {r}: {', '.join(i) or 'no tensors'}" for r, i in enumerate(every))
-        raise StateError(f"sequence parallelism: the ranks pass step inputs of different shapes or dtypes ({listed}). "
-                         "Every rank must pass the same shapes: with batch='full' the whole batch, with "
-                         "batch='sharded' sp.shard(batch) of equal-shaped batches.")
+        return every
+
+
+def _contents_digest(tensors: list[torch.Tensor]) -> int:
+    digest = 0
+    for x in tensors:
+        raw = x.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+        digest = zlib.crc32(raw.numpy().tobytes(), digest)
+    return digest

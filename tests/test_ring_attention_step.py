@@ -210,6 +210,12 @@ def _mismatched_inputs(rank, world):
             step(model, torch.optim.SGD(model.parameters(), lr=0.1), batch)
         assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
         assert step.trace_count == 0
+    # batch="full": every rank must be given the same batch (checked on the first call)
+    model = _gpt(torch.float32)
+    step = graphoffload.offload_compile(gpt_step, sequence_parallel=graphoffload.SequenceParallel())
+    batch = _batches(1 + rank, False)[-1]   # same shapes, other tokens on rank 1
+    with pytest.raises(graphoffload.StateError, match=rf"rank {rank} was given another batch than rank\(s\) \[{1 - rank}\]"):
+        step(model, torch.optim.SGD(model.parameters(), lr=0.1), batch)
     # beside an NCCL group the check runs over a gloo group of the same ranks
     from graphoffload.sequence_parallel import RankAgreement
 
@@ -287,7 +293,8 @@ def _silent_rank(rank, world):
     gave_up = torch.zeros(1)
     if rank == 1:   # never calls the step; once rank 0 gave up, answers the check it left pending
         dist.recv(gave_up, 0, tag=7)
-        dist.all_gather([torch.empty(1, dtype=torch.int64) for _ in range(world)], torch.zeros(1, dtype=torch.int64))
+        # the check's message: two int64 (shapes digest, batch digest)
+        dist.all_gather([torch.empty(2, dtype=torch.int64) for _ in range(world)], torch.zeros(2, dtype=torch.int64))
         return
     model = _gpt(torch.float32)
     step = graphoffload.offload_compile(gpt_step, sequence_parallel=graphoffload.SequenceParallel(timeout_s=1))
