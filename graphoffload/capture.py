@@ -30,9 +30,12 @@ from typing import Any
 import torch
 import torch.fx.traceback as fx_traceback
 import torch.nn.functional as F
+import torch._functorch.config as functorch_config
 import torch.utils._pytree as pytree
 from torch import Tensor, fx, nn
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from torch.overrides import TorchFunctionMode
 
 import graphoffload
@@ -479,7 +482,12 @@ def _drop_unread_state(capture: Capture, fresh: list[tuple[torch.optim.Optimizer
 
 
 def _capture_step(fn: Callable, args: tuple, kwargs: dict, config: CompileConfig, b: StepBindings) -> Capture:
-    first_steps = [{b.param_names[id(p)] for p in optimizer_lowering.prepare_state(opt)} for opt in b.optimizers]
+    # offloaded state is made on the host and traced as if it were on the device (as
+    # torch.optim keeps it): the offload pass then moves those inputs to the host
+    offloaded = config.offload is not None and b.device.type != "meta"   # a meta model plans, never runs
+    where = optimizer_lowering.StatePlacement(torch.device("cpu"), config.offload.pin_memory and b.device.type == "cuda") \
+        if offloaded else None
+    first_steps = [{b.param_names[id(p)] for p in optimizer_lowering.prepare_state(opt, where)} for opt in b.optimizers]
     leaves, in_spec = pytree.tree_flatten((args, kwargs))
     batch_positions = [i for i, x in enumerate(leaves) if isinstance(x, Tensor)]
     param_names = list(b.params)
@@ -491,10 +499,11 @@ def _capture_step(fn: Callable, args: tuple, kwargs: dict, config: CompileConfig
             scaler.scale(torch.zeros((), device=device))
     scaler_keys = [(i, key) for i in range(len(b.scalers)) for key in ("scale", "growth_tracker")]
 
+    fake_mode = _fake_mode() if offloaded else None
     real_inputs: list[Tensor] = (
         [p.detach().requires_grad_(p.requires_grad) for p in b.params.values()]
         + [b.buffer(n) for n in buffer_names]
-        + [b.state(pn, k) for pn, k in b.state_keys]
+        + [_traced_state(b, pn, k, fake_mode) for pn, k in b.state_keys]
         + [torch.tensor(lr, dtype=torch.float64) for lr in lr_before]
         + [b.scaler_state(i, key) for i, key in scaler_keys]
         + [leaves[i].detach() for i in batch_positions])
@@ -574,6 +583,20 @@ def _capture_step(fn: Callable, args: tuple, kwargs: dict, config: CompileConfig
                    zeroed_before_backward=_zeroed(events, events.order[:first_backward]),
                    zeroed=_zeroed(events, events.order),
                    stepped_optimizers=sorted(events.stepped), batch_positions=batch_positions)
+
+
+def _fake_mode() -> FakeTensorMode:
+    """A fake mode as make_fx would make for tracing_mode="fake": it finds this one among the
+    inputs and converts the other inputs into it."""
+    with functorch_config.patch(fake_tensor_allow_unsafe_data_ptr_access=False):
+        return FakeTensorMode(allow_fallback_kernels=True, shape_env=ShapeEnv(), static_shapes=True)
+
+
+def _traced_state(b: StepBindings, param_name: str, key: str, fake_mode: FakeTensorMode | None) -> Tensor:
+    if fake_mode is None:
+        return b.state(param_name, key)
+    with fake_mode:
+        return optimizer_lowering.state_like(b.params[param_name], key)
 
 
 def _zeroed(events: _StepEvents, order: list[str]) -> frozenset[str]:

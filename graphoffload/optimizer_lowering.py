@@ -43,20 +43,35 @@ def _sgd_state_keys(group: dict[str, Any]) -> tuple[str, ...]:
     return ("momentum_buffer",) if group["momentum"] != 0 else ()
 
 
-def _init_adam_state(p: Tensor, group: dict[str, Any], state: dict[str, Any]) -> None:
+def _zeros_like(p: Tensor, where: StatePlacement | None) -> Tensor:
+    if where is None:
+        return torch.zeros_like(p, memory_format=torch.preserve_format)
+    return torch.zeros_like(p, device=where.device, pin_memory=where.pin, memory_format=torch.preserve_format)
+
+
+def _init_adam_state(p: Tensor, group: dict[str, Any], state: dict[str, Any], where: StatePlacement | None) -> None:
     # Same tensors torch.optim creates on its first step; the step counter lives on the
     # parameter's device as torch's fused path keeps it.
-    state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
-    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+    state["step"] = torch.zeros((), dtype=torch.float32, device=where.device if where else p.device)
+    state["exp_avg"] = _zeros_like(p, where)
+    state["exp_avg_sq"] = _zeros_like(p, where)
     if group["amsgrad"]:
-        state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        state["max_exp_avg_sq"] = _zeros_like(p, where)
 
 
-def _init_sgd_state(p: Tensor, group: dict[str, Any], state: dict[str, Any]) -> None:
+def _init_sgd_state(p: Tensor, group: dict[str, Any], state: dict[str, Any], where: StatePlacement | None) -> None:
     if group["momentum"] != 0:
         # Overwritten with the gradient by the first update (is_first_step=True), as torch does.
-        state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        state["momentum_buffer"] = _zeros_like(p, where)
+
+
+def state_like(p: Tensor, key: str) -> Tensor:
+    """An empty tensor placed as torch.optim keeps the state `key` of parameter `p` (call it
+    under a fake mode, to trace against state that really lives elsewhere)."""
+    if key == "step":
+        return torch.empty((), dtype=torch.float32, device=p.device)
+    # from p's metadata alone: under a fake mode an op on the real p would be refused
+    return torch.empty_strided(p.shape, p.stride(), dtype=p.dtype, device=p.device)
 
 
 def _lr_for(u: TracedUpdate) -> Tensor:
@@ -109,9 +124,17 @@ def _lower_sgd(u: TracedUpdate, first_step: bool) -> None:
 
 
 @dataclass(frozen=True)
+class StatePlacement:
+    """Where new optimizer state is created when not on its parameter's device."""
+
+    device: torch.device
+    pin: bool = False
+
+
+@dataclass(frozen=True)
 class OptimizerRule:
     state_keys: Callable[[dict[str, Any]], tuple[str, ...]]
-    init_state: Callable[[Tensor, dict[str, Any], dict[str, Any]], None]
+    init_state: Callable[[Tensor, dict[str, Any], dict[str, Any], StatePlacement | None], None]
     lower: Callable[[TracedUpdate, bool], None]   # (update, is it its parameters' first update)
     # whether the first update differs from later ones (SGD copies the gradient into its
     # momentum buffer), so the first step gets a graph of its own
@@ -156,10 +179,11 @@ def first_step_params(optimizer: torch.optim.Optimizer) -> list[Tensor]:
             if p.requires_grad and not optimizer.state.get(p)]
 
 
-def prepare_state(optimizer: torch.optim.Optimizer) -> list[Tensor]:
+def prepare_state(optimizer: torch.optim.Optimizer, where: StatePlacement | None = None) -> list[Tensor]:
     """Create any missing optimizer state the way torch.optim would on its first step. Frozen
     parameters (requires_grad=False) get none, as in torch.optim, which creates state only for
-    parameters with a gradient.
+    parameters with a gradient. `where`: create it there instead of on each parameter's device
+    (offloaded state is made in host memory: it may not fit on the device even once).
 
     Returns `first_step_params(optimizer)` as it was before the state was created."""
     rule = rule_for(optimizer)
@@ -172,7 +196,7 @@ def prepare_state(optimizer: torch.optim.Optimizer) -> list[Tensor]:
             state = optimizer.state[p]
             missing = [k for k in keys if k not in state]
             if len(missing) == len(keys):
-                rule.init_state(p, group, state)
+                rule.init_state(p, group, state, where)
             elif missing:
                 raise StateError(f"optimizer state of a parameter lacks {missing}; was it loaded "
                                  "from a different optimizer's state_dict?")
