@@ -79,7 +79,9 @@ def _lr_for(u: TracedUpdate) -> Tensor:
     the graph's lr input is float64, so results match a Python float lr bit for bit); the CUDA
     kernels read a float on the device, the precision they compute the update in anyway."""
     device = u.params[0].device
-    return u.lr if device.type == "cpu" else u.lr.to(device=device, dtype=torch.float32)
+    # non_blocking: a blocking copy from host memory synchronizes the stream, which would stop
+    # the CPU from queueing this step's work while the GPU finishes the last one's
+    return u.lr if device.type == "cpu" else u.lr.to(device=device, dtype=torch.float32, non_blocking=True)
 
 
 def _steps_on(steps: list[Tensor], device: torch.device) -> list[Tensor]:
