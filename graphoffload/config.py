@@ -63,6 +63,7 @@ class Offload:
     Attributes:
         gpu_memory_budget: most device memory the step may use (bytes or "20GiB"); compiling
             fails with the minimum needed when the predicted peak exceeds it. None: no check.
+            On a GPU, plans keep 64 MiB of it free for the CUDA libraries' workspaces.
         cpu_workers: threads that run host updates (each update kernel also uses torch's
             intra-op threads, so one is usually right).
         pin_memory: allocate host state in pinned memory (needed for asynchronous copies).

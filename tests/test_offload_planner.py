@@ -199,3 +199,14 @@ def test_a_model_on_the_meta_device_compiles_and_plans_without_memory():
     graph = step.compile(model, opt, {"input_ids": batch, "labels": batch})
     assert graph.schedule is not None and graph.schedule.step_seconds > 0
     assert step.memory().peak > sum(p.numel() * 4 for p in model.parameters())
+
+
+def test_plans_on_a_gpu_keep_room_for_library_workspaces():
+    """cuBLAS allocates its workspace through the caching allocator, outside any graph node."""
+    from graphoffload.passes.manager import PassContext
+    from graphoffload.passes.offload_optimizer import CUDA_WORKSPACE_RESERVE, _planning_budget
+
+    config = CompileConfig(offload=Offload(gpu_memory_budget="1GiB"))
+    assert _planning_budget(PassContext(config, torch.device("cuda"))) == (1 << 30) - CUDA_WORKSPACE_RESERVE
+    assert _planning_budget(PassContext(config, torch.device("cpu"))) == 1 << 30
+    assert _planning_budget(PassContext(CompileConfig(offload=Offload()), torch.device("cuda"))) is None
