@@ -122,10 +122,16 @@ def measure(device: torch.device, numel: int = 1 << 24) -> Calibration:
     cpu_numel = numel // 4
     cpu_rate = _adamw_rate(torch.device("cpu"), cpu_numel)
     stop = threading.Event()
+    # the copy thread waits on a blocking event, as the runtime's copies do: a spinning
+    # synchronize would take a core from the CPU update measured beside it
+    copied = torch.cuda.Event(blocking=True) if cuda else None
 
     def copy_load():
         while not stop.is_set():
-            h2d()
+            dev.copy_(host, non_blocking=True)
+            if copied is not None:
+                copied.record(torch.cuda.current_stream(device))
+                copied.synchronize()
     loader = threading.Thread(target=copy_load, daemon=True)
     loader.start()
     try:
