@@ -153,7 +153,6 @@ class RankAgreement:
         tensors = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
         inputs = [f"{tuple(x.shape)} {x.dtype}".replace("torch.", "") for x in tensors]
         contents = self.sp.batch == "full" and self.calls == 0
-        self.calls += 1
         mine = torch.tensor([zlib.crc32(repr(inputs).encode()),
                              _contents_digest(tensors) if contents else 0], dtype=torch.int64)
         every = self._gather(mine)
@@ -170,6 +169,7 @@ class RankAgreement:
                              f"{differ}. With batch='full' every rank of the group passes the same whole batch "
                              "and keeps its part of the sequence; do not shard the data loader over these "
                              "ranks (shard it over data-parallel replicas only).")
+        self.calls += 1   # counted once agreed: a call refused above is checked again in full
 
     def _gather(self, mine: torch.Tensor) -> list[torch.Tensor]:
         group, world = self.group(), self.sp.world_size
