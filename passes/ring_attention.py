@@ -224,7 +224,11 @@ class _Sharder:
             return
         if seed:
             idx = node.args[1]
-            dim = max(i for i, n in enumerate(idx.meta["val"].shape) if n == self.seq)
+            shape = idx.meta["val"].shape
+            # the batch's sequence dimension as the user declared it; else the last of that length
+            # (token ids are (batch, seq): with batch == seq, the later one)
+            dim = self.sp.seq_dim if self.sp.seq_dim < len(shape) and shape[self.sp.seq_dim] == self.seq \
+                else max(i for i, n in enumerate(shape) if n == self.seq)
             node.update_arg(1, self.shard_of(idx, Shard(dim)))
             self.counts["seeds"] += 1
         if node.target in RING_RULES:

@@ -48,6 +48,36 @@ class _LowPrecisionLoss(torch.nn.Module):
         return torch.nn.functional.cross_entropy((y[:, 0] @ self.emb.weight.t()).flatten(0, 1), labels.flatten())
 
 
+class _SeqFirst(torch.nn.Module):
+    """Token ids laid out (seq, batch) with batch == seq: SequenceParallel(seq_dim=0) says which
+    dimension to split."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(64, 8)
+
+    def forward(self, idx, labels):
+        x = self.emb(idx).transpose(0, 1)[:, None]   # (batch, 1 head, seq, 8)
+        y = torch.nn.functional.scaled_dot_product_attention(x, x, x, is_causal=True)[:, 0]
+        logits = (y @ self.emb.weight.t()).transpose(0, 1)   # (seq, batch, vocab)
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+
+def _seq_first(rank, world):
+    import graphoffload
+
+    torch.manual_seed(0)
+    eager = _SeqFirst().double()
+    model = copy.deepcopy(eager)
+    opt_e, opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (eager, model))
+    step = graphoffload.offload_compile(gpt_step, sequence_parallel=graphoffload.SequenceParallel(seq_dim=0))
+    for batch in _batches(2, False):
+        batch = {k: v.repeat(8, 1).t().contiguous() for k, v in batch.items()}   # (16 seq, 16 batch)
+        want, got = gpt_step(eager, opt_e, batch), step(model, opt, batch)
+        assert torch.allclose(got, want, rtol=1e-10, atol=0), (got, want)
+    assert all(torch.allclose(p, q, rtol=0, atol=1e-12) for p, q in zip(model.parameters(), eager.parameters()))
+
+
 def _plain(dtype):
     torch.manual_seed(0)
     return _LowPrecisionLoss().to(dtype)
@@ -238,6 +268,7 @@ def _world2(rank, world):
     _train_and_compare(rank, world, "llama", "zigzag", torch.float32)
     _train_and_compare(rank, world, "gpt", "contiguous", torch.float64, batch_mode="sharded")
     _train_and_compare(rank, world, "plain", "zigzag", torch.bfloat16, steps=2)
+    _seq_first(rank, world)
 
 
 def _world4(rank, world):
