@@ -247,7 +247,11 @@ class CompiledStep:
 
     def timeline(self, path: str = "timeline.json") -> str:
         """Write a Chrome/Perfetto trace of the last step: the offload planner's predicted
-        timeline beside the measured spans of the last run, one track per stream and CPU worker."""
+        timeline beside the measured spans of the last run, one track per stream and CPU worker.
+
+        On a GPU the copy-stream tracks count from when the GPU reached the step's start, the
+        CPU tracks from when the CPU did: they line up for a step started on an idle GPU
+        (call `torch.cuda.synchronize()` before the step you want to look at)."""
         runtime = self.last.executor.offload_runtime
         return timeline.write_chrome_trace(path, self.last.graph.schedule, runtime.measured_spans() if runtime else [])
 
