@@ -2,7 +2,8 @@
 single-process eager training, in spawned gloo processes: our GPT (learned position embeddings
 over torch.arange) and a Hugging Face Llama (rotary embeddings, GQA, labels shifted inside the
 model), zigzag and contiguous layouts, world 2 and 4; every rank ends with the same parameters;
-the exchanges per step are what the algorithm needs; attention's activations are 1/N."""
+the exchanges per step are what the algorithm needs; attention's activations are 1/N; a bf16
+loss, seq-first ids; ranks that disagree on shapes or batches, or never call, are refused."""
 
 from __future__ import annotations
 
