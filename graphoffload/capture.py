@@ -42,7 +42,7 @@ import graphoffload
 from graphoffload import optimizer_lowering
 from graphoffload.aliasing import written_placeholders
 from graphoffload.config import CompileConfig
-from graphoffload.errors import CaptureError, GraphOffloadError, UnsupportedError
+from graphoffload.errors import CaptureError, GraphOffloadError, UnsupportedError, describe
 from graphoffload.graph import TENSOR_SLOT, GraphSignature, InputSpec, OutputSpec, TrainGraph, fake_mode_of
 from graphoffload.runtime import attention as _attention_module
 from graphoffload.runtime.attention import sdpa_via_attention
@@ -394,7 +394,7 @@ def _translate_trace_error(exc: Exception) -> GraphOffloadError:
             f"the train step depends on tensor values{_where(exc)}. `.item()`, `bool(tensor)`, "
             "`if tensor > ...` and ops whose output shape depends on values cannot be captured in "
             "one graph: move them outside the compiled step or express them with tensor ops "
-            f"(torch.where, masking). ({name}: {str(exc).splitlines()[0] if str(exc) else ''})")
+            f"(torch.where, masking). ({describe(exc)})")
     # an op with no meta kernel raises NotImplementedError; a custom_op with no register_fake, RuntimeError
     if (isinstance(exc, NotImplementedError) and ("fake impl" in str(exc) or "Meta" in str(exc))) or \
             (isinstance(exc, RuntimeError) and "no fake impl" in str(exc)):

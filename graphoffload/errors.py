@@ -3,6 +3,12 @@
 from __future__ import annotations
 
 
+def describe(exc: BaseException) -> str:
+    """`Type: first line of the message`, to quote a lower-level error inside one of ours."""
+    text = str(exc)
+    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
+
+
 class GraphOffloadError(Exception):
     """Base class of every graphoffload error."""
 

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
 
-from graphoffload.errors import RingTimeoutError, StateError, UnsupportedError
+from graphoffload.errors import RingTimeoutError, StateError, UnsupportedError, describe
 
 
 @dataclass(frozen=True)
@@ -178,7 +178,7 @@ class RankAgreement:
             ok = dist.all_gather(every, mine, group=group, async_op=True).wait(
                 datetime.timedelta(seconds=self.sp.timeout_s))
         except Exception as exc:  # noqa: BLE001 - backends raise their own error types
-            ok, cause = False, f" ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
+            ok, cause = False, f" ({describe(exc)})"
         else:
             cause = ""
         if ok is False:

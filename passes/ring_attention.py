@@ -37,7 +37,7 @@ import torch
 from torch import fx
 
 from graphoffload.capture import user_line_of_stack_trace
-from graphoffload.errors import UnsupportedError
+from graphoffload.errors import UnsupportedError, describe
 from graphoffload.graph import TrainGraph, fake_mode_of
 from graphoffload.passes.update_kernels import kernel_rule
 from graphoffload.runtime.ring_attention import RING_RULES, chunk_ranges
@@ -265,7 +265,7 @@ class _Sharder:
             where = user_line_of_stack_trace(node.meta.get("stack_trace")) or "an unknown line"
             raise UnsupportedError(
                 f"sequence parallelism cannot split {node.name} ({target}) at {where}: "
-                f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}") from exc
+                f"{describe(exc)}") from exc
         node.meta["val"] = val
         orig = self.orig.get(node)
         if isinstance(val, (tuple, list)):

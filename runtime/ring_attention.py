@@ -34,7 +34,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
-from graphoffload.errors import RingTimeoutError
+from graphoffload.errors import RingTimeoutError, describe
 from graphoffload.runtime.attention import _backward, _expand_kv, _forward, _reduce_kv_grad, _use_cuda_flash
 
 LAYOUTS = ("zigzag", "contiguous")
@@ -114,7 +114,7 @@ class _Ring:
         return RingTimeoutError(
             f"ring attention: rank {self.rank} of {self.world} failed {what} with rank {self.prev}/{self.next} "
             f"(timeout {self.timeout_s:g} s): a rank failed or never reached this attention "
-            f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})")
+            f"({describe(exc)})")
 
     def wait(self, reqs: list, what: str) -> None:
         for req in reqs:
