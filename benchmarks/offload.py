@@ -110,8 +110,8 @@ def run_one(args) -> dict:
         for _ in range(args.warmup):
             step(batch)
         if device.type == "cuda":
-            # the first call's peak (graphoffload traces with the optimizer state still on the
-            # device, torchao and DeepSpeed set up) is not the training peak: report both
+            # the first calls' peak (tracing; torchao and DeepSpeed set up) is not the
+            # training peak, but a first call that needs more memory is a cost: report both
             torch.cuda.synchronize(device)
             row["first_calls_peak_GiB"] = torch.cuda.max_memory_allocated(device) / 2**30
             torch.cuda.reset_peak_memory_stats(device)
