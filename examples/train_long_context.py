@@ -79,6 +79,9 @@ def main() -> None:
                   f"({args.seq_len // world} of {args.seq_len} tokens per rank, {world} ranks)")
     if rank == 0:
         step.explain()
+    # no rank tears the group down while another may still have ring sends in flight: gloo
+    # aborts a process whose connection closes under a pending operation
+    dist.barrier()
     dist.destroy_process_group()
 
 
