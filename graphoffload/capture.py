@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import inspect
 import linecache
 import os
@@ -43,7 +44,8 @@ from graphoffload import optimizer_lowering
 from graphoffload.aliasing import written_placeholders
 from graphoffload.config import CompileConfig
 from graphoffload.errors import CaptureError, GraphOffloadError, UnsupportedError, describe
-from graphoffload.graph import TENSOR_SLOT, GraphSignature, InputSpec, OutputSpec, TrainGraph, fake_mode_of
+from graphoffload.graph import (TENSOR_SLOT, GraphSignature, InputSpec, OutputSpec, TrainGraph, fake_mode_of,
+                                placeholder_name)
 from graphoffload.runtime import attention as _attention_module
 from graphoffload.runtime.attention import sdpa_via_attention
 
@@ -562,13 +564,16 @@ def _capture_step(fn: Callable, args: tuple, kwargs: dict, config: CompileConfig
                                "inside one compiled step is not supported yet")
 
     input_specs = (
-        [InputSpec("param", _placeholder_name("p", n), n) for n in param_names]
-        + [InputSpec("buffer", _placeholder_name("b", n), n) for n in buffer_names]
-        + [InputSpec("state", _placeholder_name(f"s_{k}", pn), (pn, k)) for pn, k in b.state_keys]
+        [InputSpec("param", placeholder_name("p", n), n) for n in param_names]
+        + [InputSpec("buffer", placeholder_name("b", n), n) for n in buffer_names]
+        + [InputSpec("state", placeholder_name(f"s_{k}", pn), (pn, k)) for pn, k in b.state_keys]
         + [InputSpec("lr", f"lr_{oi}_{gi}", (oi, gi)) for oi, gi in b.lr_groups]
         + [InputSpec("scaler", f"scaler_{i}_{key}", (i, key)) for i, key in scaler_keys]
         + [InputSpec("batch", f"batch_{j}", j) for j in range(len(batch_positions))])
     graph = _rename_placeholders(gm, [s.name for s in input_specs])
+    # the signature records the names fx gave the placeholders (see placeholder_name)
+    input_specs = [dataclasses.replace(s, name=n.name)
+                   for s, n in zip(input_specs, (n for n in graph.graph.nodes if n.op == "placeholder"))]
     _annotate(graph, input_specs)
     _reject_scalar_reads(graph)
     mutated = written_placeholders(graph.graph)
@@ -634,10 +639,6 @@ def _reject_scalar_reads(gm: fx.GraphModule) -> None:
                 "or express them with tensor ops (torch.where, masking).")
 
 
-def _placeholder_name(prefix: str, name: str) -> str:
-    return f"{prefix}_" + "".join(c if c.isalnum() else "_" for c in name)
-
-
 def _rename_placeholders(gm: fx.GraphModule, names: list[str]) -> fx.GraphModule:
     graph = fx.Graph()
     val_map: dict[fx.Node, fx.Node] = {}
@@ -668,7 +669,11 @@ def _annotate(gm: fx.GraphModule, input_specs: list[InputSpec]) -> None:
         node.meta["pass"] = "capture"
         if node.op == "placeholder":
             node.meta["phase"] = "input"
-            spec = spec_of[node.name]
+            spec = spec_of.get(node.name)
+            if spec is None:
+                raise CaptureError(f"internal error: placeholder {node.name} (of "
+                                   f"{node.meta.get('param', ('?',))[0]}) is missing from the graph "
+                                   "signature; please report this with the model that triggers it")
             if spec.kind == "param":
                 node.meta["param"] = (spec.target,)
             elif spec.kind == "state":

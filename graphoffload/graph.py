@@ -70,7 +70,9 @@ class GraphSignature:
         for spec in self.inputs:
             if spec.name == name:
                 return spec
-        raise KeyError(name)
+        raise PassError(f"placeholder {name!r} has no entry in the graph signature: a pass added or "
+                        "renamed a placeholder without recording it (use TrainGraph.add_host_input); "
+                        "please report this with the model that triggers it")
 
     def names(self, kind: InputKind) -> list[str]:
         return [s.name for s in self.inputs if s.kind == kind]
@@ -123,12 +125,21 @@ class TrainGraph:
         with fake_mode_of(self.graph):
             node.meta["val"] = torch.empty(shape, dtype=dtype, device="cpu")
         node.meta.update({"phase": "input", "param": (param,)})
-        specs.append(spec)
+        specs.append(replace(spec, name=node.name))   # the name fx gave it (see placeholder_name)
         return node
 
     def note(self, pass_name: str, line: str) -> None:
         """Record a line for `explain()` about what `pass_name` did."""
         self.notes.setdefault(pass_name, []).append(line)
+
+
+def placeholder_name(prefix: str, name: str) -> str:
+    """The name to ask fx for when a placeholder holds something of the parameter, buffer or
+    state called `name`. fx may still change it (it snake-cases capitals, `LayerNorm` ->
+    `layer_norm`, and numbers clashes), so whoever creates a placeholder records the name the
+    node got in the signature, and the user's name lives in the spec's `target`: nothing looks a
+    parameter up by re-deriving it from a node name."""
+    return f"{prefix}_" + "".join(c if c.isalnum() else "_" for c in name)
 
 
 def fake_mode_of(graph: fx.Graph):

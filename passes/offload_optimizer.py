@@ -33,7 +33,7 @@ from torch import fx
 
 from graphoffload.aliasing import StorageMap
 from graphoffload.errors import UnsupportedError
-from graphoffload.graph import InputSpec, TrainGraph, fake_mode_of, fill_missing_meta
+from graphoffload.graph import InputSpec, TrainGraph, fake_mode_of, fill_missing_meta, placeholder_name
 from graphoffload.memory import analyze_memory, format_bytes
 from graphoffload.calibration import Calibration
 from graphoffload.cost_model import node_seconds
@@ -320,15 +320,14 @@ def offload_optimizer(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
         masters, host_grads, staging = [], [], []
         for name, param, grad in zip(names, k.params, k.grads):
             pv, gv = param.meta["val"], grad.meta["val"]
-            safe = "".join(c if c.isalnum() else "_" for c in name)
             masters.append(graph.add_host_input(specs, InputSpec(
-                "state", f"s_master_param_{safe}", (name, "master_param"), True, True), pv.shape, MASTER_DTYPE, name))
+                "state", placeholder_name("s_master_param", name), (name, "master_param"), True, True), pv.shape, MASTER_DTYPE, name))
             if paths[b] == "cpu":
                 host_grads.append(graph.add_host_input(specs, InputSpec(
-                    "host_scratch", f"h_grad_{safe}", (name, "grad"), True, True), pv.shape, gv.dtype, name))
+                    "host_scratch", placeholder_name("h_grad", name), (name, "grad"), True, True), pv.shape, gv.dtype, name))
                 if pv.dtype != MASTER_DTYPE:
                     staging.append(graph.add_host_input(specs, InputSpec(
-                        "host_scratch", f"h_upload_{safe}", (name, "upload"), True, True), pv.shape, pv.dtype, name))
+                        "host_scratch", placeholder_name("h_upload", name), (name, "upload"), True, True), pv.shape, pv.dtype, name))
             moved_bytes += pv.numel() * 4
         for state in k.state_placeholders():
             i = spec_of[state.name]
@@ -339,7 +338,7 @@ def offload_optimizer(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
         if paths[b] == "cpu":
             multiplier = early[b].multiplier if early[b] is not None else None
             scaling = {what: (d, graph.add_host_input(specs, InputSpec(
-                "host_scratch", f"h_{what}_{safe}", (names[0], what), True, True), d.meta["val"].shape,
+                "host_scratch", placeholder_name(f"h_{what}", names[0]), (names[0], what), True, True), d.meta["val"].shape,
                 d.meta["val"].dtype, names[0]))
                 for what, d in (("grad_scale", k.grad_scale), ("found_inf", k.found_inf),
                                 ("grad_multiplier", multiplier)) if d is not None}

@@ -26,7 +26,7 @@ import torch
 from torch import fx
 
 from graphoffload.aliasing import StorageMap
-from graphoffload.graph import InputSpec, TrainGraph, fill_missing_meta
+from graphoffload.graph import InputSpec, TrainGraph, fill_missing_meta, placeholder_name
 from graphoffload.memory import analyze_memory, format_bytes
 from graphoffload.passes.update_kernels import UpdateKernel, find_update_kernels
 from graphoffload.runtime import host_offload  # noqa: F401  (registers the ops)
@@ -144,9 +144,8 @@ def park_gradients(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
     for _, bucket in kept_plans:
         for p in bucket:
             val = p.source.meta["val"]
-            safe = "".join(c if c.isalnum() else "_" for c in p.param)
             p.host = graph.add_host_input(specs, InputSpec(
-                "host_scratch", f"h_parked_grad_{safe}", (p.param, "parked_grad"), True, True),
+                "host_scratch", placeholder_name("h_parked_grad", p.param), (p.param, "parked_grad"), True, True),
                 val.shape, val.dtype, p.param)
             with g.inserting_after(p.after):
                 p.ticket = g.call_function(ops.copy_to_host.default, ([p.source], [p.host]))
