@@ -183,6 +183,53 @@ def _attention_backward_fake(grad_out, q, k, v, out, lse, attn_mask=None, is_cau
     return dq, _reduce_kv_grad(dk, k.shape[-3]), _reduce_kv_grad(dv, v.shape[-3])
 
 
+def _mask_grad(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, mask: Tensor,
+               is_causal: bool, scale: float | None) -> Tensor:
+    """d loss / d mask, summed over the dimensions the mask was broadcast along (as autograd
+    sums an expanded tensor's gradient). The mask is added to the scores, so its gradient is the
+    scores' gradient dS = P * (dO V^T - rowsum(dO * O)). On CUDA the efficient kernel, which
+    eager SDPA runs for a mask that requires grad, computes it (again: dq, dk and dv come from
+    `attention_backward`); on the CPU, where eager SDPA falls back to its math kernel, it is
+    computed here from the saved logsumexp."""
+    heads = q.shape[-3]
+    k, v = k.repeat_interleave(heads // k.shape[-3], dim=-3), v.repeat_interleave(heads // v.shape[-3], dim=-3)
+    if q.device.type == "cuda":
+        d, dv = q.shape[-1], v.shape[-1]
+        if scale is None and _padded(d) != d:
+            scale = 1.0 / math.sqrt(d)
+        qp, kp, vp = _pad_head_dim(q, _padded(d)), _pad_head_dim(k, _padded(d)), _pad_head_dim(v, _padded(dv))
+        gp, op = _pad_head_dim(grad_out, _padded(dv)), _pad_head_dim(out, _padded(dv))
+        unused = torch.empty((), dtype=torch.int64, device=q.device)
+        res = aten._scaled_dot_product_efficient_attention_backward(
+            gp, qp, kp, vp, _efficient_bias(mask, q, k), op, lse, unused, unused, 0.0,
+            [False, False, False, True], is_causal, scale=scale)
+        return res[3].sum_to_size(mask.shape).to(mask.dtype)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    f32 = torch.promote_types(q.dtype, torch.float32)   # float64 stays float64
+    scores = torch.matmul(q.to(f32), k.to(f32).transpose(-2, -1)) * scale + mask.to(f32)
+    if is_causal:
+        keep = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
+        scores = scores.masked_fill(~keep, float("-inf"))
+    # a row masked out entirely has logsumexp -inf and no probability anywhere
+    probs = torch.exp(scores - lse.to(f32).unsqueeze(-1)).nan_to_num(0.0)
+    dprobs = torch.matmul(grad_out.to(f32), v.to(f32).transpose(-2, -1))
+    delta = (grad_out.to(f32) * out.to(f32)).sum(-1, keepdim=True)
+    return (probs * (dprobs - delta)).sum_to_size(mask.shape).to(mask.dtype)
+
+
+@torch.library.custom_op("graphoffload::attention_mask_grad", mutates_args=())
+def attention_mask_grad(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                        attn_mask: Tensor, is_causal: bool = False, scale: float | None = None) -> Tensor:
+    """The gradient of `attention` for a floating-point mask that requires grad (a learned
+    additive bias: T5's relative position bias, ALiBi-style learned slopes), of the mask's shape."""
+    return _mask_grad(grad_out.contiguous(), q, k, v, out, lse, attn_mask, is_causal, scale)
+
+
+@attention_mask_grad.register_fake
+def _attention_mask_grad_fake(grad_out, q, k, v, out, lse, attn_mask, is_causal=False, scale=None):
+    return _mask_grad(grad_out.contiguous(), q, k, v, out, lse, attn_mask, is_causal, scale)
+
+
 def _setup_context(ctx, inputs, output):
     q, k, v, attn_mask, is_causal, scale = inputs
     out, lse = output
@@ -194,7 +241,10 @@ def _setup_context(ctx, inputs, output):
 def _attention_grad(ctx, grad_out, _grad_lse):
     q, k, v, out, lse, attn_mask = ctx.saved_tensors
     dq, dk, dv = attention_backward(grad_out, q, k, v, out, lse, attn_mask, ctx.is_causal, ctx.scale)
-    return dq, dk, dv, None, None, None
+    # a learned mask gets its gradient, as from eager SDPA (a bool mask never requires grad)
+    dmask = (attention_mask_grad(grad_out, q, k, v, out, lse, attn_mask, ctx.is_causal, ctx.scale)
+             if len(ctx.needs_input_grad) > 3 and ctx.needs_input_grad[3] else None)   # mask passed
+    return dq, dk, dv, dmask, None, None
 
 
 attention.register_autograd(_attention_grad, setup_context=_setup_context)

@@ -124,3 +124,81 @@ def test_sdpa_with_attention_dropout_in_a_step_is_unsupported():
 
     with pytest.raises(graphoffload.UnsupportedError, match="dropout_p=0.1"):
         graphoffload.offload_compile(step)(model, opt, torch.randn(2, 5, 8))
+
+
+# (mask shape, grouped K/V, causal): per head, broadcast over batch / over heads / over queries
+MASK_SHAPES = {"per-head": ((1, 4, 9, 11), False, False), "per-batch": ((2, 1, 9, 11), True, False),
+               "keys-only-2d": ((1, 11), False, False), "full-gqa": ((2, 4, 9, 11), True, False),
+               "causal": ((1, 4, 9, 9), False, True)}
+
+
+@pytest.mark.parametrize("case", sorted(MASK_SHAPES))
+def test_learned_mask_gets_the_gradient_eager_sdpa_gives_it(case):
+    shape, gqa, causal = MASK_SHAPES[case]
+    torch.manual_seed(0)
+    lk = shape[-1]
+    q = torch.randn(2, 4, shape[-2] if len(shape) == 4 else 9, 8, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(2, 2 if gqa else 4, lk, 8, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    mask = torch.randn(shape, dtype=torch.float64, requires_grad=True)
+    grad_out = torch.randn(2, 4, q.shape[-2], 8, dtype=torch.float64)
+    kwargs = dict(attn_mask=mask, enable_gqa=gqa) if not causal else dict(attn_mask=mask + torch.zeros(
+        lk, lk, dtype=torch.float64).masked_fill(torch.ones(lk, lk, dtype=torch.bool).triu(1), float("-inf")),
+        enable_gqa=gqa)
+    ref = torch.autograd.grad(F.scaled_dot_product_attention(q, k, v, **kwargs), (q, k, v, mask), grad_out)
+    out, _ = attention(q, k, v, kwargs["attn_mask"], False)
+    got = torch.autograd.grad(out, (q, k, v, mask), grad_out)
+    for name, g, r in zip(("dq", "dk", "dv", "dmask"), got, ref):
+        assert g.shape == r.shape, name        # reduced over the dimensions the mask was broadcast along
+        torch.testing.assert_close(g, r, rtol=1e-9, atol=1e-10, msg=lambda m: f"{name}: {m}")
+
+
+def test_mask_gradient_op_passes_opcheck_and_its_fake_gives_the_real_strides():
+    q, k, v, mask, causal = make_inputs("gqa-float-mask")
+    out, lse = attention(q, k, v, mask, causal)
+    args = (torch.randn_like(out), q, k, v, out, lse, mask, causal)
+    torch.library.opcheck(torch.ops.graphoffload.attention_mask_grad.default, args)
+    real = torch.ops.graphoffload.attention_mask_grad(*args)
+    mode = FakeTensorMode()
+    with mode:
+        fake = torch.ops.graphoffload.attention_mask_grad(*(mode.from_tensor(a) if isinstance(a, torch.Tensor) else a
+                                                            for a in args))
+    assert (fake.shape, fake.stride(), fake.dtype) == (real.shape, real.stride(), real.dtype)
+
+
+class LearnedBiasAttention(torch.nn.Module):
+    """Attention with a learned additive bias per head and key (ALiBi-style learned slopes)."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = torch.nn.Linear(16, 48, bias=False)   # a key bias has a zero gradient: Adam would amplify its noise
+        self.bias = torch.nn.Parameter(torch.zeros(1, 2, 1, 6))
+        self.slopes = torch.nn.Parameter(torch.linspace(-0.5, 0.5, 2).view(1, 2, 1, 1))
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).unflatten(-1, (3, 2, 8)).permute(2, 0, 3, 1, 4)
+        distance = torch.arange(6.0).view(1, 1, 1, 6) - torch.arange(6.0).view(1, 1, 6, 1)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=self.bias + self.slopes * distance)
+
+
+@pytest.mark.parametrize("offload", [None, graphoffload.Offload(device_updates="never")], ids=["plain", "offloaded"])
+def test_learned_attention_bias_trains_like_eager(offload):
+    # the op's backward gave the mask no gradient: the bias silently never trained
+    from helpers import assert_training_matches, eager_and_compiled
+
+    def step(model, optimizer, x):
+        loss = model(x).square().mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss
+
+    torch.manual_seed(0)
+    model = LearnedBiasAttention()
+    batches = [torch.randn(2, 6, 16) for _ in range(3)]
+    eager, opt_e, losses_e, compiled, opt_c, losses_c, _ = eager_and_compiled(
+        model, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2, fused=True), batches, step_fn=step, offload=offload)
+    assert not torch.equal(compiled.bias, torch.zeros(1, 2, 1, 6))   # it trained
+    # eager SDPA runs its math kernel for a mask that requires grad on the CPU, the op its
+    # flash kernel: the same numbers to rounding, not the same bits
+    assert_training_matches(eager, opt_e, losses_e, compiled, opt_c, losses_c, exact=False,
+                            offloaded=offload is not None)
