@@ -47,6 +47,7 @@ from graphoffload.errors import CaptureError, GraphOffloadError, UnsupportedErro
 from graphoffload.graph import (TENSOR_SLOT, GraphSignature, InputSpec, OutputSpec, TrainGraph, fake_mode_of,
                                 placeholder_name)
 from graphoffload.runtime import attention as _attention_module
+from graphoffload.runtime import grouped_mm as _grouped_mm
 from graphoffload.runtime.attention import sdpa_via_attention
 
 # frames under these directories are not the user's code
@@ -317,7 +318,8 @@ def _backward_provenance(outputs: Any) -> Iterator[None]:
 
 
 class _StepMode(TorchFunctionMode):
-    """Routes SDPA to graphoffload's attention op and tags backward; everything else passes."""
+    """Routes SDPA to graphoffload's attention op (and fp32/fp16 grouped matmuls to its grouped_mm,
+    runtime/grouped_mm.py) and tags backward; everything else passes."""
 
     def __init__(self, events: _StepEvents):
         super().__init__()
@@ -330,6 +332,8 @@ class _StepMode(TorchFunctionMode):
         with fx_traceback.annotate({"source": _calling_user_line()}):
             if func is F.scaled_dot_product_attention:
                 return sdpa_via_attention(*args, **kwargs)
+            if func is getattr(torch, "_grouped_mm", None) and _grouped_mm.routes(*args, **kwargs):
+                return _grouped_mm.grouped_mm(*args[:3], **{k: v for k, v in kwargs.items() if k == "offs"})
             if func is Tensor.backward or func is torch.autograd.backward:
                 self.events.order.append("backward")
                 with _backward_provenance(args[0] if args else kwargs.get("tensors")):
@@ -386,12 +390,32 @@ def _where(exc: BaseException) -> str:
     return f" at {frame.filename}:{frame.lineno} ({frame.name}): {(frame.line or '').strip()}"
 
 
+def _is_installed_package(filename: str) -> bool:
+    """A file of an installed library (transformers, ...) rather than the user's own code."""
+    parts = filename.split(os.sep)
+    return "site-packages" in parts or "dist-packages" in parts
+
+
 def _translate_trace_error(exc: Exception) -> GraphOffloadError:
     from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
 
     name = type(exc).__name__
     if isinstance(exc, (DataDependentOutputException, DynamicOutputShapeException)) or \
             "GuardOnDataDependent" in name or "data-dependent" in str(exc).lower():
+        tb = traceback.extract_tb(exc.__traceback__)
+        library = user_frame(tb)
+        if library is not None and _is_installed_package(library.filename) and "expert" in (library.line or "") + library.name:
+            # transformers' experts_implementation="eager" loops over the experts its router picked
+            own = next((f for f in reversed(tb) if not f.filename.startswith(_OWN_DIRS)
+                        and not f.filename.startswith("<") and not _is_installed_package(f.filename)), None)
+            at = f" at {own.filename}:{own.lineno} ({own.name}): {(own.line or '').strip()}" if own else ""
+            return CaptureError(
+                f"the train step routes tokens to experts by their values{at}: the mixture-of-experts layer "
+                f"loops over the experts its router picked ({os.path.basename(library.filename)}:{library.lineno}: "
+                f"{(library.line or '').strip()}), which cannot be captured in one graph. Build the model with "
+                "a grouped experts implementation: experts_implementation=\"grouped_mm\" (transformers' "
+                "default) or \"batched_mm\", in its config or in from_pretrained(). "
+                f"({describe(exc)})")
         return CaptureError(
             f"the train step depends on tensor values{_where(exc)}. `.item()`, `bool(tensor)`, "
             "`if tensor > ...` and ops whose output shape depends on values cannot be captured in "

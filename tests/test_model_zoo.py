@@ -41,6 +41,9 @@ MODELS = {
     "mistral": lambda: _build(transformers.MistralConfig, transformers.MistralForCausalLM, sliding_window=4,
                               **DECODER),
     "qwen2": lambda: _build(transformers.Qwen2Config, transformers.Qwen2ForCausalLM, **DECODER),
+    # transformers' default experts implementation: grouped_mm
+    "mixtral": lambda: _build(transformers.MixtralConfig, transformers.MixtralForCausalLM,
+                              num_local_experts=4, num_experts_per_tok=2, **DECODER),
     "mixtral-batched_mm": lambda: _build(transformers.MixtralConfig, transformers.MixtralForCausalLM,
                                          num_local_experts=4, num_experts_per_tok=2,
                                          experts_implementation="batched_mm", **DECODER),
@@ -81,7 +84,7 @@ def _adamw(model):
 # every family plain; offloaded, the ones whose names or gradients reach the offload pass' own
 # naming of host inputs (capitals, a learned bias, experts), to keep the file near a minute
 CASES = [(name, None) for name in sorted(MODELS)] + [
-    (name, graphoffload.Offload(device_updates="never")) for name in ("bert", "t5", "mixtral-batched_mm")]
+    (name, graphoffload.Offload(device_updates="never")) for name in ("bert", "t5", "mixtral")]
 
 
 @pytest.mark.parametrize("name,offload", CASES,
@@ -91,7 +94,51 @@ def test_tiny_hf_model_trains_like_eager(name, offload):
     eager, opt_e, losses_e, compiled, opt_c, losses_c, _ = eager_and_compiled(
         MODELS[name](), _adamw, _batches(name), step_fn=_step, offload=offload)
     # bit for bit where the same kernels run; T5's learned relative position bias goes through
-    # SDPA's mask, for which eager runs its math kernel and graphoffload its fused CPU kernel, and
-    # Mixtral's routed tokens are summed in another order: equal within 1e-5
+    # SDPA's mask, for which eager runs its math kernel and graphoffload its fused CPU kernel;
+    # Mixtral's batched_mm experts sum routed tokens' gradients in another order: within 1e-5
     assert_training_matches(eager, opt_e, losses_e, compiled, opt_c, losses_c,
                             exact=name not in ("t5", "mixtral-batched_mm"), offloaded=offload is not None)
+
+
+def test_mixtral_with_data_dependent_expert_loop_names_the_switch_and_the_users_line():
+    model = _build(transformers.MixtralConfig, transformers.MixtralForCausalLM, num_local_experts=4,
+                   num_experts_per_tok=2, experts_implementation="eager", **DECODER)
+
+    def step(model, optimizer, batch):
+        loss = model(**batch).loss   # the user's line the error names
+        loss.backward()
+        optimizer.step()
+        return loss
+
+    with pytest.raises(graphoffload.CaptureError) as info:
+        graphoffload.offload_compile(step)(model, _adamw(model), _batches("mixtral", 1)[0])
+    message = str(info.value)
+    assert 'experts_implementation="grouped_mm"' in message and "batched_mm" in message
+    assert f"{__file__}:" in message and "the user's line the error names" in message
+
+
+@pytest.mark.parametrize("layout", ["tokens-by-expert", "batched"])
+def test_grouped_mm_op_matches_torch_and_its_fake_gives_the_real_strides(layout):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from graphoffload.runtime.grouped_mm import grouped_mm
+
+    torch.manual_seed(0)
+    if layout == "tokens-by-expert":
+        a, b, offs = torch.randn(12, 8), torch.randn(3, 8, 4), torch.tensor([4, 4, 12], dtype=torch.int32)
+    else:
+        a, b, offs = torch.randn(3, 5, 8), torch.randn(3, 8, 4), None
+    a.requires_grad_(), b.requires_grad_()
+    grad = torch.randn(*a.shape[:-1], 4)
+    ref = torch.autograd.grad(torch._grouped_mm(a, b, offs), (a, b), grad)
+    got = torch.autograd.grad(grouped_mm(a, b, offs), (a, b), grad)
+    for r, g in zip(ref, got):
+        assert torch.equal(r, g)   # the same kernels as eager autograd's
+    torch.library.opcheck(torch.ops.graphoffload.grouped_mm.default, (a, b, offs))
+    real = torch._grouped_mm(a.detach(), b.detach(), offs)
+    mode = FakeTensorMode()
+    fa, fb = mode.from_tensor(a.detach()), mode.from_tensor(b.detach())
+    foffs = None if offs is None else mode.from_tensor(offs)
+    with mode:
+        fake = grouped_mm(fa, fb, foffs)
+    assert (fake.shape, fake.stride(), fake.dtype) == (real.shape, real.stride(), real.dtype)
