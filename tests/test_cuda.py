@@ -115,3 +115,20 @@ def test_predicted_peak_is_within_ten_percent_of_measured():
     measured = torch.cuda.max_memory_allocated()
     predicted = step.memory("captured").peak
     assert abs(predicted - measured) <= 0.1 * measured, (predicted, measured)
+
+
+@pytest.mark.parametrize("shape", [(1, 4, 9, 11), (2, 1, 9, 11)], ids=["per-head", "per-batch"])
+def test_learned_mask_gradient_on_the_gpu_matches_eager_sdpa(shape):
+    # eager SDPA runs the memory-efficient kernel, which computes the bias gradient, as the op does
+    torch.manual_seed(0)
+    q = torch.randn(2, 4, 9, 8, device="cuda", requires_grad=True)
+    k, v = (torch.randn(2, 4, 11, 8, device="cuda", requires_grad=True) for _ in range(2))
+    mask = torch.randn(shape, device="cuda", requires_grad=True)
+    grad_out = torch.randn(2, 4, 9, 8, device="cuda")
+    ref = torch.autograd.grad(torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask),
+                              (q, k, v, mask), grad_out)
+    out, _ = torch.ops.graphoffload.attention(q, k, v, mask)
+    got = torch.autograd.grad(out, (q, k, v, mask), grad_out)
+    for name, g, r in zip(("dq", "dk", "dv", "dmask"), got, ref):
+        assert g.shape == r.shape, name
+        torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")
