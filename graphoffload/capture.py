@@ -325,18 +325,32 @@ class _StepMode(TorchFunctionMode):
         kwargs = kwargs or {}
         # make_fx records stack traces only inside modules' forward(); this covers the rest of
         # the step (loss, clipping, optimizer.step()) with the user's calling line
-        with fx_traceback.annotate({"source": _calling_user_line()}):
+        source = _calling_user_line()
+        with fx_traceback.annotate({"source": source}):
             if func is F.scaled_dot_product_attention:
                 return sdpa_via_attention(*args, **kwargs)
             if func is Tensor.backward or func is torch.autograd.backward:
-                self.events.order.append("backward")
+                self._backward_called(source)
                 with _backward_provenance(args[0] if args else kwargs.get("tensors")):
                     return func(*args, **kwargs)
             if func is torch.autograd.grad:
-                self.events.order.append("backward")
+                self._backward_called(source)
                 with _backward_provenance(args[0] if args else kwargs.get("outputs")):
                     return func(*args, **kwargs)
             return func(*args, **kwargs)
+
+
+    def _backward_called(self, source: str | None) -> None:
+        """Several backward calls accumulate into `.grad` (micro-batches); one after an
+        optimizer step would start a second update in the same graph, which is refused."""
+        if "step" in self.events.order:
+            where = f" at {source.splitlines()[0]}" if source else ""
+            raise UnsupportedError(
+                f"the train step calls backward after optimizer.step(){where}: a compiled step performs "
+                "one update. For gradient accumulation, call backward once per micro-batch and step() "
+                "once after the last (or use offload_compile(..., accumulation_steps=k)); for several "
+                "updates, call the compiled step once per update")
+        self.events.order.append("backward")
 
 
 def _calling_user_line() -> str | None:
@@ -557,9 +571,6 @@ def _capture_step(fn: Callable, args: tuple, kwargs: dict, config: CompileConfig
     if "backward" not in events.order:
         raise CaptureError("the train step never calls loss.backward(): graphoffload compiles "
                            "training steps (forward, backward, optimizer.step())")
-    if events.order.count("backward") > 1:
-        raise UnsupportedError("the train step calls backward more than once; gradient accumulation "
-                               "inside one compiled step is not supported yet")
 
     input_specs = (
         [InputSpec("param", _placeholder_name("p", n), n) for n in param_names]
