@@ -68,6 +68,8 @@ class Executor:
                 values.append(torch.tensor(b.lr(*spec.target), dtype=torch.float64))
             elif spec.kind == "scaler":
                 values.append(b.scaler_state(*spec.target))
+            elif spec.kind == "grad_sum":
+                values.append(self.capture.accumulation.sums(spec.target, b.params[spec.target]))
             else:
                 values.append(batch[spec.target].detach())
         return values

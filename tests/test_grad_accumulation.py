@@ -12,7 +12,7 @@ import torch
 from helpers import assert_tensors_match, assert_training_matches, hf_gpt2, hf_llama, snapshot, assert_unchanged, tiny_gpt, token_batches
 
 import graphoffload
-from graphoffload.errors import UnsupportedError
+from graphoffload.errors import StateError, UnsupportedError
 from graphoffload.passes.update_kernels import find_update_kernels
 
 pytest.importorskip("transformers")
@@ -126,4 +126,185 @@ def test_backward_after_step_is_refused_naming_the_line():
     with pytest.raises(UnsupportedError, match="backward after optimizer.step") as info:
         graphoffload.offload_compile(two_updates_step)(model, opt, token_batches(2))
     assert "test_grad_accumulation.py" in str(info.value) and "two_updates_step" in str(info.value)
+    assert_unchanged(model, opt, before)
+
+
+# --------------------------------------------------------------------------- accumulation_steps=k
+
+OPTIMIZERS = {name: make_opt for name, (_, make_opt) in MODELS.items()}
+
+
+def eager_window(model, optimizer, micro_batches, step_fn=None, max_norm=None):
+    """The eager reference of k calls: k forward/backward with loss/k, then (clip and) step."""
+    losses = []
+    for mb in micro_batches:
+        loss = model(input_ids=mb["input_ids"], labels=mb["labels"]).loss
+        (loss / len(micro_batches)).backward()
+        losses.append(loss.detach())
+    if max_norm is not None:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    optimizer.step()
+    optimizer.zero_grad()
+    return losses
+
+
+def hf_step(model, optimizer, batch):
+    loss = model(input_ids=batch["input_ids"], labels=batch["labels"]).loss
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss
+
+
+def hf_clipped_step(model, optimizer, batch):
+    loss = model(input_ids=batch["input_ids"], labels=batch["labels"]).loss
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss
+
+
+@pytest.mark.parametrize("offload", [False, True], ids=["plain", "offload"])
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_accumulation_steps_updates_every_kth_call_like_eager_accumulation(name, offload):
+    make_model, make_opt = MODELS[name]
+    eager = make_model()
+    compiled = copy.deepcopy(eager)
+    opt_e, opt_c = make_opt(eager), make_opt(compiled)
+    # an lr schedule outside the step, stepped at each update
+    sched_e = torch.optim.lr_scheduler.StepLR(opt_e, 1, gamma=0.5)
+    sched_c = torch.optim.lr_scheduler.StepLR(opt_c, 1, gamma=0.5)
+    step = graphoffload.offload_compile(hf_step, accumulation_steps=K,
+                                        offload=graphoffload.Offload(device_updates="never") if offload else None)
+    for w, window in enumerate(windows(3)):
+        before = [p.detach().clone() for p in compiled.parameters()]
+        losses_e = eager_window(eager, opt_e, window)
+        for i, mb in enumerate(window):
+            assert step.micro_step == i
+            loss = step(compiled, opt_c, mb)
+            # the loss returned is the micro-batch's own, not divided by k
+            assert_tensors_match(loss, losses_e[i], not offload, f"loss of micro-batch {i} of window {w}")
+            if i < K - 1:   # no update before the k-th call; the sum is not on .grad
+                assert all(torch.equal(p, b) for p, b in zip(compiled.parameters(), before))
+                assert all(p.grad is None for p in compiled.parameters())
+        assert step.micro_step == 0
+        sched_e.step()
+        sched_c.step()
+        assert_matches_eager(eager, opt_e, compiled, opt_c, exact=not offload)
+    # two variants (accumulate; accumulate and update), SGD's first momentum step a third
+    assert step.trace_count == (3 if "sgd" in name else 2)
+
+
+def test_clipping_applies_to_the_accumulated_gradient_at_the_update():
+    eager = hf_gpt2()
+    compiled = copy.deepcopy(eager)
+    opt_e, opt_c = OPTIMIZERS["llama-adamw"](eager), OPTIMIZERS["llama-adamw"](compiled)
+    step = graphoffload.offload_compile(hf_clipped_step, accumulation_steps=K)
+    for window in windows(2):
+        eager_window(eager, opt_e, window, max_norm=0.05)
+        for mb in window:
+            step(compiled, opt_c, mb)
+    assert_matches_eager(eager, opt_e, compiled, opt_c, exact=True)
+    # max_norm is small enough to clip: without clipping (or clipping each micro-batch) it differs
+    unclipped = hf_gpt2()
+    opt_u = OPTIMIZERS["llama-adamw"](unclipped)
+    for window in windows(2):
+        eager_window(unclipped, opt_u, window)
+    assert not torch.equal(unclipped.transformer.wte.weight, compiled.transformer.wte.weight)
+
+
+def test_accumulating_call_only_adds_and_the_update_runs_inside_backward():
+    model = hf_gpt2()
+    opt = OPTIMIZERS["gpt2-sgd"](model)
+    step = graphoffload.offload_compile(hf_step, accumulation_steps=K, config=graphoffload.CompileConfig(
+        fuse_optimizer=graphoffload.FuseOptimizer(bucket_numel=5000)))
+    batches = token_batches(K)
+    step(model, opt, batches[0])
+    accumulate = step.train_graph
+    sums = [s for s in accumulate.signature.inputs if s.kind == "grad_sum"]
+    assert len(sums) == sum(p.requires_grad for p in model.parameters())
+    assert all(s.mutable for s in sums)     # autograd adds into them in place
+    assert not find_update_kernels(accumulate.graph)
+    assert not [o for o in accumulate.signature.outputs if o.kind == "grad"]
+    for mb in batches[1:]:
+        step(model, opt, mb)
+    update = step.train_graph
+    kernels = find_update_kernels(update.graph)
+    assert len(kernels) > 2 and f"{len(kernels)} run inside backward" in step.explain()
+    # the running sums are device memory the predicted peak counts: a gradient set more than
+    # the same step without accumulation (whose fused updates free each gradient early)
+    plain = graphoffload.offload_compile(hf_step)
+    plain.compile(model, opt, batches[0])
+    grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert step.memory().peak - plain.memory().peak >= grad_bytes
+
+
+def test_checkpoint_in_the_middle_of_a_window_resumes_it_exactly():
+    make_opt = OPTIMIZERS["llama-adamw"]
+    batches = token_batches(2 * K)
+    reference = hf_llama()
+    opt_r = make_opt(reference)
+    step_r = graphoffload.offload_compile(hf_step, accumulation_steps=K)
+    for mb in batches:
+        step_r(reference, opt_r, mb)
+
+    model = hf_llama()
+    opt = make_opt(model)
+    step = graphoffload.offload_compile(hf_step, accumulation_steps=K)
+    for mb in batches[:K + 1]:
+        step(model, opt, mb)
+    assert step.micro_step == 1
+    saved_model, saved_step = copy.deepcopy(model.state_dict()), copy.deepcopy(step.state_dict())
+    assert saved_step["accumulation"]["micro_step"] == 1
+
+    resumed = hf_llama(seed=1)
+    resumed.load_state_dict(saved_model)
+    opt_2 = make_opt(resumed)
+    step_2 = graphoffload.offload_compile(hf_step, accumulation_steps=K)
+    step_2.load_state_dict(saved_step, optimizers=[opt_2])
+    assert step_2.micro_step == 1
+    for mb in batches[K + 1:]:
+        step_2(resumed, opt_2, mb)
+    assert_training_matches(reference, opt_r, [], resumed, opt_2, [], exact=True)
+
+    # a checkpoint without the window cannot be loaded in the middle of one, nor a window of another k
+    fresh = graphoffload.offload_compile(hf_step, accumulation_steps=K)
+    fresh(model, opt, batches[0])
+    with pytest.raises(StateError, match="micro-batch 1 of 3"):
+        fresh.load_state_dict({"optimizers": saved_step["optimizers"]})
+    with pytest.raises(StateError, match="accumulation_steps=3"):
+        graphoffload.offload_compile(hf_step, accumulation_steps=2).load_state_dict(saved_step, optimizers=[opt])
+
+
+def test_accumulation_refuses_what_it_cannot_do():
+    with pytest.raises(ValueError, match="accumulation_steps"):
+        graphoffload.offload_compile(hf_step, accumulation_steps=0)
+    model = tiny_gpt()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    scaler = torch.amp.GradScaler("cpu")
+
+    def scaled_step(model, optimizer, batch):
+        loss = model(batch["input_ids"], labels=batch["labels"])
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad()
+        return loss
+
+    before = snapshot(model, opt)
+    with pytest.raises(UnsupportedError, match="GradScaler"):
+        graphoffload.offload_compile(scaled_step, accumulation_steps=K)(model, opt, token_batches(1)[0])
+
+    def grad_step(model, optimizer, batch):
+        loss = model(batch["input_ids"], labels=batch["labels"])
+        grads = torch.autograd.grad(loss, list(model.parameters()))  # autograd-grad-line
+        for p, g in zip(model.parameters(), grads):
+            p.grad = g
+        optimizer.step()
+        return loss
+
+    with pytest.raises(UnsupportedError, match="autograd.grad") as info:
+        graphoffload.offload_compile(grad_step, accumulation_steps=K)(model, opt, token_batches(1)[0])
+    assert "grad_step" in str(info.value)
     assert_unchanged(model, opt, before)
