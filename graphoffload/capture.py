@@ -346,7 +346,6 @@ class _StepMode(TorchFunctionMode):
                     return func(*args, **kwargs)
             return func(*args, **kwargs)
 
-
     def _backward_called(self, source: str | None) -> None:
         """Several backward calls accumulate into `.grad` (micro-batches); one after an
         optimizer step would start a second update in the same graph, which is refused."""
@@ -594,13 +593,17 @@ def _drop_unused_grad_sums(capture: Capture, accumulation: Accumulation) -> None
     graph = capture.graph
     placeholders = graph.placeholders()
     unused = {s.name for s in graph.signature.inputs if s.kind == "grad_sum" and not placeholders[s.name].users}
-    if not unused:
-        return
-    for name in unused:
-        graph.graph.erase_node(placeholders[name])
-    graph.gm.recompile()
-    accumulation.discard({s.target for s in graph.signature.inputs if s.name in unused})
-    capture.graph = graph.with_signature(inputs=tuple(s for s in graph.signature.inputs if s.name not in unused))
+    if unused:
+        for name in unused:
+            graph.graph.erase_node(placeholders[name])
+        graph.gm.recompile()
+        accumulation.discard({s.target for s in graph.signature.inputs if s.name in unused})
+        capture.graph = graph.with_signature(inputs=tuple(s for s in graph.signature.inputs if s.name not in unused))
+    sums = [placeholders[s.name].meta["val"] for s in capture.graph.signature.inputs if s.kind == "grad_sum"]
+    capture.graph.note("capture", f"accumulation_steps={accumulation.steps}: this variant "
+                       f"{'adds the last micro-batch of a window and updates' if accumulation.update else 'adds a micro-batch'}; "
+                       f"{len(sums)} running gradient sums, {sum(v.numel() * v.element_size() for v in sums):,} bytes "
+                       "on the device, kept between calls")
 
 
 def _drop_unread_state(capture: Capture, fresh: list[tuple[torch.optim.Optimizer, list[Tensor]]]

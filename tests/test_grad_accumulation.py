@@ -227,6 +227,8 @@ def test_accumulating_call_only_adds_and_the_update_runs_inside_backward():
     assert all(s.mutable for s in sums)     # autograd adds into them in place
     assert not find_update_kernels(accumulate.graph)
     assert not [o for o in accumulate.signature.outputs if o.kind == "grad"]
+    grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert f"{len(sums)} running gradient sums, {grad_bytes:,} bytes" in step.explain()
     for mb in batches[1:]:
         step(model, opt, mb)
     update = step.train_graph
@@ -236,7 +238,6 @@ def test_accumulating_call_only_adds_and_the_update_runs_inside_backward():
     # the same step without accumulation (whose fused updates free each gradient early)
     plain = graphoffload.offload_compile(hf_step)
     plain.compile(model, opt, batches[0])
-    grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     assert step.memory().peak - plain.memory().peak >= grad_bytes
 
 
