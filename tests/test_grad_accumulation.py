@@ -111,6 +111,34 @@ def test_each_update_runs_in_the_last_micro_batch_backward_once_its_gradient_is_
             assert pos[grad] > last_forward and pos[grad] < pos[k.node]
 
 
+def test_micro_batch_loop_with_a_grad_scaler_trains_like_eager():
+    # each micro-batch's loss scaled, one unscale_ + clip + scaler.step() on the sums
+    def make():
+        model = tiny_gpt()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2)
+
+        def step(model, optimizer, micro_batches):
+            for mb in micro_batches:
+                scaler.scale(model(mb["input_ids"], labels=mb["labels"]) / len(micro_batches)).backward()
+            scaler.unscale_(optimizer)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad()
+        return model, opt, scaler, step
+
+    eager, opt_e, scaler_e, step_e = make()
+    compiled, opt_c, scaler_c, step_fn = make()
+    step = graphoffload.offload_compile(step_fn)
+    for window in windows(3):
+        step_e(eager, opt_e, window)
+        step(compiled, opt_c, window)
+        assert scaler_c.get_scale() == scaler_e.get_scale()
+    assert scaler_c.get_scale() > 2.0**10     # it grew: the steps were not skipped
+    assert_training_matches(eager, opt_e, [], compiled, opt_c, [], exact=True)
+
+
 def two_updates_step(model, optimizer, micro_batches):
     for mb in micro_batches:
         loss = model(mb["input_ids"], labels=mb["labels"])
