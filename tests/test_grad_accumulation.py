@@ -9,7 +9,8 @@ import copy
 
 import pytest
 import torch
-from helpers import assert_tensors_match, assert_training_matches, hf_gpt2, hf_llama, snapshot, assert_unchanged, tiny_gpt, token_batches
+from helpers import (assert_tensors_match, assert_training_matches, assert_unchanged, hf_gpt2, hf_llama, snapshot,
+                     tiny_gpt, token_batches, train_step)
 
 import graphoffload
 from graphoffload.errors import StateError, UnsupportedError
@@ -337,3 +338,24 @@ def test_accumulation_refuses_what_it_cannot_do():
         graphoffload.offload_compile(grad_step, accumulation_steps=K)(model, opt, token_batches(1)[0])
     assert "grad_step" in str(info.value)
     assert_unchanged(model, opt, before)
+
+
+def test_accumulation_with_uploads_handed_over_to_the_next_call_stays_exact():
+    # the updating call's uploads land while the next window's first call runs its forward
+    eager = tiny_gpt()
+    compiled = copy.deepcopy(eager)
+    opt_e = torch.optim.AdamW(eager.parameters(), lr=1e-2, fused=True)
+    opt_c = torch.optim.AdamW(compiled.parameters(), lr=1e-2, fused=True)
+    step = graphoffload.offload_compile(
+        train_step, accumulation_steps=K,
+        offload=graphoffload.Offload(device_updates="never", overlap_next_step=True),
+        config=graphoffload.CompileConfig(fuse_optimizer=graphoffload.FuseOptimizer(bucket_numel=4096)))
+    for window in windows(3):
+        for mb in window:
+            (eager(mb["input_ids"], labels=mb["labels"]) / K).backward()
+            step(compiled, opt_c, mb)
+        opt_e.step()
+        opt_e.zero_grad()
+    step.synchronize()
+    assert step.last.executor.handed_over
+    assert_matches_eager(eager, opt_e, compiled, opt_c, exact=True)
