@@ -13,6 +13,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from graphoffload.errors import StateError
+
 
 class GradSums:
     """Parameter name -> its gradient's running sum over the current accumulation window."""
@@ -23,8 +25,14 @@ class GradSums:
     def tensor(self, name: str, param: Tensor) -> Tensor:
         """The buffer of `name` (allocated as zeros like `param` on first use)."""
         t = self._sums.get(name)
-        if t is None or t.shape != param.shape or t.dtype != param.dtype or t.device != param.device:
+        if t is None:
             t = self._sums[name] = torch.zeros_like(param, memory_format=torch.contiguous_format)
+        elif t.shape != param.shape:
+            raise StateError(f"the running gradient sum of {name} has shape {tuple(t.shape)} but the parameter "
+                             f"{tuple(param.shape)}: was the accumulation window loaded from another model's "
+                             "checkpoint? Load a matching one")
+        elif t.device != param.device or t.dtype != param.dtype:   # e.g. loaded from a CPU checkpoint
+            t = self._sums[name] = t.to(param.device, param.dtype, memory_format=torch.contiguous_format)
         return t
 
     def discard(self, names: set[str]) -> None:
@@ -33,7 +41,8 @@ class GradSums:
             self._sums.pop(name, None)
 
     def state_dict(self) -> dict[str, Tensor]:
-        return {name: t.detach().clone() for name, t in self._sums.items()}
+        """Copies in host memory (a checkpoint need not hold a second gradient set on the device)."""
+        return {name: t.detach().to("cpu", copy=True) for name, t in self._sums.items()}
 
     def load_state_dict(self, sums: dict[str, Tensor]) -> None:
         for name, value in sums.items():
@@ -43,7 +52,3 @@ class GradSums:
                 self._sums[name] = value.detach().clone()
         for name in set(self._sums) - set(sums):
             self._sums[name].zero_()
-
-    def zero_(self) -> None:
-        for t in self._sums.values():
-            t.zero_()
