@@ -17,13 +17,15 @@ import torch.utils._pytree as pytree
 from torch import Tensor
 
 from graphoffload import inspection, timeline
-from graphoffload.capture import Capture, capture_step, find_bindings
+from graphoffload.capture import Accumulation, Capture, capture_step, find_bindings
 from graphoffload.checkpoint import load_optimizer_state_exactly
 from graphoffload.config import CompileConfig, Offload
+from graphoffload.errors import StateError, UnsupportedError
 from graphoffload.graph import TrainGraph
 from graphoffload.optimizer_lowering import first_step_params
 from graphoffload.memory import MemoryProfile, analyze_memory
 from graphoffload.passes.manager import Pass, PassContext, PassFn, PassManager, builtin_passes
+from graphoffload.runtime.accumulation import GradSums
 from graphoffload.runtime.executor import Executor
 from graphoffload.runtime.host_state import HostState
 from graphoffload.sequence_parallel import RankAgreement
@@ -72,13 +74,25 @@ class CompiledStep:
     """
 
     def __init__(self, fn: Callable, passes: Sequence[Pass | PassFn] = (), config: CompileConfig | None = None,
-                 offload: Offload | None = None, sequence_parallel: Any = None):
+                 offload: Offload | None = None, sequence_parallel: Any = None,
+                 accumulation_steps: int | None = None):
         self.fn = fn
         self.config = config or CompileConfig()
         if offload is not None:
             self.config = dataclasses.replace(self.config, offload=offload)
         if sequence_parallel is not None:
             self.config = dataclasses.replace(self.config, sequence_parallel=sequence_parallel)
+        if accumulation_steps is not None:
+            self.config = dataclasses.replace(self.config, accumulation_steps=accumulation_steps)
+        k = self.config.accumulation_steps
+        if k > 1 and self.config.sequence_parallel is not None:
+            raise UnsupportedError("accumulation_steps with sequence_parallel is not supported yet: accumulate "
+                                   "inside the step instead (a loop over micro-batches calling backward for each)")
+        self._grad_sums = GradSums()
+        # the two variants of an accumulating step: add into the running sums; add and update
+        self._accumulation = {update: Accumulation(k, update, self._grad_sums.tensor, self._grad_sums.discard)
+                              for update in (False, True)} if k > 1 else None
+        self._micro_step = 0     # micro-batches of the current accumulation window done so far
         self.pass_manager = PassManager(passes, disable=self.config.disable_passes,
                                         builtin=builtin_passes(self.config))
         self._variants: dict[Any, CompiledVariant] = {}
@@ -90,14 +104,30 @@ class CompiledStep:
         self.trace_count = 0
         functools.update_wrapper(self, fn)
 
+    @property
+    def micro_step(self) -> int:
+        """With `accumulation_steps=k`: micro-batches of the current window done (0 .. k-1);
+        the next call updates when it is k-1. Always 0 without accumulation."""
+        return self._micro_step
+
+    def _next_accumulation(self) -> Accumulation | None:
+        if self._accumulation is None:
+            return None
+        return self._accumulation[self._micro_step == self.config.accumulation_steps - 1]
+
     def _key(self, args: tuple, kwargs: dict) -> Any:
         b = find_bindings(self.fn, args, kwargs)
+        accumulation = self._next_accumulation()
+        # a variant that does not update depends on neither the optimizers' settings nor first steps
+        optimizers = tuple(id(o) for o in b.optimizers) if accumulation is not None and not accumulation.update \
+            else tuple(_optimizer_key(o) for o in b.optimizers)
         return (
+            None if accumulation is None else accumulation.update,
             tuple(_leaf_key(x) for x in pytree.tree_leaves((args, kwargs))),
             tuple((n, tuple(p.shape), p.dtype, p.device, p.requires_grad, id(p)) for n, p in b.params.items()),
             tuple((n, tuple(t.shape), t.dtype, t.device) for n in b.buffers for t in [b.buffer(n)]),
             tuple(m.training for model in b.modules for m in model.modules()),
-            tuple(_optimizer_key(o) for o in b.optimizers),
+            optimizers,
             tuple((id(sc), sc.get_growth_factor(), sc.get_backoff_factor(), sc.get_growth_interval())
                   for sc in b.scalers),
             torch.is_grad_enabled(),
@@ -106,7 +136,7 @@ class CompiledStep:
         )
 
     def _compile(self, args: tuple, kwargs: dict) -> CompiledVariant:
-        capture = capture_step(self.fn, args, kwargs, self.config)
+        capture = capture_step(self.fn, args, kwargs, self.config, self._next_accumulation())
         self.trace_count += 1
         if self.trace_count == self.config.retrace_warning_after:
             warnings.warn(
@@ -172,6 +202,12 @@ class CompiledStep:
         return self._variant(args, kwargs)[1].graph
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        result = self._call(args, kwargs)
+        if self._accumulation is not None:
+            self._micro_step = (self._micro_step + 1) % self.config.accumulation_steps
+        return result
+
+    def _call(self, args: tuple, kwargs: dict) -> Any:
         if self.config.sequence_parallel is not None:
             if self._rank_agreement is None:
                 self._rank_agreement = RankAgreement(self.config.sequence_parallel)
@@ -226,7 +262,12 @@ class CompiledStep:
         """The state of every optimizer the step drives, as `optimizer.state_dict()` gives it:
         offloaded state (fp32 master weights, moments) stays in host memory."""
         self.synchronize()
-        return {"optimizers": [opt.state_dict() for opt in self.last.capture.bindings.optimizers]}
+        state: dict[str, Any] = {"optimizers": [opt.state_dict() for opt in self.last.capture.bindings.optimizers]}
+        if self._accumulation is not None:
+            # mid-window, the micro-batches done so far live only in the running sums
+            state["accumulation"] = {"steps": self.config.accumulation_steps, "micro_step": self._micro_step,
+                                     "grad_sums": self._grad_sums.state_dict()}
+        return state
 
     def load_state_dict(self, state: dict[str, Any],
                         optimizers: Sequence[torch.optim.Optimizer] | None = None) -> None:
@@ -240,8 +281,20 @@ class CompiledStep:
         saved = state["optimizers"]
         if len(saved) != len(optimizers):
             raise ValueError(f"the checkpoint holds {len(saved)} optimizers, the step drives {len(optimizers)}")
+        window = state.get("accumulation")
+        k = self.config.accumulation_steps
+        if window is not None and window["micro_step"] and window["steps"] != k:
+            raise StateError(f"the checkpoint was taken after micro-batch {window['micro_step']} of an accumulation "
+                             f"window of {window['steps']}, but this step accumulates {k}: load it into a step "
+                             f"with accumulation_steps={window['steps']}, or take the checkpoint at an update")
+        if window is None and self._micro_step:
+            raise StateError(f"this step is after micro-batch {self._micro_step} of {k} of an accumulation window "
+                             "and the checkpoint holds no window: load it at an update boundary (step.micro_step == 0)")
         for opt, opt_state in zip(optimizers, saved):
             load_optimizer_state_exactly(opt, opt_state)
+        if window is not None and k > 1:
+            self._grad_sums.load_state_dict(window["grad_sums"] if window["micro_step"] else {})
+            self._micro_step = window["micro_step"]
 
     # ------------------------------------------------------------------ inspection
 
@@ -306,17 +359,18 @@ class CompiledStep:
 @overload
 def offload_compile(fn: Callable, *, passes: Sequence[Pass | PassFn] = ...,
                     config: CompileConfig | None = ..., offload: Offload | None = ...,
-                    sequence_parallel: Any = ...) -> CompiledStep: ...
+                    sequence_parallel: Any = ..., accumulation_steps: int | None = ...) -> CompiledStep: ...
 @overload
 def offload_compile(fn: None = ..., *, passes: Sequence[Pass | PassFn] = ...,
                     config: CompileConfig | None = ...,
                     offload: Offload | None = ...,
-                    sequence_parallel: Any = ...) -> Callable[[Callable], CompiledStep]: ...
+                    sequence_parallel: Any = ...,
+                    accumulation_steps: int | None = ...) -> Callable[[Callable], CompiledStep]: ...
 
 
 def offload_compile(fn: Callable | None = None, *, passes: Sequence[Pass | PassFn] = (),
                     config: CompileConfig | None = None, offload: Offload | None = None,
-                    sequence_parallel: Any = None):
+                    sequence_parallel: Any = None, accumulation_steps: int | None = None):
     """Compile a train step (forward, ``loss.backward()``, ``optimizer.step()``) into one graph.
 
     Use as ``@offload_compile`` or ``offload_compile(train_step, passes=[...], config=...)``.
@@ -330,7 +384,9 @@ def offload_compile(fn: Callable | None = None, *, passes: Sequence[Pass | PassF
             shorthand for ``config.offload``.
         sequence_parallel: split the sequence across the ranks of a process group
             (`graphoffload.SequenceParallel`); shorthand for ``config.sequence_parallel``.
+        accumulation_steps: k > 1 makes each call one micro-batch; every k-th call updates with
+            the mean of the k gradients; shorthand for ``config.accumulation_steps``.
     """
     if fn is None:
-        return lambda f: CompiledStep(f, passes, config, offload, sequence_parallel)
-    return CompiledStep(fn, passes, config, offload, sequence_parallel)
+        return lambda f: CompiledStep(f, passes, config, offload, sequence_parallel, accumulation_steps)
+    return CompiledStep(fn, passes, config, offload, sequence_parallel, accumulation_steps)

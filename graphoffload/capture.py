@@ -321,28 +321,155 @@ class _StepMode(TorchFunctionMode):
     """Routes SDPA to graphoffload's attention op (and fp32/fp16 grouped matmuls to its grouped_mm,
     runtime/grouped_mm.py) and tags backward; everything else passes."""
 
-    def __init__(self, events: _StepEvents):
+    def __init__(self, events: _StepEvents, sums: _AccumulatingGrads | None = None):
         super().__init__()
         self.events = events
+        self.sums = sums
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         # make_fx records stack traces only inside modules' forward(); this covers the rest of
         # the step (loss, clipping, optimizer.step()) with the user's calling line
-        with fx_traceback.annotate({"source": _calling_user_line()}):
+        source = _calling_user_line()
+        with fx_traceback.annotate({"source": source}):
             if func is F.scaled_dot_product_attention:
                 return sdpa_via_attention(*args, **kwargs)
             if func is getattr(torch, "_grouped_mm", None) and _grouped_mm.routes(*args, **kwargs):
                 return _grouped_mm.grouped_mm(*args[:3], **{k: v for k, v in kwargs.items() if k == "offs"})
             if func is Tensor.backward or func is torch.autograd.backward:
-                self.events.order.append("backward")
+                self._backward_called(source)
+                if self.sums is not None:
+                    return self.sums.backward(func, args, kwargs)
                 with _backward_provenance(args[0] if args else kwargs.get("tensors")):
                     return func(*args, **kwargs)
             if func is torch.autograd.grad:
-                self.events.order.append("backward")
+                if self.sums is not None:
+                    raise UnsupportedError(
+                        f"the train step calls torch.autograd.grad{f' at {source.splitlines()[0]}' if source else ''}, "
+                        "which does not accumulate into .grad: with accumulation_steps, call loss.backward()")
+                self._backward_called(source)
                 with _backward_provenance(args[0] if args else kwargs.get("outputs")):
                     return func(*args, **kwargs)
             return func(*args, **kwargs)
+
+    def _backward_called(self, source: str | None) -> None:
+        """Several backward calls accumulate into `.grad` (micro-batches); one after an
+        optimizer step would start a second update in the same graph, which is refused."""
+        if "step" in self.events.order:
+            where = f" at {source.splitlines()[0]}" if source else ""
+            raise UnsupportedError(
+                f"the train step calls backward after optimizer.step(){where}: a compiled step performs "
+                "one update. For gradient accumulation, call backward once per micro-batch and step() "
+                "once after the last (or use offload_compile(..., accumulation_steps=k)); for several "
+                "updates, call the compiled step once per update")
+        self.events.order.append("backward")
+
+
+@dataclass(frozen=True)
+class Accumulation:
+    """What a trace of a step compiled with `accumulation_steps=k` does with its gradients:
+    add them, scaled by 1/k, into the persistent running sums (`sums(name, param)` gives the
+    step's buffer of a parameter), and, in the update variant (`update=True`), update from the
+    sums and leave them zeroed for the next window."""
+
+    steps: int
+    update: bool
+    sums: Callable[[str, Tensor], Tensor]
+    discard: Callable[[set[str]], None] = lambda names: None   # frees sums no graph reads
+
+
+class _AccumulatingGrads:
+    """Binds the running sums (placeholders) to the traced parameters around each backward.
+
+    Accumulate variant: before backward each parameter's `.grad` is its sum, so autograd adds
+    the micro-batch's gradient into it in place, inside backward, as eager accumulation does;
+    after backward `.grad` is None again, so the rest of the step (clipping, `step()`,
+    `zero_grad()`) sees no gradient and does nothing, as on a call that does not update.
+    Update variant: a one-shot hook adds the sum to the gradient as autograd produces it
+    (`g + sum` equals eager's `sum += g` bit for bit), so the gradient is final inside backward
+    and fusion can run its update there; the sum itself is only read, never handed to an
+    asynchronous copy, and is zeroed at the end of the step.
+    """
+
+    def __init__(self, accumulation: Accumulation, params: dict[str, Tensor], sums: dict[str, Tensor]):
+        self.k = accumulation.steps
+        self.update = accumulation.update
+        self.params = params
+        self.sums = sums
+        self.hooked: set[str] = set()
+        self.read: set[str] = set()      # sums a backward touched
+
+    def _scaled(self, t: Tensor, gradient: Tensor | None) -> Tensor:
+        # eager's `(loss / k).backward()` hands `ones / k` to the loss's grad_fn: the same op
+        return (torch.ones_like(t) if gradient is None else gradient) / self.k
+
+    def backward(self, func: Callable, args: tuple, kwargs: dict) -> Any:
+        kwargs = dict(kwargs)
+        if func is Tensor.backward:
+            args = list(args)
+            if len(args) > 1:
+                args[1] = self._scaled(args[0], args[1])
+            else:
+                kwargs["gradient"] = self._scaled(args[0], kwargs.get("gradient"))
+            roots = args[0]
+        else:   # torch.autograd.backward(tensors, grad_tensors=None, ...)
+            args = list(args)
+            tensors = args[0] if args else kwargs["tensors"]
+            tensors = [tensors] if isinstance(tensors, Tensor) else list(tensors)
+            grads = args[1] if len(args) > 1 else kwargs.get("grad_tensors")
+            grads = [None] * len(tensors) if grads is None else [grads] if isinstance(grads, Tensor) else list(grads)
+            scaled = [self._scaled(t, g) for t, g in zip(tensors, grads)]
+            if len(args) > 1:
+                args[1] = scaled
+            else:
+                kwargs["grad_tensors"] = scaled
+            roots = tensors
+        handles = self._bind()
+        try:
+            with _backward_provenance(roots):
+                return func(*args, **kwargs)
+        finally:
+            for h in handles:
+                h.remove()
+            self._unbind()
+
+    def _bind(self) -> list[Any]:
+        handles = []
+        for name, sum_ in self.sums.items():
+            leaf = self.params[name]
+            if not self.update:
+                if leaf.grad is None:
+                    leaf.grad = sum_
+            elif name not in self.hooked and leaf.grad is None:
+                def add_sum(g: Tensor, name: str = name, sum_: Tensor = sum_) -> Tensor:
+                    self.hooked.add(name)
+                    self.read.add(name)
+                    return g + sum_
+                handles.append(leaf.register_hook(add_sum))
+        return handles
+
+    def _unbind(self) -> None:
+        if self.update:
+            return
+        for name, sum_ in self.sums.items():
+            leaf = self.params[name]
+            if leaf.grad is not None:
+                if leaf.grad is not sum_:     # autograd accumulated out of place
+                    sum_.copy_(leaf.grad)
+                self.read.add(name)
+                leaf.grad = None
+
+    def finish(self) -> None:
+        """After the step: an update leaves the sums zeroed for the next window (a gradient the
+        step leaves on `.grad` is a copy, not the buffer)."""
+        if not self.update:
+            return
+        with torch.no_grad():
+            for name in self.read:
+                leaf = self.params[name]
+                if leaf.grad is self.sums[name]:
+                    leaf.grad = leaf.grad.clone()
+                self.sums[name].zero_()
 
 
 def _calling_user_line() -> str | None:
@@ -449,6 +576,7 @@ class Capture:
     stepped_optimizers: list[int]      # optimizers whose step() the graph performs
     batch_positions: list[int]         # positions of tensor leaves among the (args, kwargs) leaves
     created_state: list[tuple[torch.optim.Optimizer, list[Tensor]]] = field(default_factory=list)
+    accumulation: Accumulation | None = None   # accumulation_steps: where the running sums live
 
     def discard_created_state(self) -> None:
         """Drop the optimizer state this capture created (when compiling fails after it):
@@ -462,20 +590,46 @@ def _discard_state(created: list[tuple[torch.optim.Optimizer, list[Tensor]]]) ->
             opt.state.pop(p, None)
 
 
-def capture_step(fn: Callable, args: tuple, kwargs: dict, config: CompileConfig) -> Capture:
+def capture_step(fn: Callable, args: tuple, kwargs: dict, config: CompileConfig,
+                 accumulation: Accumulation | None = None) -> Capture:
     """Trace `fn` into a Capture. If tracing fails, the optimizer state it created is dropped
     again: left behind, it would make the next step (compiled or eager) skip SGD's first-step
     momentum initialisation."""
     b = find_bindings(fn, args, kwargs)
+    if accumulation is not None and b.scalers:
+        raise UnsupportedError("a GradScaler in a step compiled with accumulation_steps is not supported yet: "
+                               "use bf16 autocast without loss scaling, or accumulate inside the step (a loop "
+                               "over micro-batches calling backward for each)")
     fresh = [(opt, [p for g in opt.param_groups for p in g["params"] if not opt.state.get(p)])
              for opt in b.optimizers]
     try:
-        capture = _capture_step(fn, args, kwargs, config, b)
+        capture = _capture_step(fn, args, kwargs, config, b, accumulation)
     except BaseException:
         _discard_state(fresh)
         raise
     capture.created_state = _drop_unread_state(capture, fresh)
+    if accumulation is not None:
+        _drop_unused_grad_sums(capture, accumulation)
     return capture
+
+
+def _drop_unused_grad_sums(capture: Capture, accumulation: Accumulation) -> None:
+    """A parameter that gets no gradient needs no running sum: drop its placeholder and buffer."""
+    capture.accumulation = accumulation
+    graph = capture.graph
+    placeholders = graph.placeholders()
+    unused = {s.name for s in graph.signature.inputs if s.kind == "grad_sum" and not placeholders[s.name].users}
+    if unused:
+        for name in unused:
+            graph.graph.erase_node(placeholders[name])
+        graph.gm.recompile()
+        accumulation.discard({s.target for s in graph.signature.inputs if s.name in unused})
+        capture.graph = graph.with_signature(inputs=tuple(s for s in graph.signature.inputs if s.name not in unused))
+    sums = [placeholders[s.name].meta["val"] for s in capture.graph.signature.inputs if s.kind == "grad_sum"]
+    capture.graph.note("capture", f"accumulation_steps={accumulation.steps}: this variant "
+                       f"{'adds the last micro-batch of a window and updates' if accumulation.update else 'adds a micro-batch'}; "
+                       f"{len(sums)} running gradient sums, {sum(v.numel() * v.element_size() for v in sums):,} bytes "
+                       "on the device, kept between calls")
 
 
 def _drop_unread_state(capture: Capture, fresh: list[tuple[torch.optim.Optimizer, list[Tensor]]]
@@ -507,7 +661,8 @@ def _drop_unread_state(capture: Capture, fresh: list[tuple[torch.optim.Optimizer
     return kept
 
 
-def _capture_step(fn: Callable, args: tuple, kwargs: dict, config: CompileConfig, b: StepBindings) -> Capture:
+def _capture_step(fn: Callable, args: tuple, kwargs: dict, config: CompileConfig, b: StepBindings,
+                  accumulation: Accumulation | None = None) -> Capture:
     # offloaded state is made on the host and traced as if it were on the device (as
     # torch.optim keeps it): the offload pass then moves those inputs to the host
     offloaded = config.offload is not None and b.device.type != "meta"   # a meta model plans, never runs
@@ -533,6 +688,8 @@ def _capture_step(fn: Callable, args: tuple, kwargs: dict, config: CompileConfig
         + [torch.tensor(lr, dtype=torch.float64) for lr in lr_before]
         + [b.scaler_state(i, key) for i, key in scaler_keys]
         + [leaves[i].detach() for i in batch_positions])
+    sum_names = [n for n, p in b.params.items() if p.requires_grad] if accumulation is not None else []
+    real_inputs += [accumulation.sums(n, b.params[n]) for n in sum_names]
     n_p, n_b, n_s, n_lr = len(param_names), len(buffer_names), len(b.state_keys), len(b.lr_groups)
     n_sc = len(scaler_keys)
     events = _StepEvents()
@@ -547,12 +704,16 @@ def _capture_step(fn: Callable, args: tuple, kwargs: dict, config: CompileConfig
         step_leaves = list(leaves)
         for pos, t in zip(batch_positions, flat[n_p + n_b + n_s + n_lr + n_sc:]):
             step_leaves[pos] = t
+        sums = _AccumulatingGrads(accumulation, params, dict(zip(sum_names, flat[len(flat) - len(sum_names):]))) \
+            if accumulation is not None else None
         step_args, step_kwargs = pytree.tree_unflatten(step_leaves, in_spec)
         # module parameters are named before _swapped_module_tensors puts the traced ones in
         with _recorded_module_zero_grad(b, events), _swapped_module_tensors(b, params, buffers), \
                 _lowered_optimizers(b, params, states, lrs, first_steps, config, events), \
-                _swapped_scaler_state(b, scaler_state), _StepMode(events):
+                _swapped_scaler_state(b, scaler_state), _StepMode(events, sums):
             out = fn(*step_args, **step_kwargs)
+            if sums is not None:
+                sums.finish()
             rebound = {n: b.buffer(n) for n in buffer_names}
         out_leaves, out_spec = pytree.tree_flatten(out)
         result["out_spec"] = out_spec
@@ -583,9 +744,6 @@ def _capture_step(fn: Callable, args: tuple, kwargs: dict, config: CompileConfig
     if "backward" not in events.order:
         raise CaptureError("the train step never calls loss.backward(): graphoffload compiles "
                            "training steps (forward, backward, optimizer.step())")
-    if events.order.count("backward") > 1:
-        raise UnsupportedError("the train step calls backward more than once; gradient accumulation "
-                               "inside one compiled step is not supported yet")
 
     input_specs = (
         [InputSpec("param", placeholder_name("p", n), n) for n in param_names]
@@ -593,7 +751,8 @@ def _capture_step(fn: Callable, args: tuple, kwargs: dict, config: CompileConfig
         + [InputSpec("state", placeholder_name(f"s_{k}", pn), (pn, k)) for pn, k in b.state_keys]
         + [InputSpec("lr", f"lr_{oi}_{gi}", (oi, gi)) for oi, gi in b.lr_groups]
         + [InputSpec("scaler", f"scaler_{i}_{key}", (i, key)) for i, key in scaler_keys]
-        + [InputSpec("batch", f"batch_{j}", j) for j in range(len(batch_positions))])
+        + [InputSpec("batch", f"batch_{j}", j) for j in range(len(batch_positions))]
+        + [InputSpec("grad_sum", _placeholder_name("g", n), n) for n in sum_names])
     graph = _rename_placeholders(gm, [s.name for s in input_specs])
     # the signature records the names fx gave the placeholders (see placeholder_name)
     input_specs = [dataclasses.replace(s, name=n.name)

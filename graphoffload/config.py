@@ -126,6 +126,9 @@ class CompileConfig:
             shapes, dtypes, train/eval mode or optimizer settings each cause a re-trace).
         sequence_parallel: a `graphoffload.SequenceParallel`: split the sequence across the
             ranks of a process group (the `ring_attention` pass); None (default): no split.
+        accumulation_steps: k > 1 makes each call one micro-batch: its gradients (of the loss
+            divided by k) are added into running sums kept on the device, and every k-th call
+            updates from the sums (DeepSpeed's gradient_accumulation_steps). 1: every call updates.
     """
 
     subgroup_numel: int = 32 * 1024 * 1024
@@ -135,8 +138,11 @@ class CompileConfig:
     verify: bool = True
     retrace_warning_after: int = 8
     sequence_parallel: Any = None
+    accumulation_steps: int = 1
 
     def __post_init__(self) -> None:
+        if not isinstance(self.accumulation_steps, int) or self.accumulation_steps < 1:
+            raise ValueError(f"accumulation_steps must be an int >= 1, got {self.accumulation_steps!r}")
         if self.subgroup_numel <= 0:
             raise ValueError(f"subgroup_numel must be positive, got {self.subgroup_numel}")
         object.__setattr__(self, "disable_passes", tuple(self.disable_passes))

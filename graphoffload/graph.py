@@ -27,7 +27,7 @@ Phase = Literal["input", "forward", "backward", "optimizer", "comm", "transfer",
 
 TENSOR_SLOT = object()   # marks where a graph output goes in the step's return value
 
-InputKind = Literal["param", "buffer", "state", "lr", "scaler", "batch", "host_scratch"]
+InputKind = Literal["param", "buffer", "state", "lr", "scaler", "batch", "host_scratch", "grad_sum"]
 OutputKind = Literal["user", "grad", "buffer"]
 
 
@@ -40,7 +40,8 @@ class InputSpec:
     index, "scale" | "growth_tracker")`` for a GradScaler's state, the index
     among the flattened tensor arguments of the step for batch inputs, and ``(param name,
     purpose)`` for host scratch buffers the runtime allocates once (e.g. a gradient's pinned
-    landing buffer). ``host`` marks tensors kept in (pinned) host memory rather than on the
+    landing buffer), and the parameter name for ``grad_sum``, a gradient's running sum over an
+    accumulation window (``accumulation_steps``), a device buffer the step keeps between calls. ``host`` marks tensors kept in (pinned) host memory rather than on the
     model's device; the runtime moves them there once and memory analysis does not count them.
     """
 

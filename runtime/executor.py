@@ -68,6 +68,8 @@ class Executor:
                 values.append(torch.tensor(b.lr(*spec.target), dtype=torch.float64))
             elif spec.kind == "scaler":
                 values.append(b.scaler_state(*spec.target))
+            elif spec.kind == "grad_sum":
+                values.append(self.capture.accumulation.sums(spec.target, b.params[spec.target]))
             else:
                 values.append(batch[spec.target].detach())
         return values
@@ -96,9 +98,10 @@ class Executor:
             if p.grad is not None and name not in self.capture.zeroed_before_backward:
                 raise StateError(
                     f"parameter {name} has a .grad left from an earlier step and the compiled step does "
-                    "not zero it before backward; gradient accumulation across compiled calls is not "
-                    "supported: zero it (optimizer.zero_grad() or model.zero_grad()) before calling the "
-                    "step, or inside it before backward")
+                    "not zero it before backward; a compiled step does not add into gradients left outside "
+                    "it: zero it (optimizer.zero_grad() or model.zero_grad()) before calling the step, or "
+                    "inside it before backward. To accumulate over calls, compile the step with "
+                    "offload_compile(..., accumulation_steps=k)")
 
     def run(self, args: tuple, kwargs: dict, profile: dict[str, float] | None = None) -> Any:
         """Run one step. With `profile` (a dict), time every node into it instead (slower)."""

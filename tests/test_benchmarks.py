@@ -20,7 +20,8 @@ def _run(script: str, *args: str, out) -> dict:
 
 
 @pytest.mark.parametrize("script,extra", [("fuse_optimizer.py", ()), ("fuse_optimizer.py", ("--clip", "1.0")),
-                                          ("offload.py", ())], ids=["fuse", "fuse-clip", "offload"])
+                                          ("offload.py", ()), ("grad_accumulation.py", ())],
+                         ids=["fuse", "fuse-clip", "offload", "grad-accumulation"])
 def test_benchmark_smoke_run_writes_rows(script, extra, tmp_path):
     result = _run(script, "--smoke", *extra, out=tmp_path / "r.json")
     assert len(result["rows"]) >= 2

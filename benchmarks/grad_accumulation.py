@@ -1,0 +1,137 @@
+"""Benchmark gradient accumulation: what unrolling k micro-batches costs at compile time, and
+the time and predicted peak of a window of k micro-batches, eager vs both compiled forms.
+
+    python benchmarks/grad_accumulation.py             # GPU if present, else CPU
+    python benchmarks/grad_accumulation.py --smoke     # tiny CPU run (seconds)
+
+Form A is a step that loops over its k micro-batches (one graph with k forwards and
+backwards); form B is the ordinary step compiled with `accumulation_steps=k`, called k times.
+The compile rows trace form A for several k: nodes, trace time and pass time grow about
+linearly with k (the graph is unrolled). The window rows time k micro-batches and one update,
+interleaved so that machine drift hits all alike; their peaks are the memory analysis'
+predictions (form B: its updating call; the running sums it keeps between calls count).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import functools
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from common import (autocast_train_step, build_gpt, device_name, median, print_table,  # noqa: E402
+                    synchronize, time_interleaved, write_json)
+
+import graphoffload  # noqa: E402
+
+
+def window_step(model, optimizer, micro_batches, max_norm: float | None = None):
+    """Form A: k forward/backward with loss/k, then (clip and) one update."""
+    on_gpu = micro_batches[0].device.type == "cuda"
+    for mb in micro_batches:
+        with torch.autocast("cuda" if on_gpu else "cpu", dtype=torch.bfloat16, enabled=on_gpu):
+            loss = model(mb, labels=mb)
+        (loss / len(micro_batches)).backward()
+    if max_norm is not None:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def make_opt(model):
+    return torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=True)
+
+
+def compile_row(base, micro_batches: list[torch.Tensor], k: int, device: torch.device, max_norm) -> dict:
+    model = copy.deepcopy(base)
+    opt = make_opt(model)
+    step = graphoffload.offload_compile(functools.partial(window_step, max_norm=max_norm))
+    synchronize(device)
+    start = time.perf_counter()
+    step.compile(model, opt, micro_batches[:k])
+    total = time.perf_counter() - start
+    passes = sum(step.last.timings.values())
+    return {"mode": f"form A compile, k={k}", "k": k, "nodes_captured": len(step.graphs["captured"].graph.nodes),
+            "nodes_final": len(step.graphs["final"].graph.nodes), "compile_s": total,
+            "passes_s": passes, "trace_s": total - passes}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--d-model", type=int, default=256)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--vocab", type=int, default=4096)
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--batch", type=int, default=2, help="sequences per micro-batch")
+    p.add_argument("--k", type=int, default=4, help="micro-batches per update in the window rows")
+    p.add_argument("--compile-ks", default="1,2,4,8", help="k of the compile-cost rows")
+    p.add_argument("--clip", type=float, default=1.0, metavar="MAX_NORM")
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--smoke", action="store_true", help="tiny model on the CPU")
+    p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "grad_accumulation.json"))
+    args = p.parse_args()
+    if args.smoke:
+        args.device, args.layers, args.d_model, args.heads, args.vocab, args.seq = "cpu", 2, 64, 2, 256, 32
+        args.steps, args.warmup, args.k, args.compile_ks = 2, 1, 2, "1,2"
+    device = torch.device(args.device)
+    base, cfg = build_gpt(args, device)
+    ks = [int(x) for x in args.compile_ks.split(",")]
+    g = torch.Generator().manual_seed(0)
+    micro_batches = [torch.randint(0, args.vocab, (args.batch, args.seq), generator=g).to(device)
+                     for _ in range(max(ks + [args.k]))]
+    n_params = sum(p.numel() for p in base.parameters())
+    grad_mib = sum(p.numel() * p.element_size() for p in base.parameters()) / 2**20
+
+    compile_rows = [compile_row(base, micro_batches, k, device, args.clip) for k in ks]
+    for r in compile_rows:
+        r["nodes_vs_k1"] = r["nodes_captured"] / compile_rows[0]["nodes_captured"]
+        r["compile_vs_k1"] = r["compile_s"] / compile_rows[0]["compile_s"]
+
+    window = micro_batches[:args.k]
+    step_b = functools.partial(autocast_train_step, max_norm=args.clip)
+    runs, steps = {}, {}
+    for name, step in [("eager", None), ("form A", graphoffload.offload_compile(
+            functools.partial(window_step, max_norm=args.clip))),
+            ("form B", graphoffload.offload_compile(step_b, accumulation_steps=args.k))]:
+        model = copy.deepcopy(base)
+        opt = make_opt(model)
+        steps[name] = step
+        if name == "eager":
+            runs[name] = lambda m=model, o=opt: window_step(m, o, window, args.clip)
+        elif name == "form A":
+            runs[name] = lambda s=step, m=model, o=opt: s(m, o, window)
+        else:
+            runs[name] = lambda s=step, m=model, o=opt: [s(m, o, mb) for mb in window]
+    times = time_interleaved(runs, device, args.warmup, args.steps)
+    traces = {name: s.trace_count for name, s in steps.items() if s is not None}
+    window_rows = []
+    for name, step in steps.items():
+        row = {"mode": f"{name} window, k={args.k}", "window_ms": median(times[name]) * 1e3}
+        if step is not None:
+            row["peak_predicted_MiB"] = step.memory("final").peak / 2**20
+            row["traces"] = traces[name]
+        window_rows.append(row)
+    window_rows[0]["peak_predicted_MiB"] = steps["form A"].memory("captured").peak / 2**20
+    for r in window_rows:
+        r["vs_eager_time"] = r["window_ms"] / window_rows[0]["window_ms"]
+
+    print(f"GPT {n_params / 1e6:.1f}M params ({cfg.n_layer} layers, d={cfg.d_model}), micro-batch "
+          f"{args.batch}x{args.seq}, gradients {grad_mib:.1f} MiB, clip {args.clip}, on {device_name(device)}")
+    print_table(compile_rows, ["mode", "nodes_captured", "nodes_final", "nodes_vs_k1", "trace_s", "passes_s",
+                               "compile_s", "compile_vs_k1"])
+    print_table(window_rows, ["mode", "window_ms", "vs_eager_time", "peak_predicted_MiB", "traces"])
+    write_json(args.out, {"benchmark": "grad_accumulation", "device": device_name(device), "params": n_params,
+                          "gradient_MiB": grad_mib, "config": vars(args), "rows": compile_rows + window_rows})
+
+
+if __name__ == "__main__":
+    main()
