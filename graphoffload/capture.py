@@ -752,7 +752,7 @@ def _capture_step(fn: Callable, args: tuple, kwargs: dict, config: CompileConfig
         + [InputSpec("lr", f"lr_{oi}_{gi}", (oi, gi)) for oi, gi in b.lr_groups]
         + [InputSpec("scaler", f"scaler_{i}_{key}", (i, key)) for i, key in scaler_keys]
         + [InputSpec("batch", f"batch_{j}", j) for j in range(len(batch_positions))]
-        + [InputSpec("grad_sum", _placeholder_name("g", n), n) for n in sum_names])
+        + [InputSpec("grad_sum", placeholder_name("g", n), n) for n in sum_names])
     graph = _rename_placeholders(gm, [s.name for s in input_specs])
     # the signature records the names fx gave the placeholders (see placeholder_name)
     input_specs = [dataclasses.replace(s, name=n.name)
