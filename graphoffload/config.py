@@ -126,6 +126,11 @@ class CompileConfig:
             shapes, dtypes, train/eval mode or optimizer settings each cause a re-trace).
         sequence_parallel: a `graphoffload.SequenceParallel`: split the sequence across the
             ranks of a process group (the `ring_attention` pass); None (default): no split.
+        sanitize: on a machine without a GPU, run the offload runtime's asynchronous ops late,
+            in random order, with their destinations poisoned (NaN) until they complete, so a
+            read the schedule does not order after its wait changes results (a test mode; the
+            environment variable GRAPHOFFLOAD_SANITIZE=1 turns it on too; see
+            graphoffload/runtime/sanitizer.py).
     """
 
     subgroup_numel: int = 32 * 1024 * 1024
@@ -135,6 +140,7 @@ class CompileConfig:
     verify: bool = True
     retrace_warning_after: int = 8
     sequence_parallel: Any = None
+    sanitize: bool = False
 
     def __post_init__(self) -> None:
         if self.subgroup_numel <= 0:

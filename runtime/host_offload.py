@@ -36,6 +36,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 from torch import Tensor
 
+from graphoffload.runtime.sanitizer import Sanitizer
+
 _ACTIVE: contextvars.ContextVar[OffloadRuntime | None] = contextvars.ContextVar("graphoffload_offload", default=None)
 
 
@@ -48,9 +50,11 @@ def _done(value: object) -> Future:
 class OffloadRuntime:
     """Streams, the CPU worker and in-flight tickets of one compiled step."""
 
-    def __init__(self, device: torch.device, cpu_workers: int = 1):
+    def __init__(self, device: torch.device, cpu_workers: int = 1, sanitizer: Sanitizer | None = None):
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
+        # the CPU runtime's copies are synchronous; a sanitizer makes them late and poisoned
+        self.sanitizer = None if self.cuda else sanitizer
         if self.cuda and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.d2h = torch.cuda.Stream(self.device) if self.cuda else None
@@ -151,6 +155,13 @@ class OffloadRuntime:
     # ---------------------------------------------------------------- the ops' bodies
 
     def copy_to_host(self, device_tensors: list[Tensor], host: list[Tensor]) -> Tensor:
+        if self.sanitizer is not None:
+            sources = [d.clone() for d in device_tensors]   # read at launch, as the stream does
+
+            def land():
+                for s, h in zip(sources, host):
+                    h.copy_(s)
+            return self.issue(self.sanitizer.launch("d2h", host, [], land))
         if not self.cuda:
             start = time.perf_counter()
             for d, h in zip(device_tensors, host):
@@ -179,6 +190,8 @@ class OffloadRuntime:
             result = work()
             self._span("cpu", "update", start)
             return result
+        if self.sanitizer is not None:
+            return self.issue(self.sanitizer.launch("cpu", [], [], task))
         return self.issue(self.pool.submit(task))
 
     def copy_to_device(self, after: Tensor, master: list[Tensor], staging: list[Tensor],
@@ -208,11 +221,20 @@ class OffloadRuntime:
                 for d, s in zip(device_tensors, sources):
                     d.copy_(s, non_blocking=True)
                 return self._stream_end("h2d", "upload", start, self.h2d)
+        if self.sanitizer is not None:
+            return self.issue(self.sanitizer.launch("h2d", [*device_tensors, *staging], [], task))
         return self.issue(self.pool.submit(task))
 
     def prefetch(self, host: list[Tensor]) -> list[Tensor]:
         """Copies of host tensors on the device, filled asynchronously; the ticket comes last."""
         out = [torch.empty_like(h, device=self.device) for h in host]
+        if self.sanitizer is not None:
+            sources = [h.clone() for h in host]
+
+            def land():
+                for o, s in zip(out, sources):
+                    o.copy_(s)
+            return out + [self.issue(self.sanitizer.launch("h2d", out, [], land))]
         if not self.cuda:
             for o, h in zip(out, host):
                 o.copy_(h)
