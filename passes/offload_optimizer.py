@@ -140,7 +140,8 @@ def _find_early_gradients(storages: StorageMap, k: UpdateKernel, end: int) -> _E
 
 def _emit_cpu_path(g: fx.Graph, k: UpdateKernel, masters: list[fx.Node], host_grads: list[fx.Node],
                    staging: list[fx.Node], scaling: dict[str, tuple[fx.Node, fx.Node]], meta: dict,
-                   early: _EarlyGradients | None, hand_over: tuple[str, fx.Node] | None) -> None:
+                   early: _EarlyGradients | None, hand_over: tuple[str, fx.Node] | None,
+                   read_after: fx.Node | None) -> None:
     """`scaling`: "grad_scale"/"found_inf"/"grad_multiplier" -> (device, host) nodes of a
     GradScaler's tensors and of the scalar in `early`, copied with the gradients so the host
     update can unscale, skip and scale.
@@ -152,7 +153,11 @@ def _emit_cpu_path(g: fx.Graph, k: UpdateKernel, masters: list[fx.Node], host_gr
 
     With `hand_over` = (key, node) (Offload.overlap_next_step), the step does not wait for the
     upload: it hands it over under `key`, and the next step waits for it before `node`, its
-    forward's first reader of the bucket's parameters."""
+    forward's first reader of the bucket's parameters.
+
+    With `read_after` (the first node that reads the bucket's parameters after the update: a
+    weight norm logged after optimizer.step()), the step waits for the upload right before
+    that node and never hands it over."""
     parked = []
     if early is not None:
         for source, final_at, host in zip(early.sources, early.final_at, host_grads):
@@ -168,8 +173,8 @@ def _emit_cpu_path(g: fx.Graph, k: UpdateKernel, masters: list[fx.Node], host_gr
                                           for key in ("grad_scale", "found_inf", "grad_multiplier")))
         to_device = g.call_function(ops.copy_to_device.default, (update, masters, staging, k.params))
     waits = []
-    with g.inserting_before(g.output_node()):
-        if hand_over is None:
+    with g.inserting_before(read_after or g.output_node()):
+        if hand_over is None or read_after is not None:
             waits.append(g.call_function(ops.wait_device.default, (to_device, k.params)))
         else:
             key, first_reader = hand_over
@@ -223,6 +228,16 @@ def _emit_device_path(g: fx.Graph, k: UpdateKernel, masters: list[fx.Node], pref
         landed = g.call_function(ops.wait_host.default, (write_back, back_to))
     _tag([fetched, *items, waited, write_back, landed], meta, "transfer")
     _tag([n for n in nodes if n is not waited] + [update], meta, "optimizer")
+
+
+def _first_read_after_update(k: UpdateKernel, storages: StorageMap) -> fx.Node | None:
+    """The first node after the bucket's update that reads (or writes) any of its parameters,
+    through any view, or None when only the step's outputs do."""
+    unit = {k.node, *k.nodes}
+    updated_at = max(storages.position[n] for n in unit if n in storages.position)
+    after = [a.node for p in k.params for s in storages.of(p) for a in storages.accesses[s]
+             if a.position > updated_at and a.node not in unit]
+    return min(after, key=storages.position.__getitem__, default=None)
 
 
 def _first_reader(k: UpdateKernel, position: dict[fx.Node, int]) -> fx.Node:
@@ -305,6 +320,7 @@ def offload_optimizer(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
     early = [_find_early_gradients(storages, k, max(backward)) if backward else None for k in kernels]
     paths, prefetch_at = _choose_paths(graph, kernels, ctx, state_bytes, early)
     early = [found if path == "cpu" else None for found, path in zip(early, paths)]
+    read_after = [_first_read_after_update(k, storages) for k in kernels]
     nodes = [nd for nd in g.nodes if nd.op != "output"]
     replaced = {nd for k in kernels for nd in (k.node, *k.nodes)}   # erased as the loop goes
 
@@ -344,7 +360,8 @@ def offload_optimizer(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
                 for what, d in (("grad_scale", k.grad_scale), ("found_inf", k.found_inf),
                                 ("grad_multiplier", multiplier)) if d is not None}
             _emit_cpu_path(g, k, masters, host_grads, staging, scaling, meta, early[b],
-                           (f"bucket {b}", _first_reader(k, position)) if offload.overlap_next_step else None)
+                           (f"bucket {b}", _first_reader(k, position)) if offload.overlap_next_step else None,
+                           read_after[b])
         else:
             _emit_device_path(g, k, masters, prefetch_anchor(prefetch_at[b]), ctx.device, meta)
         k.erase()
@@ -352,9 +369,15 @@ def offload_optimizer(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
             early_buckets += 1
             for node in early[b].scalings:
                 g.erase_node(node)
+    read_in_step = [b for b, path in enumerate(paths) if path == "cpu" and read_after[b] is not None]
+    if read_in_step:
+        graph.note("offload_optimizer", f"{len(read_in_step)} CPU-path buckets' parameters are read after the "
+                   "update inside the step: the step waits for their uploads before that read"
+                   + (" and does not hand them over" if offload.overlap_next_step else ""))
     if offload.overlap_next_step:
-        graph.note("offload_optimizer", f"{paths.count('cpu')} CPU-path buckets hand their uploads over to the "
-                   "next step, which waits for each right before its forward first reads the bucket's parameters")
+        graph.note("offload_optimizer", f"{paths.count('cpu') - len(read_in_step)} CPU-path buckets hand their "
+                   "uploads over to the next step, which waits for each right before its forward first reads "
+                   "the bucket's parameters")
     if early_buckets:
         graph.note("offload_optimizer", f"{early_buckets} buckets' updates wait past backward (clipping's norm, a "
                    "GradScaler's inf checks) but their gradients go to the host as soon as they are final, "
