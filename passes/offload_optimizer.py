@@ -382,6 +382,7 @@ def offload_optimizer(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
         graph.note("offload_optimizer", f"{early_buckets} buckets' updates wait past backward (clipping's norm, a "
                    "GradScaler's inf checks) but their gradients go to the host as soon as they are final, "
                    "inside backward, so the device frees them there (the host applies clip_grad_norm_'s scaling)")
+    host_offload.assign_streams(g)   # node.meta["stream"]: which copy stream each transfer runs on
     graph = graph.with_signature(inputs=tuple(specs))
     fill_missing_meta(graph, "offload_optimizer")   # the prefetched buffers' sizes count below
     device_peak = analyze_memory(graph).peak

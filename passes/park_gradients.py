@@ -173,6 +173,7 @@ def park_gradients(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
                 for alias in p.aliases & set(reader.all_input_nodes):
                     reader.replace_input_with(alias, restored)
 
+    host_offload.assign_streams(graph.graph)   # node.meta["stream"] of its copies
     graph = graph.with_signature(inputs=tuple(specs))
     fill_missing_meta(graph, "park_gradients")
     after_peak = analyze_memory(graph).peak

@@ -38,6 +38,27 @@ from torch import Tensor
 
 from graphoffload.runtime.sanitizer import Sanitizer
 
+# the copy stream each transfer op runs on; `assign_streams` writes it into the graph
+# (node.meta["stream"]) so the printed schedule shows it, and the runtime uses the same table
+COPY_STREAMS = ("d2h", "h2d_prefetch", "h2d_upload")
+_STREAM_OF_OP = {"copy_to_host": "d2h", "prefetch_to_device": "h2d_prefetch", "copy_to_device": "h2d_upload"}
+
+
+def stream_of(target: object) -> str | None:
+    """The copy stream a graph node's target runs on, or None for the compute stream / host."""
+    name = getattr(target, "__name__", "")
+    namespace = getattr(target, "namespace", None)
+    return _STREAM_OF_OP.get(name.split(".")[0]) if namespace == "graphoffload" else None
+
+
+def assign_streams(graph) -> None:
+    """Record in `node.meta["stream"]` the copy stream of every transfer node of an fx graph."""
+    for node in graph.nodes:
+        stream = stream_of(node.target)
+        if stream is not None:
+            node.meta["stream"] = stream
+
+
 _ACTIVE: contextvars.ContextVar[OffloadRuntime | None] = contextvars.ContextVar("graphoffload_offload", default=None)
 
 
@@ -57,11 +78,14 @@ class OffloadRuntime:
         self.sanitizer = None if self.cuda else sanitizer
         if self.cuda and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
-        self.d2h = torch.cuda.Stream(self.device) if self.cuda else None
-        self.h2d = torch.cuda.Stream(self.device) if self.cuda else None
+        # one stream per entry of COPY_STREAMS: prefetches (issued early by the graph thread) and
+        # uploads (issued late by the worker) on separate host-to-device streams, so an upload
+        # never queues behind prefetches issued before it, as the planner assumes
+        self.streams = {name: torch.cuda.Stream(self.device) for name in COPY_STREAMS} if self.cuda else {}
+        self.d2h = self.streams.get("d2h")
         # one worker by default: buckets update in FIFO order and the fused CPU kernel already
         # uses torch's intra-op threads. A new thread's current CUDA device is 0, not the
-        # caller's: `torch.cuda.stream(self.h2d)` would switch it to ours and back to 0 on exit,
+        # caller's: `torch.cuda.stream(stream)` would switch it to ours and back to 0 on exit,
         # creating a context on GPU 0 in every process of a multi-GPU job, so workers start on ours
         self.pool = ThreadPoolExecutor(max_workers=cpu_workers, thread_name_prefix="graphoffload-host",
                                        initializer=torch.cuda.set_device if self.cuda else None,
@@ -215,12 +239,12 @@ class OffloadRuntime:
                     d.copy_(s)
                 self._span("h2d", "upload", start)
                 return None
-            self.h2d.wait_event(issued_at)
-            with torch.cuda.stream(self.h2d):
-                start = self._stream_start(self.h2d)
+            self.streams["h2d_upload"].wait_event(issued_at)
+            with torch.cuda.stream(self.streams["h2d_upload"]):
+                start = self._stream_start(self.streams["h2d_upload"])
                 for d, s in zip(device_tensors, sources):
                     d.copy_(s, non_blocking=True)
-                return self._stream_end("h2d", "upload", start, self.h2d)
+                return self._stream_end("h2d", "upload", start, self.streams["h2d_upload"])
         if self.sanitizer is not None:
             return self.issue(self.sanitizer.launch("h2d", [*device_tensors, *staging], [], task))
         return self.issue(self.pool.submit(task))
@@ -240,13 +264,13 @@ class OffloadRuntime:
                 o.copy_(h)
             return out + [self.issue(_done(None))]
         # the buffers may reuse blocks that held activations the compute stream still reads
-        self.h2d.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self.h2d):
-            start = self._stream_start(self.h2d)
+        self.streams["h2d_prefetch"].wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.streams["h2d_prefetch"]):
+            start = self._stream_start(self.streams["h2d_prefetch"])
             for o, h in zip(out, host):
                 o.copy_(h, non_blocking=True)
-                o.record_stream(self.h2d)
-            event = self._stream_end("h2d", "prefetch", start, self.h2d)
+                o.record_stream(self.streams["h2d_prefetch"])
+            event = self._stream_end("h2d", "prefetch", start, self.streams["h2d_prefetch"])
         return out + [self.issue(_done(event))]
 
     def wait_host(self, ticket: Tensor) -> None:
