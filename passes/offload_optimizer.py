@@ -196,7 +196,7 @@ def _emit_device_path(g: fx.Graph, k: UpdateKernel, masters: list[fx.Node], pref
     if prefetch_after.op == "placeholder":   # new placeholders (the master weights) go there too
         prefetch_after = next(nd for nd in g.nodes if nd.op != "placeholder").prev
     with g.inserting_after(prefetch_after):
-        fetched = g.call_function(ops.prefetch_to_device.default, (host, device))
+        fetched = g.call_function(ops.prefetch_to_device.default, (host, device, []))
     with g.inserting_after(fetched):
         items = [g.call_function(operator.getitem, (fetched, i)) for i in range(len(host) + 1)]
     ticket, on_device = items[-1], dict(zip(host, items))

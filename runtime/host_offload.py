@@ -249,20 +249,30 @@ class OffloadRuntime:
             return self.issue(self.sanitizer.launch("h2d", [*device_tensors, *staging], [], task))
         return self.issue(self.pool.submit(task))
 
-    def prefetch(self, host: list[Tensor]) -> list[Tensor]:
-        """Copies of host tensors on the device, filled asynchronously; the ticket comes last."""
+    def prefetch(self, host: list[Tensor], after: list[Tensor] | None = None) -> list[Tensor]:
+        """Copies of host tensors on the device, filled asynchronously; the ticket comes last.
+        `after`: tickets of device-to-host copies that fill `host`; the prefetch stream waits for
+        them on the GPU (stream order), the host does not block."""
+        dependencies = [self.redeem(t) for t in after or []]
         out = [torch.empty_like(h, device=self.device) for h in host]
         if self.sanitizer is not None:
-            sources = [h.clone() for h in host]
+            # read when it runs, after its dependencies, as the stream does
+            sources = [h.clone() for h in host] if not dependencies else host
 
             def land():
                 for o, s in zip(out, sources):
                     o.copy_(s)
-            return out + [self.issue(self.sanitizer.launch("h2d", out, [], land))]
+            return out + [self.issue(self.sanitizer.launch("h2d", out, dependencies, land))]
         if not self.cuda:
+            for dependency in dependencies:
+                dependency.result()
             for o, h in zip(out, host):
                 o.copy_(h)
             return out + [self.issue(_done(None))]
+        for dependency in dependencies:
+            event = dependency.result()   # a copy stream's event: recorded already, not waited for
+            if event is not None:
+                self.streams["h2d_prefetch"].wait_event(event)
         # the buffers may reuse blocks that held activations the compute stream still reads
         self.streams["h2d_prefetch"].wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.streams["h2d_prefetch"]):
@@ -398,14 +408,15 @@ def _(after, master, staging, params):
 
 
 @torch.library.custom_op("graphoffload::prefetch_to_device", mutates_args=())
-def prefetch_to_device(host: list[Tensor], device: torch.device) -> list[Tensor]:
+def prefetch_to_device(host: list[Tensor], device: torch.device, after: list[Tensor]) -> list[Tensor]:
     """Start copying host tensors into new device buffers; returns the buffers, then a ticket
-    that `wait_device` redeems before anything reads them."""
-    return active_runtime().prefetch(host)
+    that `wait_device` redeems before anything reads them. `after`: tickets of the copies to
+    the host that fill `host` (the copy waits for them in stream order, the host does not)."""
+    return active_runtime().prefetch(host, after)
 
 
 @prefetch_to_device.register_fake
-def _(host, device):
+def _(host, device, after):
     return [torch.empty_like(h, device=device) for h in host] + [_ticket_fake()]
 
 
