@@ -58,12 +58,13 @@ class Sanitizer:
     # ordered streams: ops launched on one complete in launch order (the d2h copy stream)
     FIFO_STREAMS = ("d2h",)
 
-    def __init__(self, seed: int | None = None, max_delay_s: float = 2e-3):
+    def __init__(self, seed: int | None = None, min_delay_s: float = 5e-4, max_delay_s: float = 2e-3):
         if seed is None:
             seed = int(os.environ.get(SANITIZE_SEED_ENV, "0"))
         self.seed = seed
         self.rng = random.Random(seed)
-        self.max_delay_s = max_delay_s
+        # a floor on the delay: an op that could complete at once would hide a read right after it
+        self.min_delay_s, self.max_delay_s = min_delay_s, max_delay_s
         self._last: dict[str, Future] = {}
 
     def launch(self, stream: str, destinations: Sequence[Tensor], after: Sequence[Future],
@@ -71,7 +72,7 @@ class Sanitizer:
         """Poison `destinations` now; run `work` on its own thread after a random delay, once
         every future in `after` (and, on a FIFO stream, the stream's previous op) is done."""
         poison(destinations)
-        delay = self.rng.uniform(0.0, self.max_delay_s)
+        delay = self.rng.uniform(self.min_delay_s, self.max_delay_s)
         before = list(after)
         if stream in self.FIFO_STREAMS and stream in self._last:
             before.append(self._last[stream])

@@ -105,14 +105,18 @@ def test_bucket_read_after_step_is_not_handed_over(schedule):
 def test_sanitizer_poisons_a_read_before_its_wait():
     """The sanitizer makes an unordered read visible: a graph that reads a parameter between its
     upload's launch and its wait sees NaN (here built by hand, as the unfixed pass did)."""
+    from concurrent.futures import Future
+
     from graphoffload.runtime.host_offload import OffloadRuntime
     from graphoffload.runtime.sanitizer import Sanitizer
     ops = torch.ops.graphoffload
     param, master = torch.zeros(8), torch.arange(8.0)
     runtime = OffloadRuntime("cpu", sanitizer=Sanitizer(seed=1))
+    update_done: Future = Future()   # the host update the upload waits for, still running
     with runtime.active():
-        ticket = ops.copy_to_device(runtime.issue(runtime.pool.submit(lambda: None)), [master], [], [param])
+        ticket = ops.copy_to_device(runtime.issue(update_done), [master], [], [param])
         early = param.clone()
+        update_done.set_result(None)
         ops.wait_device(ticket, [param])
     assert torch.isnan(early).all()
     assert torch.equal(param, master)
