@@ -63,7 +63,10 @@ class Offload:
     Attributes:
         gpu_memory_budget: most device memory the step may use (bytes or "20GiB"); compiling
             fails with the minimum needed when the predicted peak exceeds it. None: no check.
-            On a GPU, plans keep 64 MiB of it free for the CUDA libraries' workspaces.
+            On a GPU the check adds to the predicted peak what the CUDA allocator holds outside
+            the graph's tensors, as modelled terms: cuBLAS workspaces (64 MiB), attention
+            backward's fp32 accumulator, and blocks kept by record_stream until their copy to
+            the host ends (`passes/offload_optimizer.unseen_device_bytes`; explain() lists them).
         cpu_workers: threads that run host updates (each update kernel also uses torch's
             intra-op threads, so one is usually right).
         pin_memory: allocate host state in pinned memory (needed for asynchronous copies).

@@ -55,11 +55,36 @@ MASTER_DTYPE = torch.float32
 CUDA_WORKSPACE_RESERVE = 64 << 20
 
 
-def _planning_budget(ctx: PassContext) -> int | None:
+def unseen_device_bytes(g: fx.Graph, device: torch.device) -> dict[str, int]:
+    """Device memory the CUDA caching allocator holds that no graph node's value accounts for,
+    as modelled terms (all 0 off CUDA; the budget check and explain() add them to the predicted
+    peak):
+
+    - cublas_workspace: cuBLAS/cuBLASLt workspaces, created by the first matmul and kept;
+    - attention_backward: flash/efficient attention backward keeps an fp32 accumulator of
+      B*S*H*D*4 bytes (the query's size in fp32) while it runs: the largest one;
+    - copy_held: a tensor copied to the host on the copy stream is kept from reuse by
+      `record_stream` until its copy ends, after the graph's last reader freed it: the largest
+      single copy's device bytes.
+    """
+    if device.type != "cuda":
+        return {"cublas_workspace": 0, "attention_backward": 0, "copy_held": 0}
+    attention = max((n.args[1].meta["val"].numel() * 4 for n in g.nodes
+                     if n.target is torch.ops.graphoffload.attention_backward.default), default=0)
+    copies = [sum(t.meta["val"].numel() * t.meta["val"].element_size() for t in n.args[0]
+                  if t.meta["val"].device.type == "cuda")
+              for n in g.nodes if n.target is ops.copy_to_host.default]
+    return {"cublas_workspace": CUDA_WORKSPACE_RESERVE, "attention_backward": attention,
+            "copy_held": max(copies, default=0)}
+
+
+def _planning_budget(ctx: PassContext, unseen: int | None = None) -> int | None:
+    """The budget left to what the liveness analysis sees. `unseen`: the modelled bytes it
+    misses (unseen_device_bytes); None: only the cuBLAS workspaces'."""
     budget = ctx.config.offload.budget_bytes()
     if budget is None or ctx.device.type != "cuda":
         return budget
-    return budget - CUDA_WORKSPACE_RESERVE
+    return budget - (CUDA_WORKSPACE_RESERVE if unseen is None else unseen)
 
 
 def _move_to_host(node: fx.Node, dtype: torch.dtype | None) -> None:
@@ -276,14 +301,20 @@ def _choose_paths(graph: TrainGraph, kernels: list[UpdateKernel], ctx: PassConte
             if node is not None:
                 seconds[index[node]] = 0.0
     costs = StepCosts(seconds, live, buckets, offload.overlap_next_step)
+    # what the plan's copies may hold past their frees is not known before it: bound it by the
+    # largest bucket's gradients
+    unseen = unseen_device_bytes(graph.graph, ctx.device)
+    if ctx.device.type == "cuda":
+        unseen["copy_held"] = max(b.grad_bytes for b in buckets)
+    budget = _planning_budget(ctx, sum(unseen.values()))
     if isinstance(mode, int):
         chosen = predict(costs, [("device" if i % mode == mode - 1 else "cpu") for i in range(n)], cal,
-                         _planning_budget(ctx))
+                         budget)
         candidates = {}
         if chosen is None:
             raise UnsupportedError(f"device_updates={mode} cannot meet gpu_memory_budget {offload.gpu_memory_budget}")
     else:
-        chosen, candidates = plan(costs, cal, _planning_budget(ctx))
+        chosen, candidates = plan(costs, cal, budget)
     graph.note("offload_optimizer", f"plan: {chosen.assignment.count('device')} of {n} buckets on the device, "
                f"predicted step {chosen.step_seconds * 1e3:.3g} ms" + "".join(
                    f"; {name} {t * 1e3:.3g} ms" for name, t in candidates.items()))
@@ -389,10 +420,16 @@ def offload_optimizer(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
     graph.note("offload_optimizer", f"{len(kernels)} update buckets offloaded: {format_bytes(moved_bytes)} of "
                f"master weights and optimizer state in host memory; predicted device peak "
                f"{format_bytes(device_peak)}")
-    budget = _planning_budget(ctx)
+    unseen = unseen_device_bytes(g, ctx.device)
+    if any(unseen.values()):
+        graph.note("offload_optimizer", "device memory no node holds, modelled: " + ", ".join(
+            f"{name.replace('_', ' ')} {format_bytes(b)}" for name, b in unseen.items()))
+    budget = _planning_budget(ctx, sum(unseen.values()))
     if budget is not None and device_peak > budget:
         reserve = offload.budget_bytes() - budget
-        kept = f", plus {format_bytes(reserve)} kept free for CUDA libraries' workspaces" if reserve else ""
+        kept = (f", plus {format_bytes(reserve)} the CUDA allocator holds outside the graph's tensors ("
+                + ", ".join(f"{name.replace('_', ' ')} {format_bytes(b)}" for name, b in unseen.items() if b)
+                + ")") if reserve else ""
         raise UnsupportedError(
             f"gpu_memory_budget {offload.gpu_memory_budget} cannot be met: with its optimizer state "
             f"offloaded the step still needs at least {format_bytes(device_peak)} ({device_peak:,} bytes) "
