@@ -153,7 +153,8 @@ class CompiledStep:
         # versions it records after each run stay right whichever variant ran last
         b = capture.bindings
         owner = (tuple(id(p) for p in b.params.values()), tuple(id(o) for o in b.optimizers))
-        executor = Executor(graph, capture, self.config.offload, host_state=self._host_states.get(owner))
+        executor = Executor(graph, capture, self.config.offload, host_state=self._host_states.get(owner),
+                            sanitize=self.config.sanitize)
         if executor.host_state is not None:
             self._host_states.setdefault(owner, executor.host_state)
         return CompiledVariant(capture, graph, stages, executor, dict(ctx.timings))
@@ -252,7 +253,8 @@ class CompiledStep:
         for g in {id(graph): graph, id(stages["final"]): stages["final"]}.values():
             g.note("offload_optimizer", f"re-planned from measured node times: the last plan predicted "
                    f"{old.graph.schedule.step_seconds * 1e3:.3g} ms a step, {measured * 1e3:.3g} ms were measured")
-        executor = Executor(graph, old.capture, self.config.offload, host_state=old.executor.host_state)
+        executor = Executor(graph, old.capture, self.config.offload, host_state=old.executor.host_state,
+                            sanitize=self.config.sanitize)
         new = CompiledVariant(old.capture, graph, stages, executor, dict(ctx.timings), replans=old.replans + 1)
         self._variants[key] = new    # `last` stays the variant that ran until the next call
 

@@ -63,7 +63,10 @@ class Offload:
     Attributes:
         gpu_memory_budget: most device memory the step may use (bytes or "20GiB"); compiling
             fails with the minimum needed when the predicted peak exceeds it. None: no check.
-            On a GPU, plans keep 64 MiB of it free for the CUDA libraries' workspaces.
+            On a GPU the check adds to the predicted peak what the CUDA allocator holds outside
+            the graph's tensors, as modelled terms: cuBLAS workspaces (64 MiB), attention
+            backward's fp32 accumulator, and blocks kept by record_stream until their copy to
+            the host ends (`passes/offload_optimizer.unseen_device_bytes`; explain() lists them).
         cpu_workers: threads that run host updates (each update kernel also uses torch's
             intra-op threads, so one is usually right).
         pin_memory: allocate host state in pinned memory (needed for asynchronous copies).
@@ -129,6 +132,11 @@ class CompileConfig:
         accumulation_steps: k > 1 makes each call one micro-batch: its gradients (of the loss
             divided by k) are added into running sums kept on the device, and every k-th call
             updates from the sums (DeepSpeed's gradient_accumulation_steps). 1: every call updates.
+        sanitize: on a machine without a GPU, run the offload runtime's asynchronous ops late,
+            in random order, with their destinations poisoned (NaN) until they complete, so a
+            read the schedule does not order after its wait changes results (a test mode; the
+            environment variable GRAPHOFFLOAD_SANITIZE=1 turns it on too; see
+            graphoffload/runtime/sanitizer.py).
     """
 
     subgroup_numel: int = 32 * 1024 * 1024
@@ -139,6 +147,7 @@ class CompileConfig:
     retrace_warning_after: int = 8
     sequence_parallel: Any = None
     accumulation_steps: int = 1
+    sanitize: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.accumulation_steps, int) or self.accumulation_steps < 1:

@@ -55,11 +55,36 @@ MASTER_DTYPE = torch.float32
 CUDA_WORKSPACE_RESERVE = 64 << 20
 
 
-def _planning_budget(ctx: PassContext) -> int | None:
+def unseen_device_bytes(g: fx.Graph, device: torch.device) -> dict[str, int]:
+    """Device memory the CUDA caching allocator holds that no graph node's value accounts for,
+    as modelled terms (all 0 off CUDA; the budget check and explain() add them to the predicted
+    peak):
+
+    - cublas_workspace: cuBLAS/cuBLASLt workspaces, created by the first matmul and kept;
+    - attention_backward: flash/efficient attention backward keeps an fp32 accumulator of
+      B*S*H*D*4 bytes (the query's size in fp32) while it runs: the largest one;
+    - copy_held: a tensor copied to the host on the copy stream is kept from reuse by
+      `record_stream` until its copy ends, after the graph's last reader freed it: the largest
+      single copy's device bytes.
+    """
+    if device.type != "cuda":
+        return {"cublas_workspace": 0, "attention_backward": 0, "copy_held": 0}
+    attention = max((n.args[1].meta["val"].numel() * 4 for n in g.nodes
+                     if n.target is torch.ops.graphoffload.attention_backward.default), default=0)
+    copies = [sum(t.meta["val"].numel() * t.meta["val"].element_size() for t in n.args[0]
+                  if t.meta["val"].device.type == "cuda")
+              for n in g.nodes if n.target is ops.copy_to_host.default]
+    return {"cublas_workspace": CUDA_WORKSPACE_RESERVE, "attention_backward": attention,
+            "copy_held": max(copies, default=0)}
+
+
+def _planning_budget(ctx: PassContext, unseen: int | None = None) -> int | None:
+    """The budget left to what the liveness analysis sees. `unseen`: the modelled bytes it
+    misses (unseen_device_bytes); None: only the cuBLAS workspaces'."""
     budget = ctx.config.offload.budget_bytes()
     if budget is None or ctx.device.type != "cuda":
         return budget
-    return budget - CUDA_WORKSPACE_RESERVE
+    return budget - (CUDA_WORKSPACE_RESERVE if unseen is None else unseen)
 
 
 def _move_to_host(node: fx.Node, dtype: torch.dtype | None) -> None:
@@ -140,7 +165,8 @@ def _find_early_gradients(storages: StorageMap, k: UpdateKernel, end: int) -> _E
 
 def _emit_cpu_path(g: fx.Graph, k: UpdateKernel, masters: list[fx.Node], host_grads: list[fx.Node],
                    staging: list[fx.Node], scaling: dict[str, tuple[fx.Node, fx.Node]], meta: dict,
-                   early: _EarlyGradients | None, hand_over: tuple[str, fx.Node] | None) -> None:
+                   early: _EarlyGradients | None, hand_over: tuple[str, fx.Node] | None,
+                   read_after: fx.Node | None) -> None:
     """`scaling`: "grad_scale"/"found_inf"/"grad_multiplier" -> (device, host) nodes of a
     GradScaler's tensors and of the scalar in `early`, copied with the gradients so the host
     update can unscale, skip and scale.
@@ -152,7 +178,11 @@ def _emit_cpu_path(g: fx.Graph, k: UpdateKernel, masters: list[fx.Node], host_gr
 
     With `hand_over` = (key, node) (Offload.overlap_next_step), the step does not wait for the
     upload: it hands it over under `key`, and the next step waits for it before `node`, its
-    forward's first reader of the bucket's parameters."""
+    forward's first reader of the bucket's parameters.
+
+    With `read_after` (the first node that reads the bucket's parameters after the update: a
+    weight norm logged after optimizer.step()), the step waits for the upload right before
+    that node and never hands it over."""
     parked = []
     if early is not None:
         for source, final_at, host in zip(early.sources, early.final_at, host_grads):
@@ -168,8 +198,8 @@ def _emit_cpu_path(g: fx.Graph, k: UpdateKernel, masters: list[fx.Node], host_gr
                                           for key in ("grad_scale", "found_inf", "grad_multiplier")))
         to_device = g.call_function(ops.copy_to_device.default, (update, masters, staging, k.params))
     waits = []
-    with g.inserting_before(g.output_node()):
-        if hand_over is None:
+    with g.inserting_before(read_after or g.output_node()):
+        if hand_over is None or read_after is not None:
             waits.append(g.call_function(ops.wait_device.default, (to_device, k.params)))
         else:
             key, first_reader = hand_over
@@ -191,7 +221,7 @@ def _emit_device_path(g: fx.Graph, k: UpdateKernel, masters: list[fx.Node], pref
     if prefetch_after.op == "placeholder":   # new placeholders (the master weights) go there too
         prefetch_after = next(nd for nd in g.nodes if nd.op != "placeholder").prev
     with g.inserting_after(prefetch_after):
-        fetched = g.call_function(ops.prefetch_to_device.default, (host, device))
+        fetched = g.call_function(ops.prefetch_to_device.default, (host, device, []))
     with g.inserting_after(fetched):
         items = [g.call_function(operator.getitem, (fetched, i)) for i in range(len(host) + 1)]
     ticket, on_device = items[-1], dict(zip(host, items))
@@ -223,6 +253,16 @@ def _emit_device_path(g: fx.Graph, k: UpdateKernel, masters: list[fx.Node], pref
         landed = g.call_function(ops.wait_host.default, (write_back, back_to))
     _tag([fetched, *items, waited, write_back, landed], meta, "transfer")
     _tag([n for n in nodes if n is not waited] + [update], meta, "optimizer")
+
+
+def _first_read_after_update(k: UpdateKernel, storages: StorageMap) -> fx.Node | None:
+    """The first node after the bucket's update that reads (or writes) any of its parameters,
+    through any view, or None when only the step's outputs do."""
+    unit = {k.node, *k.nodes}
+    updated_at = max(storages.position[n] for n in unit if n in storages.position)
+    after = [a.node for p in k.params for s in storages.of(p) for a in storages.accesses[s]
+             if a.position > updated_at and a.node not in unit]
+    return min(after, key=storages.position.__getitem__, default=None)
 
 
 def _first_reader(k: UpdateKernel, position: dict[fx.Node, int]) -> fx.Node:
@@ -261,14 +301,20 @@ def _choose_paths(graph: TrainGraph, kernels: list[UpdateKernel], ctx: PassConte
             if node is not None:
                 seconds[index[node]] = 0.0
     costs = StepCosts(seconds, live, buckets, offload.overlap_next_step)
+    # what the plan's copies may hold past their frees is not known before it: bound it by the
+    # largest bucket's gradients
+    unseen = unseen_device_bytes(graph.graph, ctx.device)
+    if ctx.device.type == "cuda":
+        unseen["copy_held"] = max(b.grad_bytes for b in buckets)
+    budget = _planning_budget(ctx, sum(unseen.values()))
     if isinstance(mode, int):
         chosen = predict(costs, [("device" if i % mode == mode - 1 else "cpu") for i in range(n)], cal,
-                         _planning_budget(ctx))
+                         budget)
         candidates = {}
         if chosen is None:
             raise UnsupportedError(f"device_updates={mode} cannot meet gpu_memory_budget {offload.gpu_memory_budget}")
     else:
-        chosen, candidates = plan(costs, cal, _planning_budget(ctx))
+        chosen, candidates = plan(costs, cal, budget)
     graph.note("offload_optimizer", f"plan: {chosen.assignment.count('device')} of {n} buckets on the device, "
                f"predicted step {chosen.step_seconds * 1e3:.3g} ms" + "".join(
                    f"; {name} {t * 1e3:.3g} ms" for name, t in candidates.items()))
@@ -305,6 +351,7 @@ def offload_optimizer(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
     early = [_find_early_gradients(storages, k, max(backward)) if backward else None for k in kernels]
     paths, prefetch_at = _choose_paths(graph, kernels, ctx, state_bytes, early)
     early = [found if path == "cpu" else None for found, path in zip(early, paths)]
+    read_after = [_first_read_after_update(k, storages) for k in kernels]
     nodes = [nd for nd in g.nodes if nd.op != "output"]
     replaced = {nd for k in kernels for nd in (k.node, *k.nodes)}   # erased as the loop goes
 
@@ -343,7 +390,8 @@ def offload_optimizer(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
                 for what, d in (("grad_scale", k.grad_scale), ("found_inf", k.found_inf),
                                 ("grad_multiplier", multiplier)) if d is not None}
             _emit_cpu_path(g, k, masters, host_grads, staging, scaling, meta, early[b],
-                           (f"bucket {b}", _first_reader(k, position)) if offload.overlap_next_step else None)
+                           (f"bucket {b}", _first_reader(k, position)) if offload.overlap_next_step else None,
+                           read_after[b])
         else:
             _emit_device_path(g, k, masters, prefetch_anchor(prefetch_at[b]), ctx.device, meta)
         k.erase()
@@ -351,23 +399,36 @@ def offload_optimizer(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
             early_buckets += 1
             for node in early[b].scalings:
                 g.erase_node(node)
+    read_in_step = [b for b, path in enumerate(paths) if path == "cpu" and read_after[b] is not None]
+    if read_in_step:
+        graph.note("offload_optimizer", f"{len(read_in_step)} CPU-path buckets' parameters are read after the "
+                   "update inside the step: the step waits for their uploads before that read"
+                   + (" and does not hand them over" if offload.overlap_next_step else ""))
     if offload.overlap_next_step:
-        graph.note("offload_optimizer", f"{paths.count('cpu')} CPU-path buckets hand their uploads over to the "
-                   "next step, which waits for each right before its forward first reads the bucket's parameters")
+        graph.note("offload_optimizer", f"{paths.count('cpu') - len(read_in_step)} CPU-path buckets hand their "
+                   "uploads over to the next step, which waits for each right before its forward first reads "
+                   "the bucket's parameters")
     if early_buckets:
         graph.note("offload_optimizer", f"{early_buckets} buckets' updates wait past backward (clipping's norm, a "
                    "GradScaler's inf checks) but their gradients go to the host as soon as they are final, "
                    "inside backward, so the device frees them there (the host applies clip_grad_norm_'s scaling)")
+    host_offload.assign_streams(g)   # node.meta["stream"]: which copy stream each transfer runs on
     graph = graph.with_signature(inputs=tuple(specs))
     fill_missing_meta(graph, "offload_optimizer")   # the prefetched buffers' sizes count below
     device_peak = analyze_memory(graph).peak
     graph.note("offload_optimizer", f"{len(kernels)} update buckets offloaded: {format_bytes(moved_bytes)} of "
                f"master weights and optimizer state in host memory; predicted device peak "
                f"{format_bytes(device_peak)}")
-    budget = _planning_budget(ctx)
+    unseen = unseen_device_bytes(g, ctx.device)
+    if any(unseen.values()):
+        graph.note("offload_optimizer", "device memory no node holds, modelled: " + ", ".join(
+            f"{name.replace('_', ' ')} {format_bytes(b)}" for name, b in unseen.items()))
+    budget = _planning_budget(ctx, sum(unseen.values()))
     if budget is not None and device_peak > budget:
         reserve = offload.budget_bytes() - budget
-        kept = f", plus {format_bytes(reserve)} kept free for CUDA libraries' workspaces" if reserve else ""
+        kept = (f", plus {format_bytes(reserve)} the CUDA allocator holds outside the graph's tensors ("
+                + ", ".join(f"{name.replace('_', ' ')} {format_bytes(b)}" for name, b in unseen.items() if b)
+                + ")") if reserve else ""
         raise UnsupportedError(
             f"gpu_memory_budget {offload.gpu_memory_budget} cannot be met: with its optimizer state "
             f"offloaded the step still needs at least {format_bytes(device_peak)} ({device_peak:,} bytes) "

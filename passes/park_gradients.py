@@ -160,18 +160,20 @@ def park_gradients(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
         issue_at = min(first_reader[max(j - 1, 0)], first_reader[j], key=position.__getitem__)
         meta = {"phase": "transfer", "param": tuple(p.param for p in bucket), "bucket": k.node.meta.get("bucket")}
         with g.inserting_before(issue_at):
-            landed = [g.call_function(ops.wait_host.default, (p.ticket, [p.host])) for p in bucket]
-            fetched = g.call_function(ops.prefetch_to_device.default, ([p.host for p in bucket], device))
+            # the copy back waits for the copies out in stream order: the host never blocks here
+            fetched = g.call_function(ops.prefetch_to_device.default,
+                                      ([p.host for p in bucket], device, [p.ticket for p in bucket]))
             items = [g.call_function(operator.getitem, (fetched, i)) for i in range(len(bucket) + 1)]
         with g.inserting_before(first_reader[j]):
             waited = g.call_function(ops.wait_device.default, (items[-1], items[:-1]))
-        for node in (*landed, fetched, *items, waited):
+        for node in (fetched, *items, waited):
             node.meta.update(meta)
         for p, restored in zip(bucket, items):
             for reader in p.readers:
                 for alias in p.aliases & set(reader.all_input_nodes):
                     reader.replace_input_with(alias, restored)
 
+    host_offload.assign_streams(graph.graph)   # node.meta["stream"] of its copies
     graph = graph.with_signature(inputs=tuple(specs))
     fill_missing_meta(graph, "park_gradients")
     after_peak = analyze_memory(graph).peak

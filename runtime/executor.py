@@ -23,6 +23,7 @@ from graphoffload.graph import TENSOR_SLOT, TrainGraph
 from graphoffload.runtime.host_offload import OffloadRuntime
 from graphoffload.runtime.host_state import HostState
 from graphoffload.runtime.profiling import TimingInterpreter
+from graphoffload.runtime.sanitizer import Sanitizer, sanitize_requested
 
 if TYPE_CHECKING:
     from graphoffload.capture import Capture
@@ -30,7 +31,7 @@ if TYPE_CHECKING:
 
 class Executor:
     def __init__(self, graph: TrainGraph, capture: Capture, offload: Offload | None = None,
-                 host_state: HostState | None = None):
+                 host_state: HostState | None = None, sanitize: bool = False):
         self.graph = graph
         self.capture = capture
         self.gm = graph.gm
@@ -40,7 +41,8 @@ class Executor:
         self.device = device = capture.bindings.device
         if any(s.host for s in graph.signature.inputs):
             offload = offload or Offload()
-            self.offload_runtime = OffloadRuntime(device, offload.cpu_workers)
+            sanitizer = Sanitizer() if sanitize_requested(sanitize) else None
+            self.offload_runtime = OffloadRuntime(device, offload.cpu_workers, sanitizer)
             # a re-planned graph keeps the host state, whose master weights are authoritative
             self.host_state = host_state or HostState(capture.bindings,
                                                       pin_memory=offload.pin_memory and device.type == "cuda")

@@ -36,6 +36,29 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 from torch import Tensor
 
+from graphoffload.runtime.sanitizer import Sanitizer
+
+# the copy stream each transfer op runs on; `assign_streams` writes it into the graph
+# (node.meta["stream"]) so the printed schedule shows it, and the runtime uses the same table
+COPY_STREAMS = ("d2h", "h2d_prefetch", "h2d_upload")
+_STREAM_OF_OP = {"copy_to_host": "d2h", "prefetch_to_device": "h2d_prefetch", "copy_to_device": "h2d_upload"}
+
+
+def stream_of(target: object) -> str | None:
+    """The copy stream a graph node's target runs on, or None for the compute stream / host."""
+    name = getattr(target, "__name__", "")
+    namespace = getattr(target, "namespace", None)
+    return _STREAM_OF_OP.get(name.split(".")[0]) if namespace == "graphoffload" else None
+
+
+def assign_streams(graph) -> None:
+    """Record in `node.meta["stream"]` the copy stream of every transfer node of an fx graph."""
+    for node in graph.nodes:
+        stream = stream_of(node.target)
+        if stream is not None:
+            node.meta["stream"] = stream
+
+
 _ACTIVE: contextvars.ContextVar[OffloadRuntime | None] = contextvars.ContextVar("graphoffload_offload", default=None)
 
 
@@ -48,16 +71,21 @@ def _done(value: object) -> Future:
 class OffloadRuntime:
     """Streams, the CPU worker and in-flight tickets of one compiled step."""
 
-    def __init__(self, device: torch.device, cpu_workers: int = 1):
+    def __init__(self, device: torch.device, cpu_workers: int = 1, sanitizer: Sanitizer | None = None):
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
+        # the CPU runtime's copies are synchronous; a sanitizer makes them late and poisoned
+        self.sanitizer = None if self.cuda else sanitizer
         if self.cuda and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
-        self.d2h = torch.cuda.Stream(self.device) if self.cuda else None
-        self.h2d = torch.cuda.Stream(self.device) if self.cuda else None
+        # one stream per entry of COPY_STREAMS: prefetches (issued early by the graph thread) and
+        # uploads (issued late by the worker) on separate host-to-device streams, so an upload
+        # never queues behind prefetches issued before it, as the planner assumes
+        self.streams = {name: torch.cuda.Stream(self.device) for name in COPY_STREAMS} if self.cuda else {}
+        self.d2h = self.streams.get("d2h")
         # one worker by default: buckets update in FIFO order and the fused CPU kernel already
         # uses torch's intra-op threads. A new thread's current CUDA device is 0, not the
-        # caller's: `torch.cuda.stream(self.h2d)` would switch it to ours and back to 0 on exit,
+        # caller's: `torch.cuda.stream(stream)` would switch it to ours and back to 0 on exit,
         # creating a context on GPU 0 in every process of a multi-GPU job, so workers start on ours
         self.pool = ThreadPoolExecutor(max_workers=cpu_workers, thread_name_prefix="graphoffload-host",
                                        initializer=torch.cuda.set_device if self.cuda else None,
@@ -151,6 +179,13 @@ class OffloadRuntime:
     # ---------------------------------------------------------------- the ops' bodies
 
     def copy_to_host(self, device_tensors: list[Tensor], host: list[Tensor]) -> Tensor:
+        if self.sanitizer is not None:
+            sources = [d.clone() for d in device_tensors]   # read at launch, as the stream does
+
+            def land():
+                for s, h in zip(sources, host):
+                    h.copy_(s)
+            return self.issue(self.sanitizer.launch("d2h", host, [], land))
         if not self.cuda:
             start = time.perf_counter()
             for d, h in zip(device_tensors, host):
@@ -179,6 +214,8 @@ class OffloadRuntime:
             result = work()
             self._span("cpu", "update", start)
             return result
+        if self.sanitizer is not None:
+            return self.issue(self.sanitizer.launch("cpu", [], [], task))
         return self.issue(self.pool.submit(task))
 
     def copy_to_device(self, after: Tensor, master: list[Tensor], staging: list[Tensor],
@@ -202,29 +239,48 @@ class OffloadRuntime:
                     d.copy_(s)
                 self._span("h2d", "upload", start)
                 return None
-            self.h2d.wait_event(issued_at)
-            with torch.cuda.stream(self.h2d):
-                start = self._stream_start(self.h2d)
+            self.streams["h2d_upload"].wait_event(issued_at)
+            with torch.cuda.stream(self.streams["h2d_upload"]):
+                start = self._stream_start(self.streams["h2d_upload"])
                 for d, s in zip(device_tensors, sources):
                     d.copy_(s, non_blocking=True)
-                return self._stream_end("h2d", "upload", start, self.h2d)
+                return self._stream_end("h2d", "upload", start, self.streams["h2d_upload"])
+        if self.sanitizer is not None:
+            return self.issue(self.sanitizer.launch("h2d", [*device_tensors, *staging], [], task))
         return self.issue(self.pool.submit(task))
 
-    def prefetch(self, host: list[Tensor]) -> list[Tensor]:
-        """Copies of host tensors on the device, filled asynchronously; the ticket comes last."""
+    def prefetch(self, host: list[Tensor], after: list[Tensor] | None = None) -> list[Tensor]:
+        """Copies of host tensors on the device, filled asynchronously; the ticket comes last.
+        `after`: tickets of device-to-host copies that fill `host`; the prefetch stream waits for
+        them on the GPU (stream order), the host does not block."""
+        dependencies = [self.redeem(t) for t in after or []]
         out = [torch.empty_like(h, device=self.device) for h in host]
+        if self.sanitizer is not None:
+            # read when it runs, after its dependencies, as the stream does
+            sources = [h.clone() for h in host] if not dependencies else host
+
+            def land():
+                for o, s in zip(out, sources):
+                    o.copy_(s)
+            return out + [self.issue(self.sanitizer.launch("h2d", out, dependencies, land))]
         if not self.cuda:
+            for dependency in dependencies:
+                dependency.result()
             for o, h in zip(out, host):
                 o.copy_(h)
             return out + [self.issue(_done(None))]
+        for dependency in dependencies:
+            event = dependency.result()   # a copy stream's event: recorded already, not waited for
+            if event is not None:
+                self.streams["h2d_prefetch"].wait_event(event)
         # the buffers may reuse blocks that held activations the compute stream still reads
-        self.h2d.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self.h2d):
-            start = self._stream_start(self.h2d)
+        self.streams["h2d_prefetch"].wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.streams["h2d_prefetch"]):
+            start = self._stream_start(self.streams["h2d_prefetch"])
             for o, h in zip(out, host):
                 o.copy_(h, non_blocking=True)
-                o.record_stream(self.h2d)
-            event = self._stream_end("h2d", "prefetch", start, self.h2d)
+                o.record_stream(self.streams["h2d_prefetch"])
+            event = self._stream_end("h2d", "prefetch", start, self.streams["h2d_prefetch"])
         return out + [self.issue(_done(event))]
 
     def wait_host(self, ticket: Tensor) -> None:
@@ -352,14 +408,15 @@ def _(after, master, staging, params):
 
 
 @torch.library.custom_op("graphoffload::prefetch_to_device", mutates_args=())
-def prefetch_to_device(host: list[Tensor], device: torch.device) -> list[Tensor]:
+def prefetch_to_device(host: list[Tensor], device: torch.device, after: list[Tensor]) -> list[Tensor]:
     """Start copying host tensors into new device buffers; returns the buffers, then a ticket
-    that `wait_device` redeems before anything reads them."""
-    return active_runtime().prefetch(host)
+    that `wait_device` redeems before anything reads them. `after`: tickets of the copies to
+    the host that fill `host` (the copy waits for them in stream order, the host does not)."""
+    return active_runtime().prefetch(host, after)
 
 
 @prefetch_to_device.register_fake
-def _(host, device):
+def _(host, device, after):
     return [torch.empty_like(h, device=device) for h in host] + [_ticket_fake()]
 
 

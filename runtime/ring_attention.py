@@ -21,8 +21,10 @@ as they are; they are repeated only locally, for the per-block kernel.
 Per-block attention runs the fused SDPA kernels that return the log-sum-exp (the table
 `runtime/attention.py` dispatches through: flash or efficient attention on CUDA, the CPU flash
 kernel on CPU). Collectives per call: forward N-1 key/value exchanges; backward N-1 key/value
-exchanges plus N gradient exchanges. Every wait has a timeout, so a rank that fails or never
-arrives makes every other rank raise instead of hang.
+exchanges plus N gradient exchanges. On gloo every wait has a timeout, so a rank that fails or
+never arrives makes every other rank raise RingTimeoutError instead of hang; on NCCL waits only
+order the compute stream after the exchange (no host blocking, no polling each step), and the
+process group's timeout covers a dead rank.
 """
 
 from __future__ import annotations
@@ -98,6 +100,11 @@ class _Ring:
         self.prev = dist.get_global_rank(self.group, (self.rank - 1) % self.world)
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.timeout_s = timeout_s
+        # NCCL: a wait without a timeout orders the compute stream after the exchange and returns
+        # at once; with one, it blocks the host polling the work every step. The process group's
+        # own timeout (its watchdog) covers a dead rank there. gloo waits on the host either way,
+        # and only a timeout turns a dead rank into RingTimeoutError instead of a hang.
+        self.stream_ordered = dist.get_backend(self.group) == "nccl"
 
     def exchange(self, tensors: tuple[Tensor, ...]) -> tuple[list, list[Tensor]]:
         """Post: send `tensors` to the next rank, receive as many from the previous one."""
@@ -119,7 +126,7 @@ class _Ring:
     def wait(self, reqs: list, what: str) -> None:
         for req in reqs:
             try:
-                ok = req.wait(self.timeout)
+                ok = req.wait() if self.stream_ordered else req.wait(self.timeout)
             except Exception as exc:  # noqa: BLE001 - backends raise their own error types
                 raise self._error(f"waiting for {what}", exc) from exc
             if ok is False:

@@ -3,4 +3,34 @@
 import os
 import sys
 
+import pytest
+
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
+
+
+# ---- the offload schedule matrix under the sanitizer (issue 12): modules or tests marked
+# `sanitizer_matrix` run their CPU cases twice, the second time with GRAPHOFFLOAD_SANITIZE=1,
+# so a read the schedule does not order after its transfer's wait fails on the CPU too.
+
+
+def pytest_generate_tests(metafunc):
+    if metafunc.definition.get_closest_marker("sanitizer_matrix") is None:
+        return
+    metafunc.parametrize("sanitizer_mode", ["plain", "sanitized"], indirect=True)
+
+
+@pytest.fixture(autouse=True)
+def sanitizer_mode(request):
+    # autouse, so it is in every test's closure and the marked ones can be parametrized over it
+    mode = getattr(request, "param", None)
+    if mode is None:
+        return None
+    monkeypatch = request.getfixturevalue("monkeypatch")
+    if mode == "sanitized":
+        callspec = getattr(request.node, "callspec", None)
+        if callspec is not None and callspec.params.get("device", "cpu") != "cpu":
+            pytest.skip("the sanitizer instruments the CPU runtime; on a GPU the streams race for real")
+        monkeypatch.setenv("GRAPHOFFLOAD_SANITIZE", "1")
+    else:
+        monkeypatch.delenv("GRAPHOFFLOAD_SANITIZE", raising=False)
+    return mode

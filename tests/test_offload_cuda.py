@@ -11,6 +11,7 @@ from gpt import GPT, GPTConfig
 import graphoffload
 from graphoffload import Offload
 from graphoffload.calibration import measure
+from graphoffload.passes.offload_optimizer import unseen_device_bytes
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -56,6 +57,7 @@ def test_model_whose_adam_state_exceeds_the_budget_trains_within_it():
     step = graphoffload.offload_compile(train_step, offload=Offload(gpu_memory_budget=budget, calibration=calibration))
     batch = torch.randint(0, 8192, (1, 128), device="cuda")
     torch.cuda.synchronize()
+    torch.cuda.empty_cache()   # the calibration's cached blocks are not the step's reserved memory
     torch.cuda.reset_peak_memory_stats()
     # the first call too: the optimizer state is created in host memory, never on the GPU
     for _ in range(4):
@@ -63,5 +65,12 @@ def test_model_whose_adam_state_exceeds_the_budget_trains_within_it():
     torch.cuda.synchronize()
     assert 4 * param_bytes > budget
     assert torch.cuda.max_memory_allocated() <= budget
-    predicted = step.memory().peak
-    assert abs(predicted - torch.cuda.max_memory_allocated()) <= 0.1 * torch.cuda.max_memory_allocated()
+    # the liveness analysis plus what the allocator holds outside the graph's tensors (cuBLAS
+    # workspaces, created before the peak counter was reset and still allocated; attention
+    # backward's accumulator; blocks record_stream keeps until their copy ends)
+    unseen = unseen_device_bytes(step.train_graph.graph, torch.device("cuda"))
+    predicted = step.memory().peak + sum(unseen.values())
+    for what, measured in (("allocated", torch.cuda.max_memory_allocated()),
+                           ("reserved", torch.cuda.max_memory_reserved())):
+        assert abs(predicted - measured) <= 0.1 * measured, \
+            f"predicted {predicted} bytes ({unseen}), measured {measured} {what}"

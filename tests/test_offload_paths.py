@@ -20,6 +20,9 @@ from test_offload_planner import BALANCED
 import graphoffload
 from graphoffload import CompileConfig, FuseOptimizer, Offload
 
+# every CPU case runs a second time under the sanitizer (tests/conftest.py)
+pytestmark = pytest.mark.sanitizer_matrix
+
 DEVICES = ["cpu", pytest.param("cuda", marks=[
     pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")])]
 
