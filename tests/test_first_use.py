@@ -14,6 +14,7 @@ from test_offload_planner import BALANCED
 import graphoffload
 from graphoffload import CompileConfig, Offload, timeline
 from graphoffload.memory import analyze_memory
+from graphoffload.passes.verify import update_operand_problem
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -90,3 +91,66 @@ def test_explain_names_the_real_cause_of_updates_waiting_past_backward():
     step(model, opt, scaler, token_batches(1)[0])
     scaled = _wait_notes(step)
     assert scaled and all("GradScaler" in line and "clip" not in line for line in scaled)
+
+
+def _zero_dim_first_gradient(graph, ctx):
+    """A broken custom pass: feeds a 0-d tensor as the first gradient of the fused update."""
+    aten = torch.ops.aten
+    for update in [n for n in graph.graph.nodes
+                   if getattr(n.target, "overloadpacket", None) in (aten._fused_adamw_, aten._fused_adam_)]:
+        grads = list(update.args[1])
+        with graph.graph.inserting_before(update):
+            grads[0] = graph.graph.call_function(aten.sum.default, (grads[0],))
+        update.update_arg(1, grads)
+        return graph
+    return graph
+
+
+def _drop_a_moment(graph, ctx):
+    """A broken custom pass: one exp_avg too few in the fused update."""
+    aten = torch.ops.aten
+    for update in [n for n in graph.graph.nodes if getattr(n.target, "overloadpacket", None) is aten._fused_adamw_]:
+        if len(update.args[0]) > 1:
+            update.update_arg(2, list(update.args[2])[:-1])
+            return graph
+    return graph
+
+
+@pytest.mark.parametrize("broken_pass, says", [(_zero_dim_first_gradient, "gradient 0"),
+                                               (_drop_a_moment, "states for")])
+def test_verify_rejects_update_operands_that_do_not_match_their_parameters(broken_pass, says):
+    model = tiny_gpt()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    step = graphoffload.offload_compile(train_step, passes=[broken_pass])
+    with pytest.raises(graphoffload.PassError) as info:
+        step(model, opt, token_batches(1)[0])
+    message = str(info.value)
+    assert f"after pass {broken_pass.__name__!r}" in message and says in message, message
+    # rejected at compile time: nothing ran, nothing was written
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+
+
+def test_verify_accepts_the_update_operands_every_builtin_path_emits():
+    # the CPU path's host updates take narrower gradients and host step counters: still valid
+    for offload in (None, Offload(device_updates="never"), Offload(device_updates=2, calibration=BALANCED)):
+        graph = _ran(offload=offload, config=CompileConfig(verify=True)).train_graph
+        updates = [n for n in graph.graph.nodes if n.op == "call_function" and "adam" in str(n.target)]
+        assert updates and all(update_operand_problem(n) is None for n in updates)
+
+
+def test_an_error_while_the_graph_runs_names_the_users_source_line():
+    model = tiny_gpt()   # a position table of 16 rows
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    step = graphoffload.offload_compile(train_step)
+    # make_fx traces on fake tensors, which do not check indices: the replay finds it
+    with pytest.raises(graphoffload.StepRunError) as info:
+        step(model, opt, token_batches(1, seq=20)[0])
+    message = str(info.value)
+    assert "IndexError" in message and "gpt.py:" in message and "self.pos(pos)" in message, message
+    assert "16 rows" in message
+    assert isinstance(info.value.__cause__, IndexError)
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    # the step still works on a good batch afterwards
+    assert torch.isfinite(step(model, opt, token_batches(1)[0]))
