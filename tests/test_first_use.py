@@ -154,3 +154,36 @@ def test_an_error_while_the_graph_runs_names_the_users_source_line():
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
     # the step still works on a good batch afterwards
     assert torch.isfinite(step(model, opt, token_batches(1)[0]))
+
+
+def test_draw_says_when_graphviz_is_missing(tmp_path, monkeypatch):
+    step = _ran()
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))   # no `dot` anywhere
+    with pytest.warns(UserWarning, match="wrote only the DOT file"):
+        written = step.draw("final", str(tmp_path / "g.dot"))
+    assert written.endswith(".dot") and open(written).read().startswith('digraph "final"')
+
+
+def _nonzero_step(model, optimizer, batch):
+    logits = model(batch["input_ids"]).flatten(0, 1)
+    keep = torch.nonzero(batch["labels"].flatten() % 2 == 0).squeeze(1)   # a value-dependent shape
+    loss = torch.nn.functional.cross_entropy(logits[keep], batch["labels"].flatten()[keep])
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss
+
+
+def test_torch_nonzero_in_the_step_trains_like_eager():
+    eager = tiny_gpt()
+    compiled = tiny_gpt()
+    opt_e = torch.optim.AdamW(eager.parameters(), lr=1e-3, fused=True)
+    opt_c = torch.optim.AdamW(compiled.parameters(), lr=1e-3, fused=True)
+    step = graphoffload.offload_compile(_nonzero_step)
+    batches = token_batches(3)
+    counts = {int((b["labels"] % 2 == 0).sum()) for b in batches}
+    assert len(counts) > 1   # the selected rows differ between batches
+    for b in batches:
+        assert torch.equal(_nonzero_step(eager, opt_e, b), step(compiled, opt_c, b))
+    for (name, pe), pc in zip(eager.named_parameters(), compiled.parameters()):
+        assert torch.equal(pe, pc), name
