@@ -56,6 +56,8 @@ class Executor:
         batch = [leaves[i] for i in self.capture.batch_positions]
         values: list[Tensor] = []
         in_flight = set(self.params_in_flight())
+        if self.host_state is not None:
+            self.host_state.reserve([(s, self.vals[s.name]) for s in self.graph.signature.inputs if s.host])
         for spec in self.graph.signature.inputs:
             if spec.host:
                 values.append(self.host_state.tensor(spec, self.vals[spec.name], in_flight))

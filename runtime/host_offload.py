@@ -74,6 +74,9 @@ class OffloadRuntime:
         # the upload's future; `inbound` is what the running step took over from the last one
         self.carried: dict[str, Future] = {}
         self.inbound: dict[str, Future] = {}
+        # fp32 copies of low-precision host gradients, by (gradient buffer, shape, dtype): kept
+        # across steps, as the gradient buffers themselves are
+        self.widened_grads: dict[tuple[int, tuple[int, ...], torch.dtype], Tensor] = {}
 
     def _span(self, track: str, name: str, start: float) -> None:
         self.spans.append((track, name, start - self._t0, time.perf_counter() - self._t0))
@@ -274,9 +277,18 @@ def _(grads, host):
     return _ticket_fake()
 
 
-def _host_fp32_grads(params: list[Tensor], grads: list[Tensor]) -> list[Tensor]:
-    # low-precision gradients land as they are and are widened here, on the host
-    return [g if g.dtype == p.dtype else g.to(p.dtype) for p, g in zip(params, grads)]
+def _host_fp32_grads(runtime: OffloadRuntime, params: list[Tensor], grads: list[Tensor]) -> list[Tensor]:
+    # low-precision gradients land as they are and are widened here, on the host, into
+    # persistent scratch (one buffer per gradient buffer) rather than new memory every step
+    out = []
+    for p, g in zip(params, grads):
+        if g.dtype != p.dtype:
+            key = (g.data_ptr(), tuple(g.shape), p.dtype)
+            if key not in runtime.widened_grads:
+                runtime.widened_grads[key] = torch.empty(g.shape, dtype=p.dtype)
+            g = runtime.widened_grads[key].copy_(g)
+        out.append(g)
+    return out
 
 
 def _scale_host_grads(grads: list[Tensor], grad_multiplier: Tensor | None) -> None:
@@ -297,17 +309,18 @@ def host_adam_(after: Tensor, params: list[Tensor], grads: list[Tensor], exp_avg
     With a GradScaler's `grad_scale`/`found_inf` (host copies) it unscales and skips on inf;
     with `grad_multiplier` (a host scalar) it first scales the gradients in place."""
     lr = lr.clone()   # the graph's lr tensor may be gone by the time the worker runs
+    runtime = active_runtime()
 
     def work():
         _scale_host_grads(grads, grad_multiplier)
         torch._foreach_add_(steps, 1)
         kernel = torch._fused_adamw_ if decoupled else torch._fused_adam_
-        kernel(params, _host_fp32_grads(params, grads), exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps,
+        kernel(params, _host_fp32_grads(runtime, params, grads), exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps,
                lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps, amsgrad=amsgrad,
                maximize=maximize, grad_scale=grad_scale, found_inf=found_inf)
         if found_inf is not None:
             torch._foreach_sub_(steps, [found_inf] * len(steps))
-    return active_runtime().run_on_host(after, work)
+    return runtime.run_on_host(after, work)
 
 
 @host_adam_.register_fake
@@ -323,13 +336,14 @@ def host_sgd_(after: Tensor, params: list[Tensor], grads: list[Tensor], momentum
               found_inf: Tensor | None = None, grad_multiplier: Tensor | None = None) -> Tensor:
     """SGD on host tensors, on the worker, once `after` is done; returns a ticket."""
     lr = lr.clone()
+    runtime = active_runtime()
 
     def work():
         _scale_host_grads(grads, grad_multiplier)
-        torch._fused_sgd_(params, _host_fp32_grads(params, grads), momentum_buffers, weight_decay=weight_decay,
+        torch._fused_sgd_(params, _host_fp32_grads(runtime, params, grads), momentum_buffers, weight_decay=weight_decay,
                           momentum=momentum, lr=lr, dampening=dampening, nesterov=nesterov, maximize=maximize,
                           is_first_step=is_first_step, grad_scale=grad_scale, found_inf=found_inf)
-    return active_runtime().run_on_host(after, work)
+    return runtime.run_on_host(after, work)
 
 
 @host_sgd_.register_fake
