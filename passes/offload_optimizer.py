@@ -265,7 +265,7 @@ def _choose_paths(graph: TrainGraph, kernels: list[UpdateKernel], ctx: PassConte
         if mode == "auto":
             graph.note("offload_optimizer", "no accelerator: every bucket takes the CPU path")
         return ["cpu"] * n, {}
-    cal = offload.calibration or Calibration.load_or_measure(ctx.device)
+    cal = offload.calibration or Calibration.load_or_measure(ctx.device, threads=offload.cpu_threads)
     nodes = [nd for nd in graph.graph.nodes if nd.op != "output"]
     index = {nd: i for i, nd in enumerate(nodes)}
     live = [lv - state_bytes_on_device for lv in analyze_memory(graph).live]

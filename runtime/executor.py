@@ -17,6 +17,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import Tensor, fx
 
+from graphoffload.calibration import host_update_threads
 from graphoffload.config import Offload
 from graphoffload.errors import GraphOffloadError, StateError, StepRunError, describe
 from graphoffload.graph import TENSOR_SLOT, TrainGraph
@@ -41,7 +42,7 @@ class Executor:
         self.device = device = capture.bindings.device
         if any(s.host for s in graph.signature.inputs):
             offload = offload or Offload()
-            self.offload_runtime = OffloadRuntime(device, offload.cpu_workers)
+            self.offload_runtime = OffloadRuntime(device, offload.cpu_workers, host_update_threads(offload.cpu_threads))
             # a re-planned graph keeps the host state, whose master weights are authoritative
             self.host_state = host_state or HostState(capture.bindings,
                                                       pin_memory=offload.pin_memory and device.type == "cuda")

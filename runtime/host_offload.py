@@ -29,12 +29,15 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 from torch import Tensor
+
+from graphoffload.calibration import use_intraop_threads
 
 _ACTIVE: contextvars.ContextVar[OffloadRuntime | None] = contextvars.ContextVar("graphoffload_offload", default=None)
 
@@ -48,7 +51,7 @@ def _done(value: object) -> Future:
 class OffloadRuntime:
     """Streams, the CPU worker and in-flight tickets of one compiled step."""
 
-    def __init__(self, device: torch.device, cpu_workers: int = 1):
+    def __init__(self, device: torch.device, cpu_workers: int = 1, cpu_threads: int | None = None):
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
         if self.cuda and self.device.index is None:
@@ -59,9 +62,11 @@ class OffloadRuntime:
         # uses torch's intra-op threads. A new thread's current CUDA device is 0, not the
         # caller's: `torch.cuda.stream(self.h2d)` would switch it to ours and back to 0 on exit,
         # creating a context on GPU 0 in every process of a multi-GPU job, so workers start on ours
+        # `cpu_threads`: each worker's intra-op threads (Offload.cpu_threads), None: torch's default
         self.pool = ThreadPoolExecutor(max_workers=cpu_workers, thread_name_prefix="graphoffload-host",
-                                       initializer=torch.cuda.set_device if self.cuda else None,
-                                       initargs=(self.device,) if self.cuda else ())
+                                       initializer=_start_worker, initargs=(self.device, cpu_threads))
+        if cpu_threads is not None:
+            _start_all(self.pool, cpu_workers)
         self._tickets: dict[int, Future] = {}
         self._next = 0
         self.spans: list[tuple[str, str, float, float]] = []   # (track, name, start, end) of the last step
@@ -250,6 +255,23 @@ class OffloadRuntime:
         fut = self.inbound.pop(key, None)
         if fut is not None:   # the first step has nothing to wait for
             self._wait_on_compute_stream(fut)
+
+
+def _start_worker(device: torch.device, threads: int | None) -> None:
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if threads is not None:
+        use_intraop_threads(threads)
+
+
+def _start_all(pool: ThreadPoolExecutor, workers: int) -> None:
+    """Start every worker now, then restore this thread's intra-op count as torch's default
+    (`use_intraop_threads` changed it for threads that start later)."""
+    own = torch.get_num_threads()
+    started = threading.Barrier(workers)
+    for fut in [pool.submit(started.wait) for _ in range(workers)]:
+        fut.result()
+    torch.set_num_threads(own)
 
 
 def active_runtime() -> OffloadRuntime:
