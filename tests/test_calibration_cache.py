@@ -56,8 +56,12 @@ def test_a_step_with_one_update_thread_trains_like_eager():
     assert step.last.executor.offload_runtime.pool.submit(torch.get_num_threads).result() == 1
 
 
-def test_calibration_records_its_threads_and_measures_past_the_cache(tmp_path, monkeypatch):
-    assert calibration_module.CPU_UPDATE_WORKING_SET >= 256 << 20
+def test_calibration_measures_the_update_as_the_worker_runs_it_with_one_file_per_thread_count(tmp_path, monkeypatch):
+    assert calibration_module.CPU_UPDATE_WORKING_SET >= 256 << 20   # past any last-level cache
+    own = torch.get_num_threads()
+    target = 1 if own > 1 else 2
+    assert calibration_module._run_on_thread(target, torch.get_num_threads) == target
+    assert torch.get_num_threads() == own
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     assert Calibration.cache_path(torch.device("cpu"), 1) != Calibration.cache_path(torch.device("cpu"), 2)
     assert Calibration.cache_path(torch.device("cpu")) == Calibration.cache_path(torch.device("cpu"), host_update_threads())
