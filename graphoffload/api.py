@@ -311,11 +311,17 @@ class CompiledStep:
         return timeline.write_chrome_trace(path, self.last.graph.schedule, runtime.measured_spans() if runtime else [])
 
     def plot(self, path: str = "schedule.png") -> str:
-        """Write a PNG of the planned schedule with device memory over the step."""
-        if self.last.graph.schedule is None:
-            raise RuntimeError("no planned schedule: plot() needs offload=Offload(...) with device_updates "
-                               "'auto' or k (and a GPU or an explicit calibration)")
-        return timeline.plot(path, self.last.graph.schedule, self._name)
+        """Write a PNG of the step's schedule above the device memory over the step: the planned
+        schedule when there is one, else the measured spans of the last run (CPU update, copies)
+        above the device memory at each node of the final graph."""
+        schedule = self.last.graph.schedule
+        runtime = self.last.executor.offload_runtime
+        measured = runtime.measured_spans() if runtime is not None and schedule is None else []
+        if schedule is None and not measured:
+            raise StateError(f"{self._name} has not run yet, and has no planned schedule to draw: call the step "
+                             "once before plot() (a schedule is planned with Offload(device_updates='auto' or k) "
+                             "on a GPU or with an explicit calibration)")
+        return timeline.plot(path, schedule, measured, analyze_memory(self.last.graph).live, self._name)
 
     @property
     def _name(self) -> str:

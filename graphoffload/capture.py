@@ -666,8 +666,8 @@ def _capture_step(fn: Callable, args: tuple, kwargs: dict, config: CompileConfig
     # offloaded state is made on the host and traced as if it were on the device (as
     # torch.optim keeps it): the offload pass then moves those inputs to the host
     offloaded = config.offload is not None and b.device.type != "meta"   # a meta model plans, never runs
-    where = optimizer_lowering.StatePlacement(torch.device("cpu"), config.offload.pin_memory and b.device.type == "cuda") \
-        if offloaded else None
+    # (not pinned here: the host state moves it into its pinned arena, one allocation for all)
+    where = optimizer_lowering.StatePlacement(torch.device("cpu"), False) if offloaded else None
     first_steps = [{b.param_names[id(p)] for p in optimizer_lowering.prepare_state(opt, where)} for opt in b.optimizers]
     leaves, in_spec = pytree.tree_flatten((args, kwargs))
     batch_positions = [i for i, x in enumerate(leaves) if isinstance(x, Tensor)]

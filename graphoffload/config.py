@@ -69,6 +69,10 @@ class Offload:
             the host ends (`passes/offload_optimizer.unseen_device_bytes`; explain() lists them).
         cpu_workers: threads that run host updates (each update kernel also uses torch's
             intra-op threads, so one is usually right).
+        cpu_threads: intra-op threads each host update uses. None (default): every core the
+            process may run on but two (at least one), left to the thread that launches the
+            graph's kernels and to the communication libraries' threads. The calibration
+            measures the CPU update with the same count.
         pin_memory: allocate host state in pinned memory (needed for asynchronous copies).
         device_updates: which buckets update on the device instead of the CPU. "auto" (default):
             chosen per bucket by the performance model from a calibration of this machine (on a
@@ -93,6 +97,7 @@ class Offload:
 
     gpu_memory_budget: int | str | None = None
     cpu_workers: int = 1
+    cpu_threads: int | None = None
     pin_memory: bool = True
     device_updates: Literal["auto", "never"] | int = "auto"
     calibration: Calibration | None = None
@@ -104,6 +109,8 @@ class Offload:
         self.budget_bytes()   # validate early
         if self.cpu_workers < 1:
             raise ValueError("cpu_workers must be at least 1")
+        if self.cpu_threads is not None and self.cpu_threads < 1:
+            raise ValueError(f"cpu_threads must be at least 1 (or None: all cores but two), got {self.cpu_threads}")
         if self.device_updates not in ("auto", "never") and not (
                 isinstance(self.device_updates, int) and self.device_updates >= 1):
             raise ValueError(f"device_updates must be 'auto', 'never' or a stride k >= 1, got {self.device_updates!r}")

@@ -34,3 +34,9 @@ class StateError(GraphOffloadError):
 class RingTimeoutError(GraphOffloadError, RuntimeError):
     """Under sequence parallelism, a rank did not answer in time: it failed, or never reached
     the step or one of its ring exchanges. Raised on the ranks that waited, instead of a hang."""
+
+
+class StepRunError(GraphOffloadError):
+    """An op of the compiled graph failed while the step ran (bad input values, such as token
+    ids beyond an embedding table). The message names the op and the user's source line it
+    was captured from; the original error is its `__cause__`."""

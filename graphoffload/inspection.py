@@ -11,6 +11,7 @@ import os
 import shutil
 import subprocess
 import sys
+import warnings
 from typing import Any
 
 from torch import fx
@@ -156,11 +157,14 @@ def to_dot(graph: TrainGraph, stage: str) -> str:
 
 def draw(graph: TrainGraph, stage: str, path: str) -> str:
     """Write DOT to `path`; also `path` with .svg when graphviz is installed. Returns the path
-    of the richest file written."""
+    of the richest file written, and warns when that is only the DOT file."""
     with open(path, "w") as f:
         f.write(to_dot(graph, stage))
     dot = shutil.which("dot")
     if dot is None:
+        warnings.warn(f"graphviz's `dot` is not on PATH: wrote only the DOT file {path}, no SVG. Install "
+                      "graphviz (e.g. `apt install graphviz` or `brew install graphviz`) and draw again, or open "
+                      "the .dot file in any graphviz viewer", stacklevel=3)
         return path
     svg = os.path.splitext(path)[0] + ".svg"
     subprocess.run([dot, "-Tsvg", path, "-o", svg], check=True, capture_output=True)

@@ -32,6 +32,7 @@ import torch
 from torch import fx
 
 from graphoffload.aliasing import StorageMap
+from graphoffload.capture import user_line_of_stack_trace
 from graphoffload.errors import UnsupportedError
 from graphoffload.graph import InputSpec, TrainGraph, fake_mode_of, fill_missing_meta, placeholder_name
 from graphoffload.memory import analyze_memory, format_bytes
@@ -163,6 +164,30 @@ def _find_early_gradients(storages: StorageMap, k: UpdateKernel, end: int) -> _E
     return found
 
 
+def _why_after_backward(storages: StorageMap, k: UpdateKernel, found: _EarlyGradients) -> str:
+    """What keeps an update past backward, from the graph: the latest node it depends on (a
+    data edge, or a write into one of its gradients), named as the user wrote it."""
+    unit = {k.node, *k.nodes}
+    first = storages.position[k.first_node]
+    inputs = [i for nd in unit for i in nd.all_input_nodes if i not in unit and i.op != "placeholder"]
+    writes = [a.node for gr in k.grads for sid in storages.of(gr) for a in storages.accesses[sid]
+              if a.writes and a.node not in unit and a.position < first]
+    culprit = max(inputs + writes, key=storages.position.__getitem__, default=None)
+    if "bucket" not in k.node.meta:
+        return "because fuse_optimizer is disabled (every update runs after backward)"
+    if found.multiplier is not None:
+        what = "clip_grad_norm_'s global norm"
+    elif k.found_inf is not None:
+        what = "a GradScaler's inf checks of every gradient"
+    elif culprit is not None and culprit.meta.get("phase") == "backward":
+        param = (culprit.meta.get("param") or ("",))[0]
+        what = f"the gradient{f' of {param}' if param else ''}, final only at the end of backward"
+    else:
+        what = f"{getattr(culprit.target, '__name__', culprit.target)}" if culprit is not None else "its inputs"
+    where = user_line_of_stack_trace(culprit.meta.get("stack_trace")) if culprit is not None else None
+    return f"for {what}" + (f" ({where})" if where else "")
+
+
 def _emit_cpu_path(g: fx.Graph, k: UpdateKernel, masters: list[fx.Node], host_grads: list[fx.Node],
                    staging: list[fx.Node], scaling: dict[str, tuple[fx.Node, fx.Node]], meta: dict,
                    early: _EarlyGradients | None, hand_over: tuple[str, fx.Node] | None,
@@ -280,7 +305,7 @@ def _choose_paths(graph: TrainGraph, kernels: list[UpdateKernel], ctx: PassConte
         if mode == "auto":
             graph.note("offload_optimizer", "no accelerator: every bucket takes the CPU path")
         return ["cpu"] * n, {}
-    cal = offload.calibration or Calibration.load_or_measure(ctx.device)
+    cal = offload.calibration or Calibration.load_or_measure(ctx.device, threads=offload.cpu_threads)
     nodes = [nd for nd in graph.graph.nodes if nd.op != "output"]
     index = {nd: i for i, nd in enumerate(nodes)}
     live = [lv - state_bytes_on_device for lv in analyze_memory(graph).live]
@@ -352,6 +377,8 @@ def offload_optimizer(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
     paths, prefetch_at = _choose_paths(graph, kernels, ctx, state_bytes, early)
     early = [found if path == "cpu" else None for found, path in zip(early, paths)]
     read_after = [_first_read_after_update(k, storages) for k in kernels]
+    causes = {b: _why_after_backward(storages, k, found) for b, (k, found) in enumerate(zip(kernels, early))
+              if found is not None}   # read before the loop below erases the kernels
     nodes = [nd for nd in g.nodes if nd.op != "output"]
     replaced = {nd for k in kernels for nd in (k.node, *k.nodes)}   # erased as the loop goes
 
@@ -361,7 +388,8 @@ def offload_optimizer(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
         while anchor in replaced:
             anchor = anchor.prev
         return anchor
-    moved_bytes = early_buckets = 0
+    moved_bytes = 0
+    waits_past_backward: dict[str, list[str]] = {}   # cause -> buckets whose update waits for it
     for b, k in enumerate(kernels):
         names = [specs[spec_of[p.name]].target for p in k.params]
         masters, host_grads, staging = [], [], []
@@ -396,7 +424,7 @@ def offload_optimizer(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
             _emit_device_path(g, k, masters, prefetch_anchor(prefetch_at[b]), ctx.device, meta)
         k.erase()
         if early[b] is not None:
-            early_buckets += 1
+            waits_past_backward.setdefault(causes[b], []).append(str(k.node.meta.get("bucket", b)))
             for node in early[b].scalings:
                 g.erase_node(node)
     read_in_step = [b for b, path in enumerate(paths) if path == "cpu" and read_after[b] is not None]
@@ -408,10 +436,11 @@ def offload_optimizer(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
         graph.note("offload_optimizer", f"{paths.count('cpu') - len(read_in_step)} CPU-path buckets hand their "
                    "uploads over to the next step, which waits for each right before its forward first reads "
                    "the bucket's parameters")
-    if early_buckets:
-        graph.note("offload_optimizer", f"{early_buckets} buckets' updates wait past backward (clipping's norm, a "
-                   "GradScaler's inf checks) but their gradients go to the host as soon as they are final, "
-                   "inside backward, so the device frees them there (the host applies clip_grad_norm_'s scaling)")
+    for cause, buckets in waits_past_backward.items():
+        graph.note("offload_optimizer", f"{len(buckets)} buckets' updates ({', '.join(buckets)}) wait past backward "
+                   f"{cause}, but their gradients go to the host as soon as they are final, inside backward, "
+                   "so the device frees them there" + (" (the host applies clip_grad_norm_'s scaling)"
+                                                       if "clip_grad_norm_" in cause else ""))
     host_offload.assign_streams(g)   # node.meta["stream"]: which copy stream each transfer runs on
     graph = graph.with_signature(inputs=tuple(specs))
     fill_missing_meta(graph, "offload_optimizer")   # the prefetched buffers' sizes count below

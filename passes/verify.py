@@ -6,9 +6,21 @@ the graph broken, the node, and what is wrong with it.
 
 from __future__ import annotations
 
+import torch
+from torch import fx
+
 from graphoffload.aliasing import written_placeholders
 from graphoffload.errors import PassError
 from graphoffload.graph import PHASES, TrainGraph
+from graphoffload.passes.update_kernels import kernel_rule
+
+# the host variants of the update kernels: (per-parameter list arguments, the step counters'),
+# laid out as the fused kernels' are, one argument later (the ticket comes first)
+_HOST_UPDATE_LISTS = {
+    torch.ops.graphoffload.host_adam_.default: ((1, 2, 3, 4, 5, 6), 6),
+    torch.ops.graphoffload.host_sgd_.default: ((1, 2, 3), None),
+}
+_LIST_NAMES = ("parameter", "gradient", "state", "state", "state", "step counter")
 
 
 def verify_train_graph(graph: TrainGraph, pass_name: str) -> None:
@@ -41,8 +53,56 @@ def verify_train_graph(graph: TrainGraph, pass_name: str) -> None:
             fail(f"node {node.name} has phase {node.meta.get('phase')!r}, expected one of {PHASES}")
         if "pass" not in node.meta:
             fail(f"node {node.name} does not record the pass that created it")
+        problem = update_operand_problem(node)
+        if problem:
+            fail(f"update node {node.name} ({node.target}): {problem}. An update kernel reads its lists "
+                 "element by element: every list must pair each parameter with operands of its shape, "
+                 "dtype and device (a kernel given anything else reads out of bounds)")
     mutable = {spec.name for spec in graph.signature.inputs if spec.mutable}
     for name in written_placeholders(graph.graph) - mutable:
         fail(f"placeholder {name} is written to (directly or through a view) but its signature entry is "
              "not marked mutable")
 
+
+
+def _describe(v: object) -> str:
+    if isinstance(v, torch.Tensor):
+        return f"{str(v.dtype).replace('torch.', '')}{list(v.shape)} on {v.device}"
+    return type(v).__name__
+
+
+def update_operand_problem(node: fx.Node) -> str | None:
+    """What is wrong with the operand lists of an update kernel (fused, or its host variant),
+    or None: every list as long as the parameters', each element of its parameter's shape,
+    dtype and device (step counters: one-element tensors on the parameters' device or the host;
+    a host update's gradients may be narrower, it widens them)."""
+    rule = kernel_rule(node)
+    if rule is not None:
+        positions, steps, host = rule.list_positions, rule.steps_position, False
+    elif node.op == "call_function" and node.target in _HOST_UPDATE_LISTS:
+        (positions, steps), host = _HOST_UPDATE_LISTS[node.target], True
+    else:
+        return None
+    lists = [node.args[p] if p < len(node.args) else None for p in positions]
+    params = [a.meta.get("val") if isinstance(a, fx.Node) else a for a in (lists[0] or [])]
+    for i, (pos, operands) in enumerate(zip(positions, lists)):
+        if i == 0 or not operands:
+            continue   # optional lists (max_exp_avg_sqs without amsgrad, momentum without it) are empty
+        what = "step counter" if pos == steps else _LIST_NAMES[min(i, 2)]
+        if len(operands) != len(params):
+            return f"argument {pos} holds {len(operands)} {what}s for {len(params)} parameters"
+        for j, (operand, param) in enumerate(zip(operands, params)):
+            val = operand.meta.get("val") if isinstance(operand, fx.Node) else operand
+            name = operand.name if isinstance(operand, fx.Node) else repr(operand)
+            if not isinstance(val, torch.Tensor) or not isinstance(param, torch.Tensor):
+                return f"{what} {j} ({name}) is {_describe(val)}, not a tensor"
+            if pos == steps:
+                if val.numel() != 1 or val.device not in (param.device, torch.device("cpu")):
+                    return (f"step counter {j} ({name}) is {_describe(val)}; expected one element, on "
+                            f"{param.device} or the host")
+                continue
+            narrower_grad = host and what == "gradient" and val.is_floating_point()
+            if val.shape != param.shape or val.device != param.device or (
+                    val.dtype != param.dtype and not narrower_grad):
+                return f"{what} {j} ({name}) is {_describe(val)} but its parameter is {_describe(param)}"
+    return None

@@ -10,14 +10,16 @@ after the run: gradients left on `param.grad`, and buffers the model replaced.
 from __future__ import annotations
 
 import contextlib
+import traceback
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.utils._pytree as pytree
-from torch import Tensor
+from torch import Tensor, fx
 
+from graphoffload.calibration import host_update_threads
 from graphoffload.config import Offload
-from graphoffload.errors import StateError
+from graphoffload.errors import GraphOffloadError, StateError, StepRunError, describe
 from graphoffload.graph import TENSOR_SLOT, TrainGraph
 
 from graphoffload.runtime.host_offload import OffloadRuntime
@@ -42,7 +44,8 @@ class Executor:
         if any(s.host for s in graph.signature.inputs):
             offload = offload or Offload()
             sanitizer = Sanitizer() if sanitize_requested(sanitize) else None
-            self.offload_runtime = OffloadRuntime(device, offload.cpu_workers, sanitizer)
+            self.offload_runtime = OffloadRuntime(device, offload.cpu_workers, host_update_threads(offload.cpu_threads),
+                                                sanitizer)
             # a re-planned graph keeps the host state, whose master weights are authoritative
             self.host_state = host_state or HostState(capture.bindings,
                                                       pin_memory=offload.pin_memory and device.type == "cuda")
@@ -57,6 +60,8 @@ class Executor:
         batch = [leaves[i] for i in self.capture.batch_positions]
         values: list[Tensor] = []
         in_flight = set(self.params_in_flight())
+        if self.host_state is not None:
+            self.host_state.reserve([(s, self.vals[s.name]) for s in self.graph.signature.inputs if s.host])
         for spec in self.graph.signature.inputs:
             if spec.host:
                 values.append(self.host_state.tensor(spec, self.vals[spec.name], in_flight))
@@ -112,7 +117,12 @@ class Executor:
         offload = self.offload_runtime.active() if self.offload_runtime else contextlib.nullcontext()
         with torch.no_grad(), offload:
             if profile is None:
-                outputs = self.gm(*inputs)
+                try:
+                    outputs = self.gm(*inputs)
+                except GraphOffloadError:
+                    raise
+                except Exception as exc:
+                    raise self.run_error(exc) from exc
             else:
                 timer = TimingInterpreter(self.gm, self.device)
                 outputs = timer.run(*inputs)
@@ -120,6 +130,31 @@ class Executor:
         if self.host_state is not None:
             self.host_state.record_versions(skip=set(self.params_in_flight()))
         return self.write_back(outputs)
+
+    def failed_node(self, exc: BaseException) -> fx.Node | None:
+        """The graph node whose line of the generated code raised `exc`."""
+        frames = [f for f in traceback.extract_tb(exc.__traceback__) if f.filename.startswith("<eval_with_key>")]
+        code = (frames[-1].line or "") if frames else ""
+        name = code.split("=", 1)[0].split(",")[0].strip() if "=" in code else ""
+        return next((n for n in self.graph.graph.nodes if n.name == name), None)
+
+    def run_error(self, exc: Exception) -> StepRunError:
+        """`exc`, raised by an op while the graph ran, as an error that names the op and the
+        user's source line it came from (as capture errors do)."""
+        from graphoffload.capture import user_line_of_stack_trace   # capture imports the runtime
+
+        node = self.failed_node(exc)
+        if node is None:
+            return StepRunError(f"the compiled step failed while it ran: {describe(exc)}")
+        where = user_line_of_stack_trace(node.meta.get("stack_trace"))
+        hint = "check the values of the step's inputs there"
+        if node.target is torch.ops.aten.embedding.default:
+            rows = node.args[0].meta["val"].shape[0]
+            hint = (f"an index given to this embedding is outside its {rows} rows (token ids beyond the "
+                    "vocabulary, or a sequence longer than a position table?): check the batch")
+        return StepRunError(
+            f"{describe(exc)}, raised by {node.target} (node {node.name}, {node.meta.get('phase', '?')})"
+            + (f" at {where}" if where else "") + f", while the compiled step ran: {hint}")
 
     def params_in_flight(self) -> list[str]:
         """Parameters whose upload an earlier run handed over and nobody has waited for yet."""

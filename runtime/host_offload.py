@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -36,6 +37,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 from torch import Tensor
 
+from graphoffload.calibration import use_intraop_threads
 from graphoffload.runtime.sanitizer import Sanitizer
 
 # the copy stream each transfer op runs on; `assign_streams` writes it into the graph
@@ -71,7 +73,8 @@ def _done(value: object) -> Future:
 class OffloadRuntime:
     """Streams, the CPU worker and in-flight tickets of one compiled step."""
 
-    def __init__(self, device: torch.device, cpu_workers: int = 1, sanitizer: Sanitizer | None = None):
+    def __init__(self, device: torch.device, cpu_workers: int = 1, cpu_threads: int | None = None,
+                 sanitizer: Sanitizer | None = None):
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
         # the CPU runtime's copies are synchronous; a sanitizer makes them late and poisoned
@@ -87,9 +90,11 @@ class OffloadRuntime:
         # uses torch's intra-op threads. A new thread's current CUDA device is 0, not the
         # caller's: `torch.cuda.stream(stream)` would switch it to ours and back to 0 on exit,
         # creating a context on GPU 0 in every process of a multi-GPU job, so workers start on ours
+        # `cpu_threads`: each worker's intra-op threads (Offload.cpu_threads), None: torch's default
         self.pool = ThreadPoolExecutor(max_workers=cpu_workers, thread_name_prefix="graphoffload-host",
-                                       initializer=torch.cuda.set_device if self.cuda else None,
-                                       initargs=(self.device,) if self.cuda else ())
+                                       initializer=_start_worker, initargs=(self.device, cpu_threads))
+        if cpu_threads is not None:
+            _start_all(self.pool, cpu_workers)
         self._tickets: dict[int, Future] = {}
         self._next = 0
         self.spans: list[tuple[str, str, float, float]] = []   # (track, name, start, end) of the last step
@@ -102,6 +107,9 @@ class OffloadRuntime:
         # the upload's future; `inbound` is what the running step took over from the last one
         self.carried: dict[str, Future] = {}
         self.inbound: dict[str, Future] = {}
+        # fp32 copies of low-precision host gradients, by (gradient buffer, shape, dtype): kept
+        # across steps, as the gradient buffers themselves are
+        self.widened_grads: dict[tuple[int, tuple[int, ...], torch.dtype], Tensor] = {}
 
     def _span(self, track: str, name: str, start: float) -> None:
         self.spans.append((track, name, start - self._t0, time.perf_counter() - self._t0))
@@ -305,6 +313,23 @@ class OffloadRuntime:
             self._wait_on_compute_stream(fut)
 
 
+def _start_worker(device: torch.device, threads: int | None) -> None:
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if threads is not None:
+        use_intraop_threads(threads)
+
+
+def _start_all(pool: ThreadPoolExecutor, workers: int) -> None:
+    """Start every worker now, then restore this thread's intra-op count as torch's default
+    (`use_intraop_threads` changed it for threads that start later)."""
+    own = torch.get_num_threads()
+    started = threading.Barrier(workers)
+    for fut in [pool.submit(started.wait) for _ in range(workers)]:
+        fut.result()
+    torch.set_num_threads(own)
+
+
 def active_runtime() -> OffloadRuntime:
     runtime = _ACTIVE.get()
     if runtime is None:
@@ -330,9 +355,18 @@ def _(grads, host):
     return _ticket_fake()
 
 
-def _host_fp32_grads(params: list[Tensor], grads: list[Tensor]) -> list[Tensor]:
-    # low-precision gradients land as they are and are widened here, on the host
-    return [g if g.dtype == p.dtype else g.to(p.dtype) for p, g in zip(params, grads)]
+def _host_fp32_grads(runtime: OffloadRuntime, params: list[Tensor], grads: list[Tensor]) -> list[Tensor]:
+    # low-precision gradients land as they are and are widened here, on the host, into
+    # persistent scratch (one buffer per gradient buffer) rather than new memory every step
+    out = []
+    for p, g in zip(params, grads):
+        if g.dtype != p.dtype:
+            key = (g.data_ptr(), tuple(g.shape), p.dtype)
+            if key not in runtime.widened_grads:
+                runtime.widened_grads[key] = torch.empty(g.shape, dtype=p.dtype)
+            g = runtime.widened_grads[key].copy_(g)
+        out.append(g)
+    return out
 
 
 def _scale_host_grads(grads: list[Tensor], grad_multiplier: Tensor | None) -> None:
@@ -353,17 +387,18 @@ def host_adam_(after: Tensor, params: list[Tensor], grads: list[Tensor], exp_avg
     With a GradScaler's `grad_scale`/`found_inf` (host copies) it unscales and skips on inf;
     with `grad_multiplier` (a host scalar) it first scales the gradients in place."""
     lr = lr.clone()   # the graph's lr tensor may be gone by the time the worker runs
+    runtime = active_runtime()
 
     def work():
         _scale_host_grads(grads, grad_multiplier)
         torch._foreach_add_(steps, 1)
         kernel = torch._fused_adamw_ if decoupled else torch._fused_adam_
-        kernel(params, _host_fp32_grads(params, grads), exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps,
+        kernel(params, _host_fp32_grads(runtime, params, grads), exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps,
                lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps, amsgrad=amsgrad,
                maximize=maximize, grad_scale=grad_scale, found_inf=found_inf)
         if found_inf is not None:
             torch._foreach_sub_(steps, [found_inf] * len(steps))
-    return active_runtime().run_on_host(after, work)
+    return runtime.run_on_host(after, work)
 
 
 @host_adam_.register_fake
@@ -379,13 +414,14 @@ def host_sgd_(after: Tensor, params: list[Tensor], grads: list[Tensor], momentum
               found_inf: Tensor | None = None, grad_multiplier: Tensor | None = None) -> Tensor:
     """SGD on host tensors, on the worker, once `after` is done; returns a ticket."""
     lr = lr.clone()
+    runtime = active_runtime()
 
     def work():
         _scale_host_grads(grads, grad_multiplier)
-        torch._fused_sgd_(params, _host_fp32_grads(params, grads), momentum_buffers, weight_decay=weight_decay,
+        torch._fused_sgd_(params, _host_fp32_grads(runtime, params, grads), momentum_buffers, weight_decay=weight_decay,
                           momentum=momentum, lr=lr, dampening=dampening, nesterov=nesterov, maximize=maximize,
                           is_first_step=is_first_step, grad_scale=grad_scale, found_inf=found_inf)
-    return active_runtime().run_on_host(after, work)
+    return runtime.run_on_host(after, work)
 
 
 @host_sgd_.register_fake

@@ -7,7 +7,9 @@ instance `optimizer.load_state_dict`, which casts state to each parameter's devi
 back on the device. The master weights (`state["master_param"]`) mirror the device
 parameters: they are created from them, and refreshed from them when the parameter was changed
 outside the compiled step (its version counter moved and it no longer equals the master
-weights in its own dtype). Scratch buffers are allocated once.
+weights in its own dtype). Scratch buffers are allocated once. Every host tensor is a view into
+a `HostArena` (runtime/host_arena.py): before a run, the tensors it is about to place are
+reserved together, so they take one allocation of their exact size.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch
 from torch import Tensor
 
 from graphoffload.graph import InputSpec
+from graphoffload.runtime.host_arena import HostArena
 
 
 class HostState:
@@ -24,13 +27,29 @@ class HostState:
         self.pin = pin_memory
         self.scratch: dict[tuple[str, str], Tensor] = {}
         self.versions: dict[str, int] = {}
+        self.arena = HostArena(pin_memory)
 
     def _empty(self, like: Tensor) -> Tensor:
-        return torch.empty(like.shape, dtype=like.dtype, device="cpu", pin_memory=self.pin)
+        return self.arena.empty(like.shape, like.dtype)
 
     def _is_placed(self, t: Tensor | None, like: Tensor) -> bool:
         return (t is not None and t.device.type == "cpu" and t.dtype == like.dtype and t.shape == like.shape
-                and (t.is_pinned() or not self.pin))
+                and self.arena.holds(t))
+
+    def reserve(self, inputs: list[tuple[InputSpec, Tensor]]) -> None:
+        """Make room in one allocation for the host tensors of `inputs` (host specs with their
+        meta vals) that are not in place yet: on the first run, all of them."""
+        needed = []
+        for spec, like in inputs:
+            if spec.kind == "host_scratch":
+                missing = spec.target not in self.scratch
+            else:
+                name, key = spec.target
+                param = self.bindings.params[name]
+                missing = not self._is_placed(self.bindings.optimizer_of(name).state[param].get(key), like)
+            if missing:
+                needed.append((like.shape, like.dtype))
+        self.arena.reserve(needed)
 
     def tensor(self, spec: InputSpec, like: Tensor, in_flight: set[str] = frozenset()) -> Tensor:
         """The host tensor for a placeholder, placed as the graph expects (`like`: its meta val).
@@ -50,11 +69,15 @@ class HostState:
             source = param.detach()
         else:
             source = current
-        if not self._is_placed(current, like):
-            placed = self._empty(like)
-            placed.copy_(source)
-            state[key] = placed
-        return state[key]
+        existing = state.get(key)
+        if self._is_placed(existing, like):
+            if source is not existing:   # master weights mirrored again: in place, no new allocation
+                existing.copy_(source)
+            return existing
+        placed = self._empty(like)
+        placed.copy_(source)
+        state[key] = placed
+        return placed
 
     def _changed_outside(self, name: str, param: Tensor, master: Tensor) -> bool:
         """Whether the parameter no longer holds its master weights rounded to its dtype. Its
