@@ -37,6 +37,7 @@ from typing import Any
 import torch
 import torch.utils.checkpoint as torch_checkpoint
 from torch import fx, nn
+from torch.utils.checkpoint import CheckpointPolicy
 
 from graphoffload.errors import UnsupportedError
 from graphoffload.runtime.rng import rng_state, swap_rng_state  # noqa: F401  (registers the ops)
@@ -145,15 +146,25 @@ def mark_recomputed(gm: fx.GraphModule, names: dict[int, str]) -> list[Recompute
     region's random ops into the graph. Returns the recomputed regions in forward order."""
     fwd: dict[int, list[fx.Node]] = {}
     re: dict[int, list[fx.Node]] = {}
+    policies: dict[fx.Node, CheckpointPolicy] = {}
     for node in gm.graph.nodes:
         tag = node.meta.pop("checkpoint", None)
+        # selective checkpointing writes its policy here while a tracer runs (and leaves it for
+        # every later node): read it inside regions, and free the key for graphoffload's own use
+        policy = node.meta.pop("recompute", None)
+        node.meta.pop("ac_graph_id", None)
         if tag is None or node.op != "call_function":
             continue
         kind, index = tag
         (fwd if kind == "fwd" else re).setdefault(index, []).append(node)
+        if kind == "fwd" and isinstance(policy, CheckpointPolicy):
+            policies[node] = policy
+    selective = {i for i, nodes in fwd.items() if any(n in policies for n in nodes)}
     regions: list[tuple[int, list[fx.Node], list[fx.Node]]] = []
-    unmatched = set(fwd)
+    unmatched = set(fwd) - selective
     for nodes in re.values():
+        if all(n.target in _ALIASES for n in nodes):
+            continue   # a selective region's "recompute" under a tracer: the cached values, detached
         index = _pair(nodes, fwd, unmatched)
         unmatched.discard(index)
         regions.append((index, fwd[index], nodes))
@@ -167,7 +178,59 @@ def mark_recomputed(gm: fx.GraphModule, names: dict[int, str]) -> list[Recompute
                                 [r for r in recomputed if _is_random(r)])
         out.append(RecomputedRegion(name, tuple(f.name for f in forward),
                                     tuple(r.name for r in recomputed), random))
+    for index in sorted(selective):
+        name = names.get(index, f"region {index}")
+        made = _recompute_selected(gm.graph, fwd[index], policies, name)
+        if made:
+            out.append(RecomputedRegion(name, tuple(f.name for f in fwd[index]), tuple(m.name for m in made), 0))
     return out
+
+
+_ALIASES = (torch.ops.aten.detach.default, torch.ops.aten.alias.default)
+_RECOMPUTE_POLICIES = (CheckpointPolicy.PREFER_RECOMPUTE, CheckpointPolicy.MUST_RECOMPUTE)
+
+
+def _recompute_selected(graph: fx.Graph, forward: list[fx.Node], policies: dict[fx.Node, CheckpointPolicy],
+                        name: str) -> list[fx.Node]:
+    """Selective checkpointing (`create_selective_checkpoint_contexts`): under a tracer, torch
+    keeps every value of the region and only records each op's policy, leaving the choice to
+    the compiler. Honour it: the region's ops whose policy says recompute (and the views and
+    detaches of their values) are copied into backward right before their first backward use,
+    so their forward values die with the forward. Random and in-place ops are always saved
+    (exact either way). Returns the copies."""
+    region = set(forward)
+    recompute: set[fx.Node] = set()
+    for n in forward:   # graph order: a node's inputs are decided before it
+        if _is_random(n) or getattr(getattr(n.target, "_schema", None), "is_mutable", False):
+            continue
+        inside = [a for a in n.all_input_nodes if a in region]
+        if n in policies:
+            if policies[n] in _RECOMPUTE_POLICIES:
+                recompute.add(n)
+        elif inside and all(a in recompute for a in inside):
+            recompute.add(n)   # getitems, views and detaches of recomputed values
+    copies: dict[fx.Node, fx.Node] = {}
+
+    def copy_of(n: fx.Node, before: fx.Node) -> fx.Node:
+        if n not in recompute:
+            return n
+        if n not in copies:
+            for a in n.all_input_nodes:
+                copy_of(a, before)
+            with graph.inserting_before(before):
+                c = graph.node_copy(n, lambda a: copies.get(a, a))
+            c.meta = {k: v for k, v in n.meta.items() if k != "grad_of"}
+            c.meta.update({"phase": "backward", "recompute": name, "recompute_of": n.name})
+            copies[n] = c
+        return copies[n]
+
+    for node in list(graph.nodes):
+        if node.meta.get("phase") != "backward" or node in copies.values():
+            continue
+        for a in node.all_input_nodes:
+            if a in recompute:
+                node.replace_input_with(a, copy_of(a, node))
+    return list(copies.values())
 
 
 def _pair(recomputed: list[fx.Node], fwd: dict[int, list[fx.Node]], candidates: set[int]) -> int:

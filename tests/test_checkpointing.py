@@ -5,13 +5,14 @@ blocks in backward, trains like eager, draws the same dropout masks, and predict
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import torch
 import torch.nn.functional as F
 from helpers import assert_training_matches, eager_and_compiled, hf_gpt2, hf_llama, run_steps, token_batches
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 import graphoffload
 
@@ -125,6 +126,36 @@ def test_dropout_under_recompute_draws_the_forward_masks():
     random = [n for n in graph.nodes if n.target is torch.ops.aten.bernoulli_.float]
     assert sum("recompute" in n.meta for n in random) == sum("recompute" not in n.meta for n in random) == 6
     assert sum(n.target is torch.ops.graphoffload.swap_rng_state.default for n in graph.nodes) == 2 * 3
+
+
+def _save_matmuls(ctx, op, *args, **kwargs):
+    return CheckpointPolicy.MUST_SAVE if op is torch.ops.aten.addmm.default else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+class SelectiveMlp(Mlp):
+    def forward(self, x, y):
+        for block in self.blocks:
+            x = checkpoint(block, x, use_reentrant=False,
+                           context_fn=functools.partial(create_selective_checkpoint_contexts, _save_matmuls))
+        return F.mse_loss(self.head(x).squeeze(-1), y)
+
+
+def test_selective_checkpointing_policy_decides_what_is_recomputed():
+    torch.manual_seed(0)
+    model = SelectiveMlp(width=64)
+    batches = mlp_batches(3, rows=256, width=64)
+    eager, opt_e, losses_e, compiled, opt_c, losses_c, step = eager_and_compiled(
+        model, adamw, batches, step_fn=mlp_step)
+    assert_training_matches(eager, opt_e, losses_e, compiled, opt_c, losses_c, exact=True)
+    recomputed = [n for n in step.graphs["captured"].graph.nodes if "recompute" in n.meta]
+    targets = {n.target for n in recomputed}
+    # the policy saves the matmuls and recomputes the rest (norms, GELU)
+    assert torch.ops.aten.addmm.default not in targets
+    assert {torch.ops.aten.gelu.default, torch.ops.aten.native_layer_norm.default} <= targets
+    assert all(n.meta["phase"] == "backward" for n in recomputed)
+    plain = copy.deepcopy(model)
+    plain.__class__, plain.checkpointed = Mlp, False
+    assert step.memory("captured").peak < _peak(plain, mlp_step, batches[0])
 
 
 def test_reentrant_checkpoint_is_refused_with_what_to_do():
