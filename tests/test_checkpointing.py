@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import io
 
 import pytest
 import torch
@@ -93,6 +94,8 @@ def test_checkpointed_blocks_are_recomputed_in_backward_and_train_bit_identical(
         assert twin.meta["phase"] == "forward" and twin.target is n.target
     assert any("recomputed in backward (activation checkpointing): blocks.0 (Block)" in line
                for line in step.explain(file=None).splitlines())
+    listing = step.print_graph("captured", file=io.StringIO())
+    assert f"recompute of {mms[0].meta['recompute_of']} in {mms[0].meta['recompute']}" in listing
 
 
 def test_checkpointing_lowers_the_predicted_peak():
