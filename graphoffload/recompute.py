@@ -39,7 +39,7 @@ import torch.utils.checkpoint as torch_checkpoint
 from torch import fx, nn
 from torch.utils.checkpoint import CheckpointPolicy
 
-from graphoffload.errors import UnsupportedError
+from graphoffload.errors import CaptureError, UnsupportedError
 from graphoffload.runtime.rng import rng_state, swap_rng_state  # noqa: F401  (registers the ops)
 
 _CHECKPOINT_FILE = torch_checkpoint.__file__
@@ -255,7 +255,14 @@ def _pair(recomputed: list[fx.Node], fwd: dict[int, list[fx.Node]], candidates: 
         if best is None or len(paired) > best[1]:
             best = (index, len(paired), paired)
     if best is None or best[1] == 0:
-        raise AssertionError(f"recomputed nodes {[r.name for r in recomputed[:5]]} repeat no checkpointed forward region")
+        from graphoffload.capture import user_line_of_stack_trace   # capture imports this module
+
+        where = user_line_of_stack_trace(recomputed[0].meta.get("stack_trace"))
+        raise CaptureError(
+            f"a torch.utils.checkpoint region recomputed in backward{f' (at {where})' if where else ''} does not "
+            "repeat any checkpointed forward region: the checkpointed function must run the same ops on the "
+            "same inputs when backward re-runs it. Make it deterministic in its ops (no Python state that "
+            "changes between forward and backward), or do not checkpoint it.")
     for r, f in best[2].items():
         r.meta["recompute_of"] = f.name
     return best[0]
@@ -271,34 +278,33 @@ def _same_op(r: fx.Node, f: fx.Node, mapping: dict[fx.Node, fx.Node]) -> bool:
 def _replay_random(graph: fx.Graph, forward: list[fx.Node], recomputed: list[fx.Node]) -> int:
     if not recomputed:
         return 0
-    first, like = forward[0], _tensor_arg(forward[0])
+    first, begin, last = forward[0], recomputed[0], recomputed[-1]
+    get, swap = torch.ops.graphoffload.rng_state.default, torch.ops.graphoffload.swap_rng_state.default
     with graph.inserting_before(first):
-        state = graph.call_function(torch.ops.graphoffload.rng_state.default, (like,))
-    _stamp(state, first, torch.ops.graphoffload.rng_state.default, (like.meta["val"],))
-    begin = recomputed[0]
-    rlike = _tensor_arg(begin)
+        state = graph.call_function(get, (_device_of(first),))
+    _stamp(state, first, get)
     with graph.inserting_before(begin):
-        before = graph.call_function(torch.ops.graphoffload.swap_rng_state.default, (state, rlike))
-    _stamp(before, begin, torch.ops.graphoffload.swap_rng_state.default, (state.meta["val"], rlike.meta["val"]))
-    with graph.inserting_after(recomputed[-1]):
-        after = graph.call_function(torch.ops.graphoffload.swap_rng_state.default, (before, rlike))
-    _stamp(after, recomputed[-1], torch.ops.graphoffload.swap_rng_state.default, (before.meta["val"], rlike.meta["val"]))
+        before = graph.call_function(swap, (state, _device_of(begin)))
+    _stamp(before, begin, swap)
+    with graph.inserting_after(last):
+        after = graph.call_function(swap, (before, _device_of(last)))
+    _stamp(after, last, swap)
     return len(recomputed)
 
 
-def _tensor_arg(node: fx.Node) -> fx.Node:
-    """A tensor on the device whose generator the random op draws from."""
-    for a in node.all_input_nodes:
-        if isinstance(a.meta.get("val"), torch.Tensor):
-            return a
-    raise AssertionError(f"random op {node.name} has no tensor input")
+def _device_of(node: fx.Node) -> torch.device:
+    """The device whose generator a random op draws from: that of what it returns."""
+    from graphoffload.graph import tensor_vals
+
+    return tensor_vals(node)[0].device
 
 
-def _stamp(node: fx.Node, beside: fx.Node, op: Any, fake_args: tuple) -> None:
+def _stamp(node: fx.Node, beside: fx.Node, op: Any) -> None:
     from graphoffload.graph import fake_mode_of
 
+    args = fx.map_arg(node.args, lambda n: n.meta["val"])
     with fake_mode_of(beside.graph):
-        node.meta["val"] = op(*fake_args)
+        node.meta["val"] = op(*args)
     node.meta.update({"pass": "capture", "phase": beside.meta["phase"]})
     if beside.meta.get("stack_trace"):
         node.meta["stack_trace"] = beside.meta["stack_trace"]

@@ -1,7 +1,7 @@
 """The random-number generator's state as graph values, so a recompute can replay its draws.
 
-`graphoffload.rng_state(like)` reads the state of the generator that ops on `like`'s device
-draw from; `graphoffload.swap_rng_state(state, like)` installs `state` and returns the one it
+`graphoffload.rng_state(device)` reads the state of the generator that random ops on `device`
+draw from; `graphoffload.swap_rng_state(state, device)` installs `state` and returns the one it
 replaced. Capture puts them around the random ops of a checkpointed region and its recompute
 (graphoffload/recompute.py), as `torch.utils.checkpoint` stashes and restores the state
 eagerly. States are CPU byte tensors, as `torch.get_rng_state()` and
@@ -31,31 +31,31 @@ def _set(state: Tensor, device: torch.device) -> None:
         torch.set_rng_state(state)
 
 
-def _fake_state(like: Tensor) -> Tensor:
-    n = _CUDA_STATE_BYTES if like.device.type == "cuda" else _CPU_STATE_BYTES
+def _fake_state(device: torch.device) -> Tensor:
+    n = _CUDA_STATE_BYTES if device.type == "cuda" else _CPU_STATE_BYTES
     return torch.empty(n, dtype=torch.uint8, device="cpu")
 
 
 @torch.library.custom_op("graphoffload::rng_state", mutates_args=())
-def rng_state(like: Tensor) -> Tensor:
-    """The state of the generator `like`'s device draws from (a copy)."""
-    return _get(like.device)
+def rng_state(device: torch.device) -> Tensor:
+    """The state of the generator random ops on `device` draw from (a copy)."""
+    return _get(device)
 
 
 @rng_state.register_fake
-def _rng_state_fake(like):
-    return _fake_state(like)
+def _rng_state_fake(device):
+    return _fake_state(device)
 
 
 @torch.library.custom_op("graphoffload::swap_rng_state", mutates_args=(),
                          tags=(torch.Tag.nondeterministic_seeded,))
-def swap_rng_state(state: Tensor, like: Tensor) -> Tensor:
-    """Install `state` in the generator of `like`'s device; returns the state it had."""
-    before = _get(like.device)
-    _set(state, like.device)
+def swap_rng_state(state: Tensor, device: torch.device) -> Tensor:
+    """Install `state` in the generator of `device`; returns the state it had."""
+    before = _get(device)
+    _set(state, device)
     return before
 
 
 @swap_rng_state.register_fake
-def _swap_rng_state_fake(state, like):
-    return _fake_state(like)
+def _swap_rng_state_fake(state, device):
+    return _fake_state(device)

@@ -110,9 +110,22 @@ def test_checkpointing_lowers_the_predicted_peak():
         assert with_ckpt < without - 2 * 512 * 256 * 4, (stage, with_ckpt, without)
 
 
-def test_dropout_under_recompute_draws_the_forward_masks():
+class NoisyBlock(Block):
+    """Noise from `torch.rand(shape)` (a random op with no tensor input) feeding the GELU, whose
+    backward needs the noisy value: the recompute draws it again."""
+
+    def forward(self, x):
+        h = self.up(self.norm(x))
+        h = F.gelu(h + 0.1 * torch.rand(h.shape))
+        return x + F.dropout(self.down(h), self.dropout, self.training)
+
+
+@pytest.mark.parametrize("noise", [False, True], ids=["dropout", "dropout+rand"])
+def test_dropout_under_recompute_draws_the_forward_masks(noise):
     torch.manual_seed(0)
     model = Mlp(dropout=0.2)
+    if noise:
+        model.blocks = nn.ModuleList(NoisyBlock(32, 0.2) for _ in range(3))
     batches = mlp_batches(4)
     eager, compiled = model, copy.deepcopy(model)
     opt_e, opt_c = adamw(eager), adamw(compiled)
@@ -126,8 +139,9 @@ def test_dropout_under_recompute_draws_the_forward_masks():
     # the generator ends where eager leaves it (the recompute's draws are put back)
     assert torch.equal(torch.rand(3), after_eager)
     graph = step.graphs["captured"].graph
-    random = [n for n in graph.nodes if n.target is torch.ops.aten.bernoulli_.float]
-    assert sum("recompute" in n.meta for n in random) == sum("recompute" not in n.meta for n in random) == 6
+    random = [n for n in graph.nodes if n.target in (torch.ops.aten.bernoulli_.float, torch.ops.aten.rand.default)]
+    # per block two random ops (two dropouts, or the noise and one dropout), drawn again in the recompute
+    assert sum("recompute" in n.meta for n in random) == sum("recompute" not in n.meta for n in random) == 3 * 2
     assert sum(n.target is torch.ops.graphoffload.swap_rng_state.default for n in graph.nodes) == 2 * 3
 
 
