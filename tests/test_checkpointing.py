@@ -11,7 +11,8 @@ import io
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import assert_training_matches, eager_and_compiled, hf_gpt2, hf_llama, run_steps, token_batches
+from helpers import (assert_training_matches, eager_and_compiled, hf_gpt2, hf_llama, hf_train_step, run_steps,
+                     token_batches)
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
@@ -276,3 +277,16 @@ def test_checkpointed_blocks_under_sequence_parallelism_match_eager():
     from ring_dist import run_ranks
 
     run_ranks(_checkpointed_gpt_under_sequence_parallelism, 2, deadline_s=240)
+
+
+def test_llama_gradient_checkpointing_without_padding_matches_eager_to_rounding():
+    # no padding mask: eagerly Hugging Face passes is_causal to SDPA, under tracing it builds the
+    # causal mask (use_cache=False, which checkpointing implies): another kernel, same math
+    pytest.importorskip("transformers")
+    model = hf_llama()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=NON_REENTRANT)
+    eager, opt_e, losses_e, compiled, opt_c, losses_c, step = eager_and_compiled(
+        model, lambda m: torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9, fused=True), token_batches(3),
+        step_fn=hf_train_step)
+    assert_training_matches(eager, opt_e, losses_e, compiled, opt_c, losses_c, exact=False)
+    assert sum("recompute" in n.meta for n in step.graphs["captured"].graph.nodes) > 0
