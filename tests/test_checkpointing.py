@@ -290,3 +290,22 @@ def test_llama_gradient_checkpointing_without_padding_matches_eager_to_rounding(
         step_fn=hf_train_step)
     assert_training_matches(eager, opt_e, losses_e, compiled, opt_c, losses_c, exact=False)
     assert sum("recompute" in n.meta for n in step.graphs["captured"].graph.nodes) > 0
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_dropout_under_recompute_on_cuda_draws_the_forward_masks():
+    # CUDA's generator is philox (a seed and an offset): the recompute rewinds the offset
+    torch.manual_seed(0)
+    model = Mlp(dropout=0.2).cuda()
+    batches = [{k: v.cuda() for k, v in b.items()} for b in mlp_batches(3)]
+    eager, compiled = model, copy.deepcopy(model)
+    opt_e, opt_c = adamw(eager), adamw(compiled)
+    step = graphoffload.offload_compile(mlp_step)
+    torch.manual_seed(5)
+    losses_e = run_steps(mlp_step, eager, opt_e, batches)
+    after_eager = torch.rand(3, device="cuda")
+    torch.manual_seed(5)
+    losses_c = run_steps(step, compiled, opt_c, batches)
+    assert_training_matches(eager, opt_e, losses_e, compiled, opt_c, losses_c, exact=True)
+    assert torch.equal(torch.rand(3, device="cuda"), after_eager)
