@@ -46,6 +46,7 @@ from graphoffload.config import CompileConfig
 from graphoffload.errors import CaptureError, GraphOffloadError, UnsupportedError, describe
 from graphoffload.graph import (TENSOR_SLOT, GraphSignature, InputSpec, OutputSpec, TrainGraph, fake_mode_of,
                                 placeholder_name)
+from graphoffload.recompute import CheckpointRegions, mark_recomputed, refuse_reentrant
 from graphoffload.runtime import attention as _attention_module
 from graphoffload.runtime import grouped_mm as _grouped_mm
 from graphoffload.runtime.attention import sdpa_via_attention
@@ -299,11 +300,19 @@ def _autograd_nodes(roots: list[Any]) -> Iterator[Any]:
 
 
 @contextlib.contextmanager
-def _backward_provenance(outputs: Any) -> Iterator[None]:
+def _backward_provenance(outputs: Any, mode: _StepMode | None = None, where: str | None = None) -> Iterator[None]:
     """While backward runs, stamp each op it traces with the sequence number of the autograd
-    node being differentiated, so capture can point backward nodes at their forward node."""
+    node being differentiated, so capture can point backward nodes at their forward node.
+    `mode` is made active again inside every autograd node backward runs: the engine runs them
+    under the modes active when backward was called, and a mode is inactive inside its own
+    handler, where backward is called. (A checkpointed block's recompute needs it.)"""
     roots = [t.grad_fn for t in pytree.tree_leaves(outputs) if isinstance(t, Tensor)]
     handles = []
+    if mode is not None:
+        for node in _autograd_nodes(roots):
+            refuse_reentrant(node, user_line_of_stack_trace(where))
+            handles.append(node.register_prehook(lambda _g: mode.__enter__() and None))
+            handles.append(node.register_hook(lambda _gi, _go: mode.__exit__(None, None, None)))
     if hasattr(fx_traceback, "set_grad_fn_seq_nr"):
         for node in _autograd_nodes(roots):
             seq = node._sequence_nr()
@@ -321,9 +330,11 @@ class _StepMode(TorchFunctionMode):
     """Routes SDPA to graphoffload's attention op (and fp32/fp16 grouped matmuls to its grouped_mm,
     runtime/grouped_mm.py) and tags backward; everything else passes."""
 
-    def __init__(self, events: _StepEvents, sums: _AccumulatingGrads | None = None):
+    def __init__(self, events: _StepEvents, regions: CheckpointRegions,
+                 sums: _AccumulatingGrads | None = None):
         super().__init__()
         self.events = events
+        self.regions = regions
         self.sums = sums
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -331,7 +342,7 @@ class _StepMode(TorchFunctionMode):
         # make_fx records stack traces only inside modules' forward(); this covers the rest of
         # the step (loss, clipping, optimizer.step()) with the user's calling line
         source = _calling_user_line()
-        with fx_traceback.annotate({"source": source}):
+        with fx_traceback.annotate({"source": source, **self.regions.tag()}):
             if func is F.scaled_dot_product_attention:
                 return sdpa_via_attention(*args, **kwargs)
             if func is getattr(torch, "_grouped_mm", None) and _grouped_mm.routes(*args, **kwargs):
@@ -339,8 +350,9 @@ class _StepMode(TorchFunctionMode):
             if func is Tensor.backward or func is torch.autograd.backward:
                 self._backward_called(source)
                 if self.sums is not None:
-                    return self.sums.backward(func, args, kwargs)
-                with _backward_provenance(args[0] if args else kwargs.get("tensors")):
+                    with self._backward():
+                        return self.sums.backward(func, args, kwargs, self, source)
+                with _backward_provenance(args[0] if args else kwargs.get("tensors"), self, source), self._backward():
                     return func(*args, **kwargs)
             if func is torch.autograd.grad:
                 if self.sums is not None:
@@ -348,7 +360,7 @@ class _StepMode(TorchFunctionMode):
                         f"the train step calls torch.autograd.grad{f' at {source.splitlines()[0]}' if source else ''}, "
                         "which does not accumulate into .grad: with accumulation_steps, call loss.backward()")
                 self._backward_called(source)
-                with _backward_provenance(args[0] if args else kwargs.get("outputs")):
+                with _backward_provenance(args[0] if args else kwargs.get("outputs"), self, source), self._backward():
                     return func(*args, **kwargs)
             return func(*args, **kwargs)
 
@@ -363,6 +375,15 @@ class _StepMode(TorchFunctionMode):
                 "once after the last (or use offload_compile(..., accumulation_steps=k)); for several "
                 "updates, call the compiled step once per update")
         self.events.order.append("backward")
+
+    @contextlib.contextmanager
+    def _backward(self) -> Iterator[None]:
+        self.regions.in_backward = True
+        try:
+            yield
+        finally:
+            self.regions.in_backward = False
+            self.regions.release()
 
 
 @dataclass(frozen=True)
@@ -403,7 +424,7 @@ class _AccumulatingGrads:
         # eager's `(loss / k).backward()` hands `ones / k` to the loss's grad_fn: the same op
         return (torch.ones_like(t) if gradient is None else gradient) / self.k
 
-    def backward(self, func: Callable, args: tuple, kwargs: dict) -> Any:
+    def backward(self, func: Callable, args: tuple, kwargs: dict, mode: _StepMode, source: str | None) -> Any:
         kwargs = dict(kwargs)
         if func is Tensor.backward:
             args = list(args)
@@ -426,7 +447,7 @@ class _AccumulatingGrads:
             roots = tensors
         handles = self._bind()
         try:
-            with _backward_provenance(roots):
+            with _backward_provenance(roots, mode, source):
                 return func(*args, **kwargs)
         finally:
             for h in handles:
@@ -693,6 +714,7 @@ def _capture_step(fn: Callable, args: tuple, kwargs: dict, config: CompileConfig
     n_p, n_b, n_s, n_lr = len(param_names), len(buffer_names), len(b.state_keys), len(b.lr_groups)
     n_sc = len(scaler_keys)
     events = _StepEvents()
+    regions = CheckpointRegions.of_modules(b.modules)
     result: dict[str, Any] = {}
 
     def traced(*flat: Tensor) -> list[Tensor]:
@@ -710,7 +732,7 @@ def _capture_step(fn: Callable, args: tuple, kwargs: dict, config: CompileConfig
         # module parameters are named before _swapped_module_tensors puts the traced ones in
         with _recorded_module_zero_grad(b, events), _swapped_module_tensors(b, params, buffers), \
                 _lowered_optimizers(b, params, states, lrs, first_steps, config, events), \
-                _swapped_scaler_state(b, scaler_state), _StepMode(events, sums):
+                _swapped_scaler_state(b, scaler_state), _StepMode(events, regions, sums):
             out = fn(*step_args, **step_kwargs)
             if sums is not None:
                 sums.finish()
@@ -758,6 +780,7 @@ def _capture_step(fn: Callable, args: tuple, kwargs: dict, config: CompileConfig
     input_specs = [dataclasses.replace(s, name=n.name)
                    for s, n in zip(input_specs, (n for n in graph.graph.nodes if n.op == "placeholder"))]
     _annotate(graph, input_specs)
+    recomputed = mark_recomputed(graph, regions.names)
     _reject_scalar_reads(graph)
     mutated = written_placeholders(graph.graph)
     input_specs = [InputSpec(s.kind, s.name, s.target, s.name in mutated) for s in input_specs]
@@ -766,6 +789,9 @@ def _capture_step(fn: Callable, args: tuple, kwargs: dict, config: CompileConfig
     train_graph.note("capture", f"{len(param_names)} parameters, {len(buffer_names)} buffers, "
                      f"{len(b.state_keys)} optimizer-state tensors, {events.subgroups} update subgroups; "
                      f"step calls: {' -> '.join(events.order)}")
+    for region in recomputed:
+        train_graph.note("capture", f"recomputed in backward (activation checkpointing): {region.name}, "
+                         f"{len(region.recomputed)} nodes" + (f", {region.random} random ops replayed" if region.random else ""))
     first_backward = events.order.index("backward")
     return Capture(train_graph, b, result["out_spec"], result["constants"],
                    zeroed_before_backward=_zeroed(events, events.order[:first_backward]),
@@ -877,7 +903,7 @@ def _annotate(gm: fx.GraphModule, input_specs: list[InputSpec]) -> None:
             node.meta["phase"] = "forward"
         after_backward = after_backward or node.meta["phase"] == "backward"
         node.meta.setdefault("val", None)   # ops that return nothing (in-place updates)
-        for key in ("param", "subgroup"):
+        for key in ("param", "subgroup", "checkpoint"):
             if key in custom:
                 node.meta[key] = custom[key]
         if not node.meta.get("stack_trace") and custom.get("source"):

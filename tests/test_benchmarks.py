@@ -38,3 +38,13 @@ def test_offload_predictions_on_the_meta_device(tmp_path):
     rows = {r["mode"]: r for r in result["rows"]}
     assert rows["graphoffload-hybrid"]["predicted_s"] <= rows["fixed-k2"]["predicted_s"]
     assert rows["graphoffload-hybrid"]["predicted_s"] <= rows["graphoffload-cpu"]["predicted_s"]
+
+
+def test_checkpointing_predictions_on_the_meta_device(tmp_path):
+    result = _run("checkpointing.py", "--predict", os.path.join(ROOT, "benchmarks", "calibrations", "h100-research-notes.json"),
+                  "--layers", "2", "--d-model", "128", "--heads", "4", "--vocab", "256", "--seq", "256", "--batch", "4",
+                  out=tmp_path / "c.json")
+    plain, checkpointed = result["rows"]
+    assert plain["recomputed_nodes"] == 0 < checkpointed["recomputed_nodes"]
+    assert checkpointed["peak_GiB"] < plain["peak_GiB"]
+    assert checkpointed["predicted_s"] > plain["predicted_s"]   # the recompute costs compute

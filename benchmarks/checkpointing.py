@@ -1,0 +1,93 @@
+"""Activation checkpointing in a compiled step: predicted peak device memory and step time of the
+benchmark GPT with every block under `torch.utils.checkpoint(use_reentrant=False)` against the
+same GPT without, both with optimizer state offloaded (the planner's hybrid schedule).
+
+    python benchmarks/checkpointing.py --predict benchmarks/calibrations/h100-research-notes.json
+    python benchmarks/checkpointing.py --predict ... --batch 12     # 24,576 tokens per step
+
+Everything is compiled on the meta device (no memory, no GPU): the peak is the liveness analysis
+of the final graph (`step.memory().peak`), the step time the planner's prediction under the
+calibration, in which the recomputed nodes cost their compute like any other node. bf16 autocast
+needs a GPU, so the meta graph computes (and keeps activations) in fp32: absolute activation
+bytes are about twice those of the bf16 GPU step, the difference between the rows is what
+checkpointing saves.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from common import autocast_train_step, build_gpt, print_table, write_json  # noqa: E402
+from gpt import GPT  # noqa: E402
+
+LR, WEIGHT_DECAY = 1e-4, 0.1
+
+
+class CheckpointedGPT(GPT):
+    """The benchmark GPT with every block checkpointed, as a user would write it."""
+
+    def forward(self, idx, labels=None):
+        x = self.drop(self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device)))
+        for block in self.blocks:
+            x = checkpoint(block, x, use_reentrant=False)
+        logits = self.head(self.ln_f(x))
+        return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+
+
+def predict_rows(args) -> list[dict]:
+    import graphoffload
+    from graphoffload.calibration import Calibration
+
+    with open(args.predict) as f:
+        cal = Calibration(**json.load(f))
+    model, _ = build_gpt(argparse.Namespace(**{**vars(args), "device": "meta"}), torch.device("meta"))
+    batch = torch.empty((args.batch, args.seq), dtype=torch.long, device="meta")
+    rows = []
+    for name, checkpointed in (("no checkpointing", False), ("every block checkpointed", True)):
+        model.__class__ = CheckpointedGPT if checkpointed else GPT
+        opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+        step = graphoffload.offload_compile(autocast_train_step, offload=graphoffload.Offload(
+            device_updates="auto", calibration=cal, replan_after=0))
+        start = time.perf_counter()
+        graph = step.compile(model, opt, batch)
+        recomputed = sum("recompute" in n.meta for n in graph.graph.nodes)
+        rows.append({"mode": name, "status": "predicted", "predicted_s": graph.schedule.step_seconds,
+                     "peak_GiB": step.memory().peak / 2**30, "captured_peak_GiB": step.memory("captured").peak / 2**30,
+                     "recomputed_nodes": recomputed, "compile_s": time.perf_counter() - start,
+                     "params": sum(p.numel() for p in model.parameters())})
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--layers", type=int, default=24)
+    p.add_argument("--d-model", type=int, default=2048)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--predict", metavar="CALIBRATION_JSON", required=True,
+                   help="compile on the meta device and report the predictions under this calibration")
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    rows = predict_rows(args)
+    print(f"GPT {rows[0]['params'] / 1e9:.2f}B params, batch {args.batch}x{args.seq}: predictions under "
+          f"{args.predict} (meta device, fp32 activations)")
+    print_table(rows, ["mode", "predicted_s", "peak_GiB", "captured_peak_GiB", "recomputed_nodes", "compile_s"])
+    out = args.out or os.path.join(os.path.dirname(__file__), "results", f"checkpointing_predicted_b{args.batch}.json")
+    write_json(out, {"benchmark": "checkpointing-predicted", "calibration": args.predict, "config": vars(args),
+                     "rows": rows})
+
+
+if __name__ == "__main__":
+    main()
