@@ -21,6 +21,8 @@ from graphoffload.capture import Capture, capture_step, find_bindings
 from graphoffload.checkpoint import load_optimizer_state_exactly
 from graphoffload.config import CompileConfig, Offload
 from graphoffload.graph import TrainGraph
+from graphoffload.errors import PartialUpdateError
+from graphoffload.interruption import InterruptionGuard, Snapshot
 from graphoffload.optimizer_lowering import first_step_params
 from graphoffload.memory import MemoryProfile, analyze_memory
 from graphoffload.passes.manager import Pass, PassContext, PassFn, PassManager, builtin_passes
@@ -88,6 +90,7 @@ class CompiledStep:
         self._host_states: dict[Any, HostState] = {}
         self._rank_agreement: RankAgreement | None = None   # made on the first call with sequence_parallel
         self.trace_count = 0
+        self._interruption = InterruptionGuard()
         functools.update_wrapper(self, fn)
 
     def _key(self, args: tuple, kwargs: dict) -> Any:
@@ -172,6 +175,27 @@ class CompiledStep:
         return self._variant(args, kwargs)[1].graph
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self._interruption.check(self._name)
+        bindings = find_bindings(self.fn, args, kwargs)
+        before = Snapshot.take(bindings)
+        try:
+            return self._run_step(*args, **kwargs)
+        except BaseException as exc:
+            updated = before.changed()
+            if not updated:
+                raise    # nothing the user holds changed: retrying is safe
+            message = self._interruption.interrupted(exc, updated, bindings, self._name)
+            if isinstance(exc, Exception):
+                raise PartialUpdateError(message) from exc
+            exc.add_note("graphoffload: " + message)   # KeyboardInterrupt, SystemExit stay what they are
+            raise
+
+    def accept_partial_update(self) -> None:
+        """After a `PartialUpdateError`: train on from the partly updated model and optimizer
+        (instead of restoring them from a checkpoint)."""
+        self._interruption.clear()
+
+    def _run_step(self, *args: Any, **kwargs: Any) -> Any:
         if self.config.sequence_parallel is not None:
             if self._rank_agreement is None:
                 self._rank_agreement = RankAgreement(self.config.sequence_parallel)
@@ -242,6 +266,7 @@ class CompiledStep:
             raise ValueError(f"the checkpoint holds {len(saved)} optimizers, the step drives {len(optimizers)}")
         for opt, opt_state in zip(optimizers, saved):
             load_optimizer_state_exactly(opt, opt_state)
+        self._interruption.restored_optimizers(optimizers)
 
     # ------------------------------------------------------------------ inspection
 
