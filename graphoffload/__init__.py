@@ -11,8 +11,8 @@
 
 from graphoffload.api import CompiledStep, offload_compile
 from graphoffload.config import CompileConfig, FuseOptimizer, Offload
-from graphoffload.errors import (CaptureError, GraphOffloadError, PassError, RingTimeoutError, StateError,
-                                 StepRunError, UnsupportedError)
+from graphoffload.errors import (CaptureError, GraphOffloadError, PartialUpdateError, PassError, RingTimeoutError,
+                                 StateError, StepRunError, UnsupportedError)
 from graphoffload.graph import GraphSignature, InputSpec, OutputSpec, TrainGraph
 from graphoffload.memory import MemoryProfile, analyze_memory
 from graphoffload.passes import Pass, PassContext, PassManager
@@ -20,6 +20,7 @@ from graphoffload.sequence_parallel import SequenceParallel
 
 __all__ = [
     "CaptureError", "CompileConfig", "CompiledStep", "FuseOptimizer", "GraphOffloadError", "GraphSignature", "InputSpec",
-    "MemoryProfile", "Offload", "OutputSpec", "Pass", "PassContext", "PassError", "PassManager", "RingTimeoutError",
-    "SequenceParallel", "StateError", "StepRunError", "TrainGraph", "UnsupportedError", "analyze_memory", "offload_compile",
+    "MemoryProfile", "Offload", "OutputSpec", "PartialUpdateError", "Pass", "PassContext", "PassError", "PassManager",
+    "RingTimeoutError", "SequenceParallel", "StateError", "StepRunError", "TrainGraph", "UnsupportedError",
+    "analyze_memory", "offload_compile",
 ]

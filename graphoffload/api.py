@@ -20,8 +20,9 @@ from graphoffload import inspection, timeline
 from graphoffload.capture import Accumulation, Capture, capture_step, find_bindings
 from graphoffload.checkpoint import load_optimizer_state_exactly
 from graphoffload.config import CompileConfig, Offload
-from graphoffload.errors import StateError, UnsupportedError
+from graphoffload.errors import PartialUpdateError, StateError, UnsupportedError
 from graphoffload.graph import TrainGraph
+from graphoffload.interruption import InterruptionGuard, Snapshot
 from graphoffload.optimizer_lowering import first_step_params
 from graphoffload.memory import MemoryProfile, analyze_memory
 from graphoffload.passes.manager import Pass, PassContext, PassFn, PassManager, builtin_passes
@@ -102,6 +103,7 @@ class CompiledStep:
         self._host_states: dict[Any, HostState] = {}
         self._rank_agreement: RankAgreement | None = None   # made on the first call with sequence_parallel
         self.trace_count = 0
+        self._interruption = InterruptionGuard()
         functools.update_wrapper(self, fn)
 
     @property
@@ -203,10 +205,28 @@ class CompiledStep:
         return self._variant(args, kwargs)[1].graph
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        result = self._call(args, kwargs)
+        self._interruption.check(self._name)
+        bindings = find_bindings(self.fn, args, kwargs)
+        before = Snapshot.take(bindings)
+        try:
+            result = self._call(args, kwargs)
+        except BaseException as exc:
+            updated = before.changed()
+            if not updated:
+                raise    # nothing the user holds changed: retrying is safe
+            message = self._interruption.interrupted(exc, updated, bindings, self._name)
+            if isinstance(exc, Exception):
+                raise PartialUpdateError(message) from exc
+            exc.add_note("graphoffload: " + message)   # KeyboardInterrupt, SystemExit stay what they are
+            raise
         if self._accumulation is not None:
             self._micro_step = (self._micro_step + 1) % self.config.accumulation_steps
         return result
+
+    def accept_partial_update(self) -> None:
+        """After a `PartialUpdateError`: train on from the partly updated model and optimizer
+        (instead of restoring them from a checkpoint)."""
+        self._interruption.clear()
 
     def _call(self, args: tuple, kwargs: dict) -> Any:
         if self.config.sequence_parallel is not None:
@@ -297,6 +317,7 @@ class CompiledStep:
         if window is not None and k > 1:
             self._grad_sums.load_state_dict(window["grad_sums"] if window["micro_step"] else {})
             self._micro_step = window["micro_step"]
+        self._interruption.restored_optimizers(optimizers)
 
     # ------------------------------------------------------------------ inspection
 

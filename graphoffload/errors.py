@@ -31,6 +31,11 @@ class StateError(GraphOffloadError):
     start from."""
 
 
+class PartialUpdateError(StateError):
+    """A compiled step was interrupted after some of its fused updates ran: the model and
+    optimizer are part-way through an update. The message names what was updated."""
+
+
 class RingTimeoutError(GraphOffloadError, RuntimeError):
     """Under sequence parallelism, a rank did not answer in time: it failed, or never reached
     the step or one of its ring exchanges. Raised on the ranks that waited, instead of a hang."""

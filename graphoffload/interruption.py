@@ -1,0 +1,106 @@
+"""What an interrupted step leaves behind, and refusing to train on it.
+
+With updates fused into backward, the last layers' parameters and optimizer state are updated
+before the first layers' gradients exist. An exception part-way through backward (an
+out-of-memory error, KeyboardInterrupt, a failing CPU worker, a collective timing out) leaves
+some parameters updated and others not, which eager PyTorch never does. Holding every update
+back until backward ends would cost the memory the fusion saves, so instead the step finds out
+what changed (the version counters of the parameters and optimizer state, which every in-place
+write bumps) and, if anything did, refuses to run again until the user restores the model and
+the optimizer or accepts the partial update. An error before any update (in forward, or in
+backward before the first fused update) changed nothing and is re-raised as it is.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from graphoffload.errors import StateError, describe
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """Version counters of the tensors a step may update, taken before it runs."""
+
+    params: tuple[tuple[str, Tensor, int], ...]
+    state: tuple[tuple[str, Tensor, int], ...]
+
+    @staticmethod
+    def take(bindings: Any) -> Snapshot:
+        names = {id(p): n for n, p in bindings.params.items()}
+        params = tuple((n, p, p._version) for n, p in bindings.params.items())
+        state = tuple((f"{names.get(id(p), '?')}.{key}", t, t._version)
+                      for opt in bindings.optimizers for p, s in opt.state.items()
+                      for key, t in s.items() if isinstance(t, Tensor))
+        return Snapshot(params, state)
+
+    def changed(self) -> list[str]:
+        """Parameters (and `param.state_key` optimizer state) written since the snapshot."""
+        return [n for n, t, v in (*self.params, *self.state) if t._version != v]
+
+
+class InterruptionGuard:
+    """Per compiled step: remembers an interruption that left a partial update and clears it
+    when every model and optimizer the step drives has been restored with `load_state_dict`
+    (or the step's `load_state_dict` restored the optimizers), or on `accept()`."""
+
+    def __init__(self) -> None:
+        self.updated: list[str] = []
+        self.cause = ""
+        self._pending: set[int] = set()
+        self._handles: list[Any] = []
+
+    def interrupted(self, exc: BaseException, updated: list[str], bindings: Any, step_name: str) -> str:
+        self.updated = updated
+        self.cause = describe(exc)
+        self._pending = {id(o) for o in (*bindings.modules, *bindings.optimizers)}
+        ref = weakref.ref(self)
+
+        def restored(obj: Any, *_: Any) -> None:
+            guard = ref()
+            if guard is not None:
+                guard.restored(obj)
+        for obj in (*bindings.modules, *bindings.optimizers):
+            if isinstance(obj, torch.nn.Module):
+                self._handles.append(obj.register_load_state_dict_post_hook(
+                    lambda module, _keys, obj=obj: restored(obj)))
+            else:
+                self._handles.append(obj.register_load_state_dict_post_hook(lambda opt: restored(opt)))
+        return self.message(step_name)
+
+    def message(self, step_name: str) -> str:
+        shown = ", ".join(self.updated[:8]) + (f" and {len(self.updated) - 8} more" if len(self.updated) > 8 else "")
+        return (f"{step_name} was interrupted part-way ({self.cause}) after its fused optimizer updates had "
+                f"changed {shown}; the rest of the model and optimizer were not updated. Restore the model "
+                "and optimizer from a checkpoint (their load_state_dict, or the step's for the optimizers) "
+                "and retry, or call step.accept_partial_update() to train on as they are")
+
+    @property
+    def active(self) -> bool:
+        return bool(self.updated)
+
+    def restored(self, obj: Any) -> None:
+        self._pending.discard(id(obj))
+        if not self._pending:
+            self.clear()
+
+    def restored_optimizers(self, optimizers: Any) -> None:
+        for opt in optimizers:
+            self.restored(opt)
+
+    def clear(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        self._pending.clear()
+        self.updated = []
+        self.cause = ""
+
+    def check(self, step_name: str) -> None:
+        if self.active:
+            raise StateError("refusing to run: " + self.message(step_name))
