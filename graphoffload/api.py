@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import statistics
 import time
 import warnings
@@ -30,6 +31,8 @@ from graphoffload.runtime.accumulation import GradSums
 from graphoffload.runtime.executor import Executor
 from graphoffload.runtime.host_state import HostState
 from graphoffload.sequence_parallel import RankAgreement
+
+log = logging.getLogger("graphoffload")
 
 
 @dataclass
@@ -138,7 +141,10 @@ class CompiledStep:
         )
 
     def _compile(self, args: tuple, kwargs: dict) -> CompiledVariant:
+        start = time.perf_counter()
         capture = capture_step(self.fn, args, kwargs, self.config, self._next_accumulation())
+        log.info("captured %s: %.2f s, %d nodes", self._name, time.perf_counter() - start,
+                 len(capture.graph.graph.nodes))
         self.trace_count += 1
         if self.trace_count == self.config.retrace_warning_after:
             warnings.warn(

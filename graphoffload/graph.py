@@ -144,9 +144,21 @@ def placeholder_name(prefix: str, name: str) -> str:
 
 
 def fake_mode_of(graph: fx.Graph):
-    """The FakeTensorMode the graph's placeholder values were traced under."""
-    from torch._guards import detect_fake_mode
+    """The FakeTensorMode the graph's placeholder values were traced under.
 
+    Passes ask for it once per node they create (hundreds of times on a deep model), so it
+    reads only the leading placeholders and takes the mode of the first fake tensor among
+    them; scanning every node and checking every value each time made compiles quadratic.
+    A graph whose placeholders carry no fake tensor falls back to torch's full detection."""
+    from torch._guards import detect_fake_mode
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    for node in graph.nodes:
+        if node.op != "placeholder":
+            break
+        val = node.meta.get("val")
+        if isinstance(val, FakeTensor):
+            return val.fake_mode
     return detect_fake_mode([n.meta.get("val") for n in graph.nodes if n.op == "placeholder"])
 
 

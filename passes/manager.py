@@ -10,6 +10,7 @@ broken pass is named in the error and every dump says which pass made each node.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -25,6 +26,9 @@ from graphoffload.passes.offload_optimizer import offload_optimizer
 from graphoffload.passes.park_gradients import park_gradients
 from graphoffload.passes.ring_attention import ring_attention
 from graphoffload.passes.verify import verify_train_graph
+
+# one INFO line per pass with its time, so a long compile shows what it is doing
+log = logging.getLogger("graphoffload")
 
 PassFn = Callable[[TrainGraph, "PassContext"], TrainGraph]
 
@@ -115,6 +119,7 @@ class PassManager:
             if ctx.config.verify:
                 verify_train_graph(graph, p.name)
             ctx.timings[p.name] = time.perf_counter() - start
+            log.info("pass %s: %.2f s, %d nodes", p.name, ctx.timings[p.name], len(graph.graph.nodes))
             stages[p.name] = graph.copy()
         stages["final"] = stages[self.passes[-1].name] if self.passes else stages["captured"]
         return graph, stages
