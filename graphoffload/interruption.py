@@ -34,10 +34,19 @@ class Snapshot:
     def take(bindings: Any) -> Snapshot:
         names = {id(p): n for n, p in bindings.params.items()}
         params = tuple((n, p, p._version) for n, p in bindings.params.items())
-        state = tuple((f"{names.get(id(p), '?')}.{key}", t, t._version)
+        state = tuple((f"{names.get(id(p), '?')}.{key}", watched, watched._version)
                       for opt in bindings.optimizers for p, s in opt.state.items()
-                      for key, t in s.items() if isinstance(t, Tensor))
+                      for key, t in s.items() if isinstance(t, Tensor)
+                      for watched in [Snapshot._witness(p, t)])
         return Snapshot(params, state)
+
+    @staticmethod
+    def _witness(param: Tensor, state: Tensor) -> Tensor:
+        """The tensor whose version counter tells whether `state` was written. A view (offloaded
+        state lives in views of one host arena) shares its base's counter with every other view,
+        so any bucket's host update would move it; its parameter's counter moves instead exactly
+        when that bucket's update is uploaded, which follows its host update within the step."""
+        return param if state._base is not None else state
 
     def changed(self) -> list[str]:
         """Parameters (and `param.state_key` optimizer state) written since the snapshot."""

@@ -121,6 +121,10 @@ class Executor:
                     outputs = self.gm(*inputs)
                 except GraphOffloadError:
                     raise
+                except torch.OutOfMemoryError as exc:
+                    # keeps its type: batch-size finders and retry loops catch it by name
+                    exc.add_note(f"graphoffload: {self.run_error(exc)}")
+                    raise
                 except Exception as exc:
                     raise self.run_error(exc) from exc
             else:

@@ -94,7 +94,7 @@ def test_failure_in_backward_names_updated_and_refuses(offload):
     with pytest.raises(PartialUpdateError, match=r"interrupted part-way.*last\.weight") as info:
         step(model, opt, batch(1))
     assert "first.weight" not in str(info.value).split("changed")[1].split(";")[0]
-    assert isinstance(info.value.__cause__, RuntimeError)
+    assert isinstance(root_cause(info.value), RuntimeError)
     # the last layer really moved, the first did not: the error told the truth
     assert not torch.equal(model.last.weight, good_model["last.weight"])
     assert torch.equal(model.first.weight, good_model["first.weight"])
@@ -161,9 +161,37 @@ def test_failure_in_forward_changes_nothing(offload):
     step(model, opt, batch(0))
     snap = snapshot(model, opt)
     ARMED["forward"] = RuntimeError
-    with pytest.raises(RuntimeError, match="injected failure in forward") as info:
+    # not a PartialUpdateError: the replay error names the op and the user's line, nothing more
+    with pytest.raises(graphoffload.StepRunError, match="injected failure in forward") as info:
         step(model, opt, batch(1))
-    assert not isinstance(info.value, graphoffload.GraphOffloadError)
+    assert not isinstance(info.value, PartialUpdateError)
+    assert isinstance(info.value.__cause__, RuntimeError)
     assert_unchanged(model, opt, snap)
     ARMED["forward"] = None
     step(model, opt, batch(1))    # nothing changed: retrying needs no restore
+
+
+@pytest.mark.parametrize("offload", OFFLOADS.values(), ids=OFFLOADS.keys())
+def test_out_of_memory_keeps_its_type_so_retry_loops_catch_it(offload):
+    # batch-size finders catch torch.OutOfMemoryError by name: before any update it comes
+    # through as it is (with a note naming the op), after some updates as the cause
+    model, opt = make()
+    step = compiled(offload)
+    step(model, opt, batch(0))
+    snap = snapshot(model, opt)
+    ARMED["forward"] = torch.OutOfMemoryError
+    with pytest.raises(torch.OutOfMemoryError, match="injected failure in forward") as info:
+        step(model, opt, batch(1))
+    assert any("graphoffload" in note for note in getattr(info.value, "__notes__", []))
+    assert_unchanged(model, opt, snap)
+    ARMED["forward"] = None
+    ARMED["backward"] = torch.OutOfMemoryError
+    with pytest.raises(PartialUpdateError) as partial:
+        step(model, opt, batch(1))
+    assert isinstance(root_cause(partial.value), torch.OutOfMemoryError)
+
+
+def root_cause(exc: BaseException) -> BaseException:
+    while exc.__cause__ is not None:
+        exc = exc.__cause__
+    return exc
