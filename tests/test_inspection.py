@@ -67,7 +67,7 @@ def test_print_graph_lines_carry_shape_phase_pass_and_user_source(step):
 
 
 def test_draw_writes_dot_that_pydot_parses_with_nodes_coloured_by_phase(step, tmp_path):
-    pydot = pytest.importorskip("pydot")
+    import pydot  # in the `test` extra: missing fails rather than skips
     path = tmp_path / "final.dot"
     step.draw("final", str(path))
     (dot,) = pydot.graph_from_dot_file(str(path))

@@ -148,6 +148,19 @@ def test_hybrid_training_matches_eager_bit_for_bit(device_updates, tmp_path):
     tracks = {(e["pid"], e["tid"]) for e in trace["traceEvents"] if e["ph"] == "X"}
     assert {(1, 0), (1, 1), (1, 2), (1, 3)} <= tracks       # predicted: compute, h2d, d2h, cpu
     assert (2, 3) in tracks and (2, 0) in tracks             # measured: cpu worker and the step
+
+
+def test_hybrid_schedule_plots_to_a_png(tmp_path):
+    # its own test (issue 20 item 7): matplotlib, in the `test` extra, is imported here only
+    import matplotlib  # noqa: F401  (missing fails rather than skips)
+
+    torch.manual_seed(0)
+    model = GPT(TINY)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, fused=True)
+    step = graphoffload.offload_compile(
+        train_step, config=CompileConfig(fuse_optimizer=FuseOptimizer(bucket_numel=2048)),
+        offload=Offload(device_updates=2, calibration=BALANCED))
+    step(model, opt, token_batches(1)[0])
     png = step.plot(str(tmp_path / "s.png"))
     assert open(png, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
 
