@@ -1,5 +1,6 @@
-"""The sequence-parallel example runs under torchrun on CPU with single-process eager losses, and the ring attention benchmark's
-CPU part runs (tiny settings; its numbers are not asserted)."""
+"""The sequence-parallel example runs under torchrun on CPU and prints single-process eager
+losses, and the ring attention benchmark's CPU part runs (tiny settings; its numbers are not
+asserted)."""
 
 from __future__ import annotations
 
