@@ -180,3 +180,22 @@ class AllocationTracker(torch.utils._python_dispatch.TorchDispatchMode):
                 self.live += nbytes
         self.peak = max(self.peak, self.live)
         return out
+
+
+def assert_movement_and_state_close(eager, opt_e, compiled, opt_c, start: Sequence[torch.Tensor],
+                                    rtol: float) -> None:
+    """Low-precision training held to eager on the scale of what it changes: per parameter, the
+    movement from `start` (in the 2-norm, relative to eager's movement), and per optimizer state
+    tensor, relative to eager's state tensor's own norm. A parameter that never moves, or a state
+    tensor off by a constant factor, is a relative error of order 1 whatever the tolerance on
+    the parameters' absolute values would let through."""
+    for (name, pe), pc, p0 in zip(eager.named_parameters(), compiled.parameters(), start):
+        moved = pe.detach().double() - p0
+        err = ((pc.detach().double() - p0) - moved).norm().item() / max(moved.norm().item(), 1e-30)
+        assert err <= rtol, f"{name}: movement {err:.3g} of eager's away from it, bound {rtol}"
+        for key, value in opt_e.state[pe].items():
+            if key == "step" or not torch.is_tensor(value):
+                continue
+            want = value.double()
+            err = (opt_c.state[pc][key].double() - want).norm().item() / max(want.norm().item(), 1e-30)
+            assert err <= rtol, f"{name} {key}: {err:.3g} of its norm away from eager's, bound {rtol}"
