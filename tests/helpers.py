@@ -131,3 +131,71 @@ def assert_state_dicts_equal(a, b, path: str = "") -> None:
     else:
         assert a == b, f"{path}: {a!r} != {b!r}"
 
+
+
+class AllocationTracker(torch.utils._python_dispatch.TorchDispatchMode):
+    """Measured memory on the CPU: the bytes of the storages that ops create while the mode is on,
+    live until the storage is freed, each rounded up to `block` bytes as the prediction rounds
+    (512, the CUDA caching allocator's block). Storages that existed before (parameters, state,
+    the batch) are never counted, so `peak` is comparable with a MemoryProfile's
+    `peak - resident`. Sampled after every op, on the calling thread only (a dispatch mode is
+    thread-local: the offload worker's host-side work is not seen, as the prediction does not
+    count host memory either)."""
+
+    def __init__(self, block: int = 512):
+        super().__init__()
+        from torch.multiprocessing.reductions import StorageWeakRef
+
+        self._ref = StorageWeakRef
+        self.block = block
+        self.storages: dict[int, tuple] = {}   # _cdata -> (weak ref, bytes)
+        self.before: set[int] = set()
+        self.live = 0
+        self.peak = 0
+
+    def __enter__(self):
+        import gc
+
+        gc.collect()
+        # every storage alive now is the caller's: found through the tensors the collector tracks
+        tensors = [t for t in gc.get_objects() if type(t) in (torch.Tensor, torch.nn.Parameter)]
+        self.before = {t.untyped_storage()._cdata for t in tensors if not t.is_meta and t.layout == torch.strided}
+        return super().__enter__()
+
+    def _sweep(self) -> None:
+        for key in [k for k, (ref, _) in self.storages.items() if ref.expired()]:
+            self.live -= self.storages.pop(key)[1]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self._sweep()
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.layout == torch.strided and not t.is_meta:
+                storage = t.untyped_storage()
+                key = storage._cdata
+                if key in self.storages or key in self.before:
+                    continue
+                nbytes = -(-storage.nbytes() // self.block) * self.block
+                self.storages[key] = (self._ref(storage), nbytes)
+                self.live += nbytes
+        self.peak = max(self.peak, self.live)
+        return out
+
+
+def assert_movement_and_state_close(eager, opt_e, compiled, opt_c, start: Sequence[torch.Tensor],
+                                    rtol: float) -> None:
+    """Low-precision training held to eager on the scale of what it changes: per parameter, the
+    movement from `start` (in the 2-norm, relative to eager's movement), and per optimizer state
+    tensor, relative to eager's state tensor's own norm. A parameter that never moves, or a state
+    tensor off by a constant factor, is a relative error of order 1 whatever the tolerance on
+    the parameters' absolute values would let through."""
+    for (name, pe), pc, p0 in zip(eager.named_parameters(), compiled.parameters(), start):
+        moved = pe.detach().double() - p0
+        err = ((pc.detach().double() - p0) - moved).norm().item() / max(moved.norm().item(), 1e-30)
+        assert err <= rtol, f"{name}: movement {err:.3g} of eager's away from it, bound {rtol}"
+        for key, value in opt_e.state[pe].items():
+            if key == "step" or not torch.is_tensor(value):
+                continue
+            want = value.double()
+            err = (opt_c.state[pc][key].double() - want).norm().item() / max(want.norm().item(), 1e-30)
+            assert err <= rtol, f"{name} {key}: {err:.3g} of its norm away from eager's, bound {rtol}"

@@ -218,7 +218,7 @@ def hf_masked_step(model, optimizer, batch):
 
 @pytest.mark.parametrize("make_model", [hf_gpt2, hf_llama], ids=["gpt2", "llama"])
 def test_hugging_face_gradient_checkpointing_trains_bit_identical_with_a_lower_peak(make_model):
-    pytest.importorskip("transformers")
+    import transformers  # noqa: F401  (in the `test` extra: missing fails rather than skips)
     plain = make_model()
     model = copy.deepcopy(plain)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=NON_REENTRANT)
@@ -282,7 +282,7 @@ def test_checkpointed_blocks_under_sequence_parallelism_match_eager():
 def test_llama_gradient_checkpointing_without_padding_matches_eager_to_rounding():
     # no padding mask: eagerly Hugging Face passes is_causal to SDPA, under tracing it builds the
     # causal mask (use_cache=False, which checkpointing implies): another kernel, same math
-    pytest.importorskip("transformers")
+    import transformers  # noqa: F401  (in the `test` extra: missing fails rather than skips)
     model = hf_llama()
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=NON_REENTRANT)
     eager, opt_e, losses_e, compiled, opt_c, losses_c, step = eager_and_compiled(

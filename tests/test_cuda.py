@@ -9,7 +9,7 @@ import copy
 import pytest
 import torch
 from gpt import GPT, GPTConfig
-from helpers import assert_training_matches, run_steps, token_batches
+from helpers import assert_movement_and_state_close, assert_training_matches, run_steps, token_batches
 from steps import train_step
 from test_attention_op import CASES, make_inputs, reference
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -81,6 +81,7 @@ def test_gpt_on_gpu_matches_eager(step_fn, tol):
     torch.manual_seed(0)
     eager = GPT(CFG).cuda()
     compiled = copy.deepcopy(eager)
+    start = [p.detach().double().clone() for p in eager.parameters()]
     opt_e, opt_c = adamw(eager), adamw(compiled)
     step = graphoffload.offload_compile(step_fn)
     batches = cuda_batches(10)
@@ -88,8 +89,17 @@ def test_gpt_on_gpu_matches_eager(step_fn, tol):
     losses_c = run_steps(step, compiled, opt_c, batches)
     # the CUDA fused kernels read lr as a float32 device tensor in the graph and as a double
     # eagerly: equal up to rounding, not bit for bit
-    assert_training_matches(eager, opt_e, losses_e, compiled, opt_c, losses_c, exact=False,
-                            rtol=tol, atol=tol * 0.1)
+    if step_fn is bf16_step:
+        # bf16 autocast (issue 20 item 4): rtol 2e-2 / atol 2e-3 on the parameters passed a LayerNorm
+        # weight never updated and a halved exp_avg_sq (test_comparisons.py keeps those mutants).
+        # Movement and state are compared on their own scale instead, within 10% (not yet measured
+        # on a GPU when written: the first GPU run should report the errors it sees)
+        for i, (a, b) in enumerate(zip(losses_e, losses_c)):
+            torch.testing.assert_close(b, a, rtol=tol, atol=0, msg=f"loss {i}")
+        assert_movement_and_state_close(eager, opt_e, compiled, opt_c, start, rtol=0.1)
+    else:
+        assert_training_matches(eager, opt_e, losses_e, compiled, opt_c, losses_c, exact=False,
+                                rtol=tol, atol=tol * 0.1)
     assert step.trace_count == 1
     if step_fn is bf16_step:
         dtypes = {n.meta["val"].dtype for n in step.train_graph.graph.nodes

@@ -67,7 +67,7 @@ def test_print_graph_lines_carry_shape_phase_pass_and_user_source(step):
 
 
 def test_draw_writes_dot_that_pydot_parses_with_nodes_coloured_by_phase(step, tmp_path):
-    pydot = pytest.importorskip("pydot")
+    import pydot  # in the `test` extra: missing fails rather than skips
     path = tmp_path / "final.dot"
     step.draw("final", str(path))
     (dot,) = pydot.graph_from_dot_file(str(path))
@@ -107,3 +107,30 @@ def test_dumped_module_runs_with_the_tensor_constants_the_step_created(tmp_path)
     final = next(f for f in compiled.dump(str(tmp_path)) if f.endswith("_final.py"))
     proc = subprocess.run([sys.executable, final], capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def test_dumped_final_module_computes_what_the_compiled_graph_computes(step, tmp_path):
+    # run before only for its exit code: the dumped code is loaded here and its outputs compared
+    # with the step's own final GraphModule on the same inputs (issue 20 item 6)
+    import importlib.util
+
+    final = next(f for f in step.dump(str(tmp_path)) if f.endswith("_final.py"))
+    spec = importlib.util.spec_from_file_location("dumped_final", final)
+    dumped = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(dumped)
+    torch.manual_seed(0)
+    # non-negative, so that Adam's exp_avg_sq has a square root and no NaN hides a difference
+    inputs = [t.abs() if t.is_floating_point() else t for t in dumped.example_inputs()]
+    outputs = []
+    for module in (step.graphs["final"], dumped.GraphModule()):
+        torch.manual_seed(1)
+        args = [t.clone() for t in inputs]
+        out = module(*args)
+        # the outputs, and the inputs the graph updated in place (parameters, optimizer state)
+        outputs.append([t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)] + args)
+    want, got = outputs
+    assert len(got) == len(want) > len(inputs)
+    assert any(not torch.equal(a, t) for a, t in zip(want[-len(inputs):], inputs))   # something was updated
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert not g.is_floating_point() or not g.isnan().any(), i
+        assert torch.equal(g, w), i
