@@ -173,8 +173,8 @@ class StepModel:
     the order their gradients become final, device bytes per node), computed once, so that
     `plan` evaluates each candidate in O(buckets log nodes) time instead of re-deriving it.
 
-    `simulated` counts bucket simulations and `tree.visits` the memory-tree steps: what tests
-    read to check the work a plan does."""
+    `evaluated` counts assignments, `simulated` bucket simulations and `tree.visits` the
+    memory-tree steps: what tests read to check the work a plan does."""
 
     def __init__(self, costs: StepCosts, cal: Calibration):
         self.costs, self.cal = costs, cal
@@ -184,7 +184,10 @@ class StepModel:
         self.times = times
         self.order = sorted(range(len(costs.buckets)), key=lambda b: costs.buckets[b].ready_node)
         self.tree = _SuffixMaxTree(costs.live_bytes)
-        self.simulated = 0
+        self.device_seconds = [b.numel / cal.device_update_params_per_s for b in costs.buckets]
+        fastest_cpu = max(cal.cpu_update_params_per_s, cal.cpu_update_params_per_s_under_copy)
+        self.cpu_min_seconds = [b.numel / fastest_cpu for b in costs.buckets]
+        self.simulated = self.evaluated = 0
 
     def prefetch_nodes(self, assignment: Sequence[str], budget: int | None) -> tuple[dict[int, int], int] | None:
         """Where each device-path bucket's prefetch starts, as early as needed to land by its
@@ -212,6 +215,16 @@ class StepModel:
     def _unplace(self, prefetch: dict[int, int]) -> None:
         for b, start in prefetch.items():
             self.tree.add_suffix(start, -self.costs.buckets[b].state_bytes)
+
+    def _work_left(self, assignment: Sequence[str]) -> tuple[list[float], list[float]]:
+        """Seconds of device updates and (at least) of CPU updates from each position of the
+        ready order on: what a partial simulation adds to its lower bound."""
+        device, cpu = [0.0], [0.0]
+        for b in reversed(self.order):
+            on_device = assignment[b] == "device"
+            device.append(device[-1] + (self.device_seconds[b] if on_device else 0.0))
+            cpu.append(cpu[-1] + (0.0 if on_device else self.cpu_min_seconds[b]))
+        return device[::-1], cpu[::-1]
 
     def _simulate(self, assignment: Sequence[str], prefetch: dict[int, int], contended: dict[str, _Link] | None,
                   events: list[Event] | None, above: float) -> tuple[float, dict[str, _Link]] | None:
@@ -246,6 +259,9 @@ class StepModel:
             free[link] = max(free[link], start + seconds)
             return start + seconds
 
+        if above < math.inf:
+            device_left, cpu_left = self._work_left(assignment)
+            i = 0
         for b in self.order:
             self.simulated += 1
             bucket = costs.buckets[b]
@@ -277,10 +293,16 @@ class StepModel:
                 uploaded = transfer("h2d", f"upload {bucket.name}", start + seconds, bucket.upload_bytes, b)
                 if overlap_next:
                     late = max(late, uploaded - times[bucket.first_use_node])
-            bound = max(times[-1] + delay, free["d2h"], late) if overlap_next else \
-                max(times[-1] + delay, free["h2d"], free["d2h"], free["cpu"])
-            if bound >= above:
-                return None
+            if above < math.inf:
+                # every later device update delays compute by at least its own time, and every
+                # later CPU update starts after this one ends and takes at least its time alone
+                # or under copy, whichever is shorter
+                i += 1
+                compute_end = times[-1] + delay + device_left[i]
+                bound = max(compute_end, free["d2h"], late) if overlap_next else \
+                    max(compute_end, free["h2d"], free["d2h"], free["cpu"] + cpu_left[i])
+                if bound >= above:
+                    return None
         compute_end = times[-1] + delay
         if overlap_next:
             # steady state: the next step starts when this one's compute ends, and an upload
@@ -295,6 +317,7 @@ class StepModel:
     def step_seconds(self, assignment: Sequence[str], budget: int | None = None, above: float = math.inf) -> float | None:
         """The predicted step time of an assignment, or None when it does not fit the budget or
         takes at least `above` seconds (then it is not simulated to the end)."""
+        self.evaluated += 1
         placed = self.prefetch_nodes(assignment, budget)
         if placed is None:
             return None
@@ -305,6 +328,7 @@ class StepModel:
         return None if second is None else second[0]
 
     def predict(self, assignment: Sequence[str], budget: int | None = None) -> Prediction | None:
+        self.evaluated += 1
         placed = self.prefetch_nodes(assignment, budget)
         if placed is None:
             return None
