@@ -17,12 +17,16 @@ every node, so the chosen plan is never predicted slower than any fixed-k schedu
 
 from __future__ import annotations
 
+import logging
 import math
+import time
 from bisect import bisect_left, bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from graphoffload.calibration import Calibration
+
+log = logging.getLogger("graphoffload")
 
 
 @dataclass(frozen=True)
@@ -133,11 +137,21 @@ class _Link:
     """One copy stream's transfers: disjoint intervals sorted by start (their ends sorted too),
     so the gap search and the overlap with another link's transfers bisect instead of scanning."""
 
-    __slots__ = ("spans", "ends")
+    __slots__ = ("spans", "ends", "owners")
 
     def __init__(self):
         self.spans: list[tuple[float, float]] = []
         self.ends: list[float] = []
+        self.owners: list[int] = []    # the ready-order position of the bucket each copy is of
+
+    def before(self, position: int) -> _Link:
+        """The copies of the buckets before `position`: this link as it was when that bucket came."""
+        kept = _Link()
+        keep = [i for i, owner in enumerate(self.owners) if owner < position]
+        kept.spans = [self.spans[i] for i in keep]
+        kept.ends = [self.ends[i] for i in keep]
+        kept.owners = [self.owners[i] for i in keep]
+        return kept
 
     def overlap(self, a0: float, a1: float) -> float:
         """Total time [a0, a1) shares with the transfers (only intervals that overlap are summed:
@@ -162,10 +176,23 @@ class _Link:
             start = max(start, b1)
         return start
 
-    def insert(self, start: float, end: float) -> None:
+    def insert(self, start: float, end: float, owner: int) -> None:
         i = bisect_right(self.spans, (start, end))
         self.spans.insert(i, (start, end))
         self.ends.insert(i, end)
+        self.owners.insert(i, owner)
+
+
+@dataclass
+class _Resume:
+    """Where a first pass may start: its position in ready order, the states before every
+    position and the links of the assignment it was recorded for."""
+
+    position: int
+    states: list[tuple[float, float]]
+    links: dict[str, _Link]
+    assignment: tuple[str, ...] = ()
+    prefetch: dict[int, int] = field(default_factory=dict)
 
 
 class StepModel:
@@ -188,6 +215,8 @@ class StepModel:
         fastest_cpu = max(cal.cpu_update_params_per_s, cal.cpu_update_params_per_s_under_copy)
         self.cpu_min_seconds = [b.numel / fastest_cpu for b in costs.buckets]
         self.simulated = self.evaluated = 0
+        self.base: _Resume | None = None
+        self.last: _Resume | None = None
 
     def prefetch_nodes(self, assignment: Sequence[str], budget: int | None) -> tuple[dict[int, int], int] | None:
         """Where each device-path bucket's prefetch starts, as early as needed to land by its
@@ -227,17 +256,29 @@ class StepModel:
         return device[::-1], cpu[::-1]
 
     def _simulate(self, assignment: Sequence[str], prefetch: dict[int, int], contended: dict[str, _Link] | None,
-                  events: list[Event] | None, above: float) -> tuple[float, dict[str, _Link]] | None:
+                  events: list[Event] | None, above: float, resume: _Resume | None = None,
+                  states: list[tuple[float, float]] | None = None) -> tuple[float, dict[str, _Link]] | None:
         """One pass over the buckets in ready order: copies on two links (slowed where they
         overlap the other link's copies of the previous pass, `contended`), the CPU worker
         (slowed while copies run), device updates delaying later compute. None as soon as the
-        step is known to take at least `above` seconds (every term of it only grows)."""
+        step is known to take at least `above` seconds (every term of it only grows).
+
+        Without contention a bucket's copies depend only on the buckets before it: `resume`
+        starts at a position from a previous pass's state there, and `states` receives the
+        (delay, CPU free) state before every position, for a later pass to resume from."""
         costs, cal, times = self.costs, self.cal, self.times
         h2d_bw, d2h_bw = cal.h2d_bytes_per_s, cal.d2h_bytes_per_s
         duplex = cal.duplex_bytes_per_s / 2
         links = {"h2d": _Link(), "d2h": _Link()}
         free = {"h2d": 0.0, "d2h": 0.0, "cpu": 0.0}
         delay = 0.0     # device updates on the compute stream push later compute back
+        first = 0
+        if resume is not None:
+            first = resume.position
+            delay, free["cpu"] = resume.states[first]
+            links = {name: link.before(first) for name, link in resume.links.items()}
+            if states is not None:
+                states[:] = resume.states[:first]
         late = -math.inf
         overlap_next = costs.overlap_next_step
 
@@ -255,14 +296,16 @@ class StepModel:
             start = links[link].first_gap(start, seconds)
             if events is not None:
                 events.append(Event(link, name, start, start + seconds, b))
-            links[link].insert(start, start + seconds)
+            links[link].insert(start, start + seconds, position)
             free[link] = max(free[link], start + seconds)
             return start + seconds
 
         if above < math.inf:
             device_left, cpu_left = self._work_left(assignment)
-            i = 0
-        for b in self.order:
+        for position in range(first, len(self.order)):
+            b = self.order[position]
+            if states is not None:
+                states.append((delay, free["cpu"]))
             self.simulated += 1
             bucket = costs.buckets[b]
             ready = times[bucket.ready_node + 1] + delay
@@ -297,12 +340,14 @@ class StepModel:
                 # every later device update delays compute by at least its own time, and every
                 # later CPU update starts after this one ends and takes at least its time alone
                 # or under copy, whichever is shorter
-                i += 1
+                i = position + 1
                 compute_end = times[-1] + delay + device_left[i]
                 bound = max(compute_end, free["d2h"], late) if overlap_next else \
                     max(compute_end, free["h2d"], free["d2h"], free["cpu"] + cpu_left[i])
                 if bound >= above:
                     return None
+        if states is not None:
+            states.append((delay, free["cpu"]))
         compute_end = times[-1] + delay
         if overlap_next:
             # steady state: the next step starts when this one's compute ends, and an upload
@@ -323,9 +368,22 @@ class StepModel:
             return None
         prefetch, _ = placed
         self._unplace(prefetch)
-        first = self._simulate(assignment, prefetch, None, None, math.inf)
+        resume, base = None, self.base
+        if base is not None:
+            # the first position whose bucket changed path or prefetch: the first pass is the
+            # base's up to there
+            changed = [p for p, b in enumerate(self.order) if assignment[b] != base.assignment[b]
+                       or prefetch.get(b) != base.prefetch.get(b)]
+            resume = _Resume(min(changed, default=len(self.order)), base.states, base.links)
+        states: list[tuple[float, float]] = []
+        first = self._simulate(assignment, prefetch, None, None, math.inf, resume, states)
+        self.last = _Resume(0, states, first[1], tuple(assignment), prefetch)
         second = self._simulate(assignment, prefetch, first[1], None, above)   # rates slowed by contention
         return None if second is None else second[0]
+
+    def rebase(self) -> None:
+        """Later evaluations resume their first pass from the last assignment evaluated."""
+        self.base = self.last
 
     def predict(self, assignment: Sequence[str], budget: int | None = None) -> Prediction | None:
         self.evaluated += 1
@@ -360,6 +418,7 @@ def plan(costs: StepCosts, cal: Calibration, budget: int | None = None, max_swee
     A first-improvement local search (flip one bucket's path, keep it if faster) from the best
     fixed schedule. The step model is built once; a flip's simulation stops as soon as the
     step it predicts can no longer beat the best so far, which is where most flips end."""
+    began = time.perf_counter()
     model = StepModel(costs, cal)
     n = len(costs.buckets)
     candidates = {"all-cpu": ("cpu",) * n, "all-device": ("device",) * n}
@@ -371,6 +430,8 @@ def plan(costs: StepCosts, cal: Calibration, budget: int | None = None, max_swee
         raise ValueError("no assignment fits the memory budget")   # all-cpu fits when offload fits
     best_name = min(feasible, key=feasible.__getitem__)
     best, best_seconds = list(candidates[best_name]), feasible[best_name]
+    model.step_seconds(best, budget)
+    model.rebase()
     for _ in range(max_sweeps):
         improved = False
         for b in range(n):
@@ -378,8 +439,12 @@ def plan(costs: StepCosts, cal: Calibration, budget: int | None = None, max_swee
             seconds = model.step_seconds(best, budget, above=best_seconds - 1e-12)
             if seconds is not None and seconds < best_seconds - 1e-12:
                 best_seconds, improved = seconds, True
+                model.rebase()
             else:
                 best[b] = "cpu" if best[b] == "device" else "device"
         if not improved:
             break
-    return model.predict(best, budget), {name: (t if t is not None else math.inf) for name, t in scored.items()}
+    chosen = model.predict(best, budget)
+    log.info("planned %d buckets: %.2f s, %d assignments evaluated, %d bucket simulations", n,
+             time.perf_counter() - began, model.evaluated, model.simulated)
+    return chosen, {name: (t if t is not None else math.inf) for name, t in scored.items()}
