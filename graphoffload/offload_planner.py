@@ -13,6 +13,11 @@ calibration's roofline, or measured times), both copy links (sharing bandwidth w
 shared). `plan` searches assignments: all-CPU, all-device, every fixed stride k, and a greedy
 local search from the best of them, keeping every device buffer within the memory budget at
 every node, so the chosen plan is never predicted slower than any fixed-k schedule.
+
+A plan evaluates hundreds of assignments of the same step, so what does not depend on the
+assignment (node times, ready order, device bytes per node) is built once in `StepModel`, and
+each evaluation bisects instead of scanning: the search used to re-derive everything per
+candidate, which made planning cubic in buckets and the largest cost of compiling deep models.
 """
 
 from __future__ import annotations
