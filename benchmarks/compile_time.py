@@ -154,12 +154,15 @@ def main() -> None:
     with open(args.calibration) as f:
         cal = Calibration(**json.load(f))
     compile_row(argparse.Namespace(**{**vars(args), "d_model": 64, "heads": 2, "vocab": 64, "seq": 16}), 1, cal)
+    # paths relative to the repository: a results file says nothing of the machine it ran on
+    root = os.path.dirname(HERE)
+    config = {**vars(args), "calibration": os.path.relpath(args.calibration, root), "out": os.path.relpath(args.out, root)}
     rows = []   # after a warm-up compile: the first trace in a process pays torch's one-time setup
     for layers in (int(x) for x in args.layers.split(",")):
         rows.append(compile_row(args, layers, cal))
         print(f"{layers} layers: {rows[-1]['total_s']:.1f} s compile, {rows[-1]['make_fx_s']:.1f} s make_fx", flush=True)
         # after every size: a run cut short keeps the sizes it finished
-        write_json(args.out, {"benchmark": "compile-time", "device": "meta", "config": vars(args),
+        write_json(args.out, {"benchmark": "compile-time", "device": "meta", "config": config,
                               "calibration": os.path.basename(args.calibration), "rows": rows})
     lines = table(rows)
     print(f"compile time of the benchmark GPT (d={args.d_model}, batch {args.batch}x{args.seq}), meta device, "
