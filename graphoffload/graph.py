@@ -120,8 +120,14 @@ class TrainGraph:
                        dtype: torch.dtype, param: str) -> fx.Node:
         """A new placeholder for a host tensor, after the last one; `spec` is appended to
         `specs`, which the pass installs with `with_signature(inputs=...)` when done."""
-        placeholders = [n for n in self.graph.nodes if n.op == "placeholder"]
-        with self.graph.inserting_after(placeholders[-1]):
+        # placeholders lead the graph (fake_mode_of relies on it too): walk them only, not every
+        # node, since a pass adds one per parameter
+        last = None
+        for n in self.graph.nodes:
+            if n.op != "placeholder":
+                break
+            last = n
+        with self.graph.inserting_after(last):
             node = self.graph.placeholder(spec.name)
         with fake_mode_of(self.graph):
             node.meta["val"] = torch.empty(shape, dtype=dtype, device="cpu")

@@ -48,3 +48,12 @@ def test_checkpointing_predictions_on_the_meta_device(tmp_path):
     assert plain["recomputed_nodes"] == 0 < checkpointed["recomputed_nodes"]
     assert checkpointed["peak_GiB"] < plain["peak_GiB"]
     assert checkpointed["predicted_s"] > plain["predicted_s"]   # the recompute costs compute
+
+
+def test_compile_time_smoke_run_reports_every_stage(tmp_path):
+    result = _run("compile_time.py", "--smoke", out=tmp_path / "t.json")
+    assert [r["layers"] for r in result["rows"]] == [2, 4]
+    for row in result["rows"]:
+        assert row["make_fx_s"] > 0 and row["capture_s"] > 0 and row["planning_s"] is not None
+        assert {"fuse_optimizer", "offload_optimizer"} <= set(row["passes_s"])
+        assert row["buckets"] > 0 and row["nodes"] > row["make_fx_nodes"]

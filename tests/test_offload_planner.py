@@ -307,3 +307,71 @@ def _all_cpu(costs, cal, budget):
 def test_the_brute_force_check_rejects_a_worse_planner(mutant):
     with pytest.raises(AssertionError, match="the brute-force optimum"):
         assert_near_optimal(mutant)
+# ---- plans and predictions recorded before the search was made incremental (planner_cases.py)
+
+import math  # noqa: E402
+
+import planner_cases  # noqa: E402
+from graphoffload.offload_planner import StepModel  # noqa: E402
+
+RECORDED = json.load(open(planner_cases.RECORDED))
+CASES = [c for c in planner_cases.cases() if planner_cases.key(c) in RECORDED]
+
+
+def _case(case):
+    n, variant, cal, budget = case
+    return planner_cases.step_costs(n, variant), planner_cases.CALIBRATIONS[cal], planner_cases.budget_of(n, budget)
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c[0] <= 50], ids=planner_cases.key)
+def test_plans_are_no_slower_than_recorded(case):
+    costs, cal, budget = _case(case)
+    recorded = RECORDED[planner_cases.key(case)]
+    best, scored = plan(costs, cal, budget)
+    assert best.step_seconds <= recorded["step_seconds"] * (1 + 1e-9)
+    assert best.peak_bytes <= budget if budget is not None else True
+    for name, seconds in scored.items():
+        old = recorded["scored"][name]
+        assert seconds == (math.inf if old is None else pytest.approx(old, rel=1e-9)), name
+
+
+@pytest.mark.parametrize("case", CASES, ids=planner_cases.key)
+def test_predictions_of_given_plans_are_unchanged(case):
+    costs, cal, budget = _case(case)
+    recorded = RECORDED[planner_cases.key(case)]
+    given = {**planner_cases.assignments(len(costs.buckets)),
+             "recorded plan": tuple("device" if c == "d" else "cpu" for c in recorded["plan"])}
+    expected = {**recorded["predict"], "recorded plan": recorded["step_seconds"]}
+    for name, assignment in given.items():
+        p = predict(costs, assignment, cal, budget)
+        assert (p is None) == (expected[name] is None), name
+        if p is not None:
+            assert p.step_seconds == pytest.approx(expected[name], rel=1e-9), name
+    p = predict(costs, given["recorded plan"], cal, budget)
+    assert p.peak_bytes == recorded["peak_bytes"] and max(p.device_bytes) == p.peak_bytes
+
+
+@pytest.mark.parametrize("n", [100, 400])
+def test_a_prediction_does_work_linear_in_buckets_and_logarithmic_in_nodes(n):
+    costs, cal, budget = _case((n, "plain", "slow-cpu", "loose"))
+    model = StepModel(costs, cal)
+    assert model.predict(planner_cases.assignments(n)["scattered"], budget) is not None
+    assert model.simulated == 2 * n     # each bucket once per pass
+    devices = planner_cases.assignments(n)["scattered"].count("device")
+    # a placement: one look-up and one addition, an undo; each a root-to-leaf path
+    assert model.tree.visits <= 3 * devices * math.ceil(math.log2(len(costs.node_seconds)))
+
+
+def test_plan_stops_simulating_flips_that_cannot_win(monkeypatch):
+    costs, cal, budget = _case((100, "plain", "balanced", "none"))
+    models = []
+    original = StepModel.__init__
+
+    def tracked(self, *args):
+        original(self, *args)
+        models.append(self)
+    monkeypatch.setattr(StepModel, "__init__", tracked)
+    plan(costs, cal, budget)
+    (model,) = models   # one step model for the whole search
+    assert 9 + 100 <= model.evaluated <= 9 + 3 * 100 + 1
+    assert model.simulated < 0.95 * 2 * 100 * model.evaluated   # rejected flips stop early

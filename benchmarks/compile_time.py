@@ -1,0 +1,174 @@
+"""Benchmark compile time: how long graphoffload takes to compile the benchmark GPT's train
+step, stage by stage, against a plain `make_fx` trace of the same forward and backward.
+
+    python benchmarks/compile_time.py                          # 6, 12, 24, 48 layers
+    python benchmarks/compile_time.py --layers 6,12 --smoke    # tiny sizes, for the tests
+    python benchmarks/compile_time.py --markdown results/compile_time.json   # RESULTS.md's table
+
+Everything runs on the meta device (no memory is allocated, nothing executes), so it measures
+the compiler alone, on any machine: the step is captured, every pass runs, and the offload pass
+plans CPU or device updates per bucket (`device_updates="auto"`) under a calibration file. Rows:
+`make_fx` (a fake-tensor trace of forward + backward through `torch.autograd.grad`, the floor a
+compiler that captures a whole step cannot go under), `capture` (graphoffload's trace of the
+whole step, optimizer included), one row per pass from the step's own timings (each includes the graph's
+verification after it), `planning` (the planner inside `offload_optimizer`, as it logs it),
+`other` (stage snapshots, executor set-up) and `total` (wall time of the compile).
+Both traces run in the same process, back to back, for each size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.func import functional_call
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from common import autocast_train_step, build_gpt, print_table, write_json  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+class _Records(logging.Handler):
+    """Keeps the graphoffload logger's records: the capture and planning times it reports."""
+
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+    def seconds(self, prefix: str) -> float | None:
+        hits = [r.args[1] for r in self.records if r.msg.startswith(prefix)]
+        return sum(hits) if hits else None
+
+
+def plain_make_fx(model, batch) -> tuple[float, int]:
+    """Seconds and nodes of a fake-tensor `make_fx` trace of forward and backward."""
+    params = dict(model.named_parameters())
+
+    def forward_backward(params, batch):
+        loss = functional_call(model, params, (batch,), {"labels": batch})
+        return torch.autograd.grad(loss, list(params.values()))
+
+    start = time.perf_counter()
+    with torch.autograd.set_multithreading_enabled(False):
+        gm = make_fx(forward_backward, tracing_mode="fake")(params, batch)
+    return time.perf_counter() - start, len(gm.graph.nodes)
+
+
+def compile_row(args, layers: int, cal) -> dict:
+    import graphoffload
+
+    sizes = argparse.Namespace(**{**vars(args), "layers": layers})
+    model, _ = build_gpt(sizes, torch.device("meta"))
+    batch = torch.empty((args.batch, args.seq), dtype=torch.long, device="meta")
+    baseline_s, baseline_nodes = plain_make_fx(model, batch)
+
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
+    step = graphoffload.offload_compile(autocast_train_step, offload=graphoffload.Offload(
+        device_updates="auto", calibration=cal, replan_after=0))
+    records = _Records()
+    log = logging.getLogger("graphoffload")
+    old_level = log.level
+    log.addHandler(records)
+    log.setLevel(logging.INFO)
+    try:
+        start = time.perf_counter()
+        graph = step.compile(model, opt, batch)
+        total = time.perf_counter() - start
+    finally:
+        log.removeHandler(records)
+        log.setLevel(old_level)
+    schedule = graph.schedule
+    row = {"layers": layers, "params": sum(p.numel() for p in model.parameters()),
+           "nodes": len(graph.graph.nodes), "make_fx_nodes": baseline_nodes, "make_fx_s": baseline_s,
+           "capture_s": records.seconds("captured "), "passes_s": dict(step.last.timings),
+           "planning_s": records.seconds("planned "), "total_s": total,
+           "buckets": len(schedule.assignment) if schedule is not None else 0,
+           "device_buckets": schedule.assignment.count("device") if schedule is not None else 0}
+    row["other_s"] = total - (row["capture_s"] or 0.0) - sum(row["passes_s"].values())
+    row["vs_make_fx"] = total / baseline_s
+    return row
+
+
+def table(rows: list[dict]) -> list[dict]:
+    """One line per stage, one column per size."""
+    passes = list(dict.fromkeys(name for r in rows for name in r["passes_s"]))
+    stages = [("make_fx (fwd+bwd)", lambda r: r["make_fx_s"]), ("capture", lambda r: r["capture_s"])]
+    stages += [(f"pass {name}", lambda r, name=name: r["passes_s"].get(name)) for name in passes]
+    stages += [("planning (inside offload_optimizer)", lambda r: r["planning_s"]),
+               ("other (stage snapshots, executor)", lambda r: r["other_s"]),
+               ("total compile", lambda r: r["total_s"]),
+               ("total / make_fx", lambda r: r["vs_make_fx"])]
+    out = []
+    for label, get in stages:
+        line = {"stage": label}
+        for r in rows:
+            line[f"{r['layers']} layers"] = get(r)
+        out.append(line)
+    out.append({"stage": "nodes (compiled / make_fx)",
+                **{f"{r['layers']} layers": f"{r['nodes']} / {r['make_fx_nodes']}" for r in rows}})
+    out.append({"stage": "buckets (on the device)",
+                **{f"{r['layers']} layers": f"{r['buckets']} ({r['device_buckets']})" for r in rows}})
+    return out
+
+
+def markdown(lines: list[dict]) -> str:
+    columns = list(lines[0])
+    cell = lambda x: "-" if x is None else f"{x:.2f}" if isinstance(x, float) else str(x)  # noqa: E731
+    out = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    out += ["| " + " | ".join(cell(line[c]) for c in columns) + " |" for line in lines]
+    return "\n".join(out)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--layers", default="6,12,24,48", help="comma-separated layer counts")
+    p.add_argument("--d-model", type=int, default=2048)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--calibration", default=os.path.join(HERE, "calibrations", "h100-research-notes.json"))
+    p.add_argument("--smoke", action="store_true", help="tiny sizes (2 and 4 layers, d=128)")
+    p.add_argument("--out", default=os.path.join(HERE, "results", "compile_time.json"))
+    p.add_argument("--markdown", metavar="JSON", help="no run: print a results file's table as markdown")
+    args = p.parse_args()
+    if args.markdown:
+        with open(args.markdown) as f:
+            print(markdown(table(json.load(f)["rows"])))
+        return
+    if args.smoke:
+        args.layers, args.d_model, args.heads, args.vocab, args.seq, args.batch = "2,4", 128, 4, 256, 64, 1
+    from graphoffload.calibration import Calibration
+
+    with open(args.calibration) as f:
+        cal = Calibration(**json.load(f))
+    compile_row(argparse.Namespace(**{**vars(args), "d_model": 64, "heads": 2, "vocab": 64, "seq": 16}), 1, cal)
+    # paths relative to the repository: a results file says nothing of the machine it ran on
+    root = os.path.dirname(HERE)
+    config = {**vars(args), "calibration": os.path.relpath(args.calibration, root), "out": os.path.relpath(args.out, root)}
+    rows = []   # after a warm-up compile: the first trace in a process pays torch's one-time setup
+    for layers in (int(x) for x in args.layers.split(",")):
+        rows.append(compile_row(args, layers, cal))
+        print(f"{layers} layers: {rows[-1]['total_s']:.1f} s compile, {rows[-1]['make_fx_s']:.1f} s make_fx", flush=True)
+        # after every size: a run cut short keeps the sizes it finished
+        write_json(args.out, {"benchmark": "compile-time", "device": "meta", "config": config,
+                              "calibration": os.path.basename(args.calibration), "rows": rows})
+    lines = table(rows)
+    print(f"compile time of the benchmark GPT (d={args.d_model}, batch {args.batch}x{args.seq}), meta device, "
+          f'offload device_updates="auto" under {os.path.basename(args.calibration)}; seconds')
+    print_table(lines, list(lines[0]))
+
+
+if __name__ == "__main__":
+    main()
