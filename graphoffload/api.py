@@ -30,6 +30,7 @@ from graphoffload.passes.manager import Pass, PassContext, PassFn, PassManager, 
 from graphoffload.runtime.accumulation import GradSums
 from graphoffload.runtime.executor import Executor
 from graphoffload.runtime.host_state import HostState
+from graphoffload.runtime.shared_runtimes import SharedRuntimes
 from graphoffload.sequence_parallel import RankAgreement
 
 log = logging.getLogger("graphoffload")
@@ -104,6 +105,9 @@ class CompiledStep:
         self._ran: Executor | None = None     # the executor of the last run, whose uploads may be in flight
         self._hooked: set[int] = set()
         self._host_states: dict[Any, HostState] = {}
+        # one offload runtime (worker pool, copy streams) per device for every variant, shut down
+        # when this step is garbage-collected: a runtime per variant leaked a thread per re-trace
+        self._runtimes = SharedRuntimes(self, self.config.offload, self.config.sanitize)
         self._rank_agreement: RankAgreement | None = None   # made on the first call with sequence_parallel
         self.trace_count = 0
         self._interruption = InterruptionGuard()
@@ -162,7 +166,7 @@ class CompiledStep:
         b = capture.bindings
         owner = (tuple(id(p) for p in b.params.values()), tuple(id(o) for o in b.optimizers))
         executor = Executor(graph, capture, self.config.offload, host_state=self._host_states.get(owner),
-                            sanitize=self.config.sanitize)
+                            sanitize=self.config.sanitize, runtime_for=self._runtimes.get)
         if executor.host_state is not None:
             self._host_states.setdefault(owner, executor.host_state)
         return CompiledVariant(capture, graph, stages, executor, dict(ctx.timings))
@@ -280,7 +284,7 @@ class CompiledStep:
             g.note("offload_optimizer", f"re-planned from measured node times: the last plan predicted "
                    f"{old.graph.schedule.step_seconds * 1e3:.3g} ms a step, {measured * 1e3:.3g} ms were measured")
         executor = Executor(graph, old.capture, self.config.offload, host_state=old.executor.host_state,
-                            sanitize=self.config.sanitize)
+                            sanitize=self.config.sanitize, runtime_for=self._runtimes.get)
         new = CompiledVariant(old.capture, graph, stages, executor, dict(ctx.timings), replans=old.replans + 1)
         self._variants[key] = new    # `last` stays the variant that ran until the next call
 
