@@ -91,3 +91,21 @@ def test_a_step_dropped_with_uploads_in_flight_still_lands_them():
         t.join(timeout=10)
     for (name, pe), pc in zip(eager.named_parameters(), compiled.parameters()):
         assert torch.equal(pe, pc), name
+
+
+@pytest.mark.slow
+def test_soak_script_stays_flat(tmp_path):
+    """A short run of benchmarks/soak.py (the 2,000-step soak is the script itself)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = tmp_path / "soak.json"
+    proc = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "soak.py"), "--steps", "40",
+                           "--warmup", "10", "--interval", "10", "--modes", "hand-over+shapes", "--out", str(out)],
+                          capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["flat"] and row["traces"] == 4 and row["workers"] == "1->1"
