@@ -110,6 +110,7 @@ class CompiledStep:
         self._runtimes = SharedRuntimes(self, self.config.offload, self.config.sanitize)
         self._rank_agreement: RankAgreement | None = None   # made on the first call with sequence_parallel
         self.trace_count = 0
+        self._skipped: Tensor | None = None   # sum of the skip flags (skip_nonfinite), on the device
         self._interruption = InterruptionGuard()
         functools.update_wrapper(self, fn)
 
@@ -231,7 +232,16 @@ class CompiledStep:
             raise
         if self._accumulation is not None:
             self._micro_step = (self._micro_step + 1) % self.config.accumulation_steps
+        flag, self._ran.skip_flag = self._ran.skip_flag, None
+        if flag is not None:   # summed where it is, so counting costs no synchronization
+            self._skipped = flag.clone() if self._skipped is None else self._skipped + flag.to(self._skipped.device)
         return result
+
+    @property
+    def skipped_steps(self) -> int:
+        """With `CompileConfig(skip_nonfinite=True)`: how many calls skipped their update because
+        their loss or global gradient norm was not finite (reading it waits for the device)."""
+        return 0 if self._skipped is None else int(self._skipped.item())
 
     def accept_partial_update(self) -> None:
         """After a `PartialUpdateError`: train on from the partly updated model and optimizer

@@ -42,6 +42,7 @@ class Executor:
         self.vals = {n.name: n.meta.get("val") for n in graph.graph.nodes if n.op == "placeholder"}
         self.offload_runtime: OffloadRuntime | None = None
         self.host_state: HostState | None = None
+        self.skip_flag: Tensor | None = None   # CompileConfig.skip_nonfinite: the last run's flag
         self.device = device = capture.bindings.device
         if any(s.host for s in graph.signature.inputs):
             offload = offload or Offload()
@@ -184,6 +185,8 @@ class Executor:
         for spec, value in zip(self.graph.signature.outputs, outputs):
             if spec.kind == "user":
                 user.append(value)
+            elif spec.kind == "skipped":
+                self.skip_flag = value
             elif spec.kind == "grad":
                 b.params[spec.target].grad = value
             else:
