@@ -47,6 +47,7 @@ class CompiledVariant:
     timings: dict[str, float]
     step_seconds: list[float] = dataclasses.field(default_factory=list)   # timed steps since the last plan
     replans: int = 0
+    completed: bool = False   # a call of it ran to the end (until then its created state is provisional)
 
 
 def _leaf_key(x: Any) -> Any:
@@ -224,12 +225,14 @@ class CompiledStep:
         except BaseException as exc:
             updated = before.changed()
             if not updated:
+                self._forget_unrun_variant()
                 raise    # nothing the user holds changed: retrying is safe
             message = self._interruption.interrupted(exc, updated, bindings, self._name)
             if isinstance(exc, Exception):
                 raise PartialUpdateError(message) from exc
             exc.add_note("graphoffload: " + message)   # KeyboardInterrupt, SystemExit stay what they are
             raise
+        self.last.completed = True
         if self._accumulation is not None:
             self._micro_step = (self._micro_step + 1) % self.config.accumulation_steps
         flag, self._ran.skip_flag = self._ran.skip_flag, None
@@ -242,6 +245,20 @@ class CompiledStep:
         """With `CompileConfig(skip_nonfinite=True)`: how many calls skipped their update because
         their loss or global gradient norm was not finite (reading it waits for the device)."""
         return 0 if self._skipped is None else int(self._skipped.item())
+
+    def _forget_unrun_variant(self) -> None:
+        """The first call of a new variant failed before changing anything: drop the optimizer
+        state its capture created (eager would have none after a failed first step, and SGD's
+        next first step would skip its momentum initialisation) and the variant with it, so the
+        next call traces afresh."""
+        variant = self._last
+        if variant is None or variant.completed:
+            return
+        variant.capture.discard_created_state()
+        self._variants = {k: v for k, v in self._variants.items() if v is not variant}
+        self._last = next(reversed(self._variants.values()), None)
+        if self._ran is variant.executor:
+            self._ran = None
 
     def accept_partial_update(self) -> None:
         """After a `PartialUpdateError`: train on from the partly updated model and optimizer
