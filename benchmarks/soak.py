@@ -111,7 +111,8 @@ def main() -> int:
     rows = [r["row"] for r in results]
     print_table(rows, ["mode", "steps", "traces", "s_per_step", "rss_at_warmup_MiB", "rss_end_MiB",
                        "rss_growth_MiB", "os_threads", "workers", "open_files", "flat"])
-    write_json(args.out, {"device": "cpu", "threads": torch.get_num_threads(), "args": vars(args), "rows": rows,
+    settings = {k: v for k, v in vars(args).items() if k != "out"}   # no local paths in the results
+    write_json(args.out, {"device": "cpu", "threads": torch.get_num_threads(), "args": settings, "rows": rows,
                           "samples": {r["row"]["mode"]: r["samples"] for r in results}})
     return 0 if all(r["flat"] for r in rows) else 1
 
