@@ -228,7 +228,7 @@ def _lowered_optimizers(b: StepBindings, leaves: dict[str, Tensor], states: dict
             if config.skip_nonfinite:
                 if events.skip_flag is None:   # one decision for the whole step, from every gradient
                     grads = [t.grad for t in leaves.values() if t.grad is not None]
-                    device = grads[0].device if grads else events.losses[0].device
+                    device = grads[0].device if grads else next(iter(leaves.values())).device
                     with torch.no_grad():
                         events.skip_flag = nonfinite.nonfinite_flag(events.losses, grads, device)
                 flag = events.skip_flag
