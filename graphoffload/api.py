@@ -30,6 +30,7 @@ from graphoffload.passes.manager import Pass, PassContext, PassFn, PassManager, 
 from graphoffload.runtime.accumulation import GradSums
 from graphoffload.runtime.executor import Executor
 from graphoffload.runtime.host_state import HostState
+from graphoffload.runtime.shared_runtimes import SharedRuntimes
 from graphoffload.sequence_parallel import RankAgreement
 
 log = logging.getLogger("graphoffload")
@@ -46,6 +47,7 @@ class CompiledVariant:
     timings: dict[str, float]
     step_seconds: list[float] = dataclasses.field(default_factory=list)   # timed steps since the last plan
     replans: int = 0
+    completed: bool = False   # a call of it ran to the end (until then its created state is provisional)
 
 
 def _leaf_key(x: Any) -> Any:
@@ -104,8 +106,12 @@ class CompiledStep:
         self._ran: Executor | None = None     # the executor of the last run, whose uploads may be in flight
         self._hooked: set[int] = set()
         self._host_states: dict[Any, HostState] = {}
+        # one offload runtime (worker pool, copy streams) per device for every variant, shut down
+        # when this step is garbage-collected: a runtime per variant leaked a thread per re-trace
+        self._runtimes = SharedRuntimes(self, self.config.offload, self.config.sanitize)
         self._rank_agreement: RankAgreement | None = None   # made on the first call with sequence_parallel
         self.trace_count = 0
+        self._skipped: Tensor | None = None   # sum of the skip flags (skip_nonfinite), on the device
         self._interruption = InterruptionGuard()
         functools.update_wrapper(self, fn)
 
@@ -162,7 +168,7 @@ class CompiledStep:
         b = capture.bindings
         owner = (tuple(id(p) for p in b.params.values()), tuple(id(o) for o in b.optimizers))
         executor = Executor(graph, capture, self.config.offload, host_state=self._host_states.get(owner),
-                            sanitize=self.config.sanitize)
+                            sanitize=self.config.sanitize, runtime_for=self._runtimes.get)
         if executor.host_state is not None:
             self._host_states.setdefault(owner, executor.host_state)
         return CompiledVariant(capture, graph, stages, executor, dict(ctx.timings))
@@ -219,15 +225,40 @@ class CompiledStep:
         except BaseException as exc:
             updated = before.changed()
             if not updated:
+                self._forget_unrun_variant()
                 raise    # nothing the user holds changed: retrying is safe
             message = self._interruption.interrupted(exc, updated, bindings, self._name)
             if isinstance(exc, Exception):
                 raise PartialUpdateError(message) from exc
             exc.add_note("graphoffload: " + message)   # KeyboardInterrupt, SystemExit stay what they are
             raise
+        self.last.completed = True
         if self._accumulation is not None:
             self._micro_step = (self._micro_step + 1) % self.config.accumulation_steps
+        flag, self._ran.skip_flag = self._ran.skip_flag, None
+        if flag is not None:   # summed where it is, so counting costs no synchronization
+            self._skipped = flag.clone() if self._skipped is None else self._skipped + flag.to(self._skipped.device)
         return result
+
+    @property
+    def skipped_steps(self) -> int:
+        """With `CompileConfig(skip_nonfinite=True)`: how many calls skipped their update because
+        their loss or global gradient norm was not finite (reading it waits for the device)."""
+        return 0 if self._skipped is None else int(self._skipped.item())
+
+    def _forget_unrun_variant(self) -> None:
+        """The first call of a new variant failed before changing anything: drop the optimizer
+        state its capture created (eager would have none after a failed first step, and SGD's
+        next first step would skip its momentum initialisation) and the variant with it, so the
+        next call traces afresh."""
+        variant = self._last
+        if variant is None or variant.completed:
+            return
+        variant.capture.discard_created_state()
+        self._variants = {k: v for k, v in self._variants.items() if v is not variant}
+        self._last = next(reversed(self._variants.values()), None)
+        if self._ran is variant.executor:
+            self._ran = None
 
     def accept_partial_update(self) -> None:
         """After a `PartialUpdateError`: train on from the partly updated model and optimizer
@@ -280,7 +311,7 @@ class CompiledStep:
             g.note("offload_optimizer", f"re-planned from measured node times: the last plan predicted "
                    f"{old.graph.schedule.step_seconds * 1e3:.3g} ms a step, {measured * 1e3:.3g} ms were measured")
         executor = Executor(graph, old.capture, self.config.offload, host_state=old.executor.host_state,
-                            sanitize=self.config.sanitize)
+                            sanitize=self.config.sanitize, runtime_for=self._runtimes.get)
         new = CompiledVariant(old.capture, graph, stages, executor, dict(ctx.timings), replans=old.replans + 1)
         self._variants[key] = new    # `last` stays the variant that ran until the next call
 

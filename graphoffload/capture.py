@@ -40,7 +40,7 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from torch.overrides import TorchFunctionMode
 
 import graphoffload
-from graphoffload import optimizer_lowering
+from graphoffload import nonfinite, optimizer_lowering
 from graphoffload.aliasing import written_placeholders
 from graphoffload.config import CompileConfig
 from graphoffload.errors import CaptureError, GraphOffloadError, UnsupportedError, describe
@@ -196,6 +196,8 @@ class _StepEvents:
     zeroed: list[frozenset[str]] = field(default_factory=list)
     subgroups: int = 0
     stepped: set[int] = field(default_factory=set)     # indices of the optimizers whose step() ran
+    losses: list[Tensor] = field(default_factory=list)   # what each backward call differentiated
+    skip_flag: Tensor | None = None   # CompileConfig.skip_nonfinite: 1 when this step's update is skipped
 
 
 def _set_for_trace(stack: contextlib.ExitStack, obj: Any, attr: str, value: Any) -> None:
@@ -223,6 +225,14 @@ def _lowered_optimizers(b: StepBindings, leaves: dict[str, Tensor], states: dict
             events.stepped.add(oi)
             # set by GradScaler.step() for optimizers that unscale inside their fused kernel
             grad_scale, found_inf = getattr(opt, "grad_scale", None), getattr(opt, "found_inf", None)
+            if config.skip_nonfinite:
+                if events.skip_flag is None:   # one decision for the whole step, from every gradient
+                    grads = [t.grad for t in leaves.values() if t.grad is not None]
+                    device = grads[0].device if grads else next(iter(leaves.values())).device
+                    with torch.no_grad():
+                        events.skip_flag = nonfinite.nonfinite_flag(events.losses, grads, device)
+                flag = events.skip_flag
+                found_inf = flag if found_inf is None else torch.maximum(found_inf, flag.to(found_inf.device))
             updates = []
             for gi, group in enumerate(opt.param_groups):
                 names = [n for n in (leaf_name[id(p)] for p in group["params"]) if leaves[n].grad is not None]
@@ -349,6 +359,7 @@ class _StepMode(TorchFunctionMode):
                 return _grouped_mm.grouped_mm(*args[:3], **{k: v for k, v in kwargs.items() if k == "offs"})
             if func is Tensor.backward or func is torch.autograd.backward:
                 self._backward_called(source)
+                self.events.losses += nonfinite.backward_roots(args, kwargs, "tensors")
                 if self.sums is not None:
                     with self._backward():
                         return self.sums.backward(func, args, kwargs, self, source)
@@ -360,6 +371,7 @@ class _StepMode(TorchFunctionMode):
                         f"the train step calls torch.autograd.grad{f' at {source.splitlines()[0]}' if source else ''}, "
                         "which does not accumulate into .grad: with accumulation_steps, call loss.backward()")
                 self._backward_called(source)
+                self.events.losses += nonfinite.backward_roots(args, kwargs, "outputs")
                 with _backward_provenance(args[0] if args else kwargs.get("outputs"), self, source), self._backward():
                     return func(*args, **kwargs)
             return func(*args, **kwargs)
@@ -750,6 +762,9 @@ def _capture_step(fn: Callable, args: tuple, kwargs: dict, config: CompileConfig
             if rebound[name] is not buffers[name]:
                 outputs.append(rebound[name].detach())
                 specs.append(OutputSpec("buffer", name))
+        if events.skip_flag is not None:
+            outputs.append(events.skip_flag)
+            specs.append(OutputSpec("skipped", None))
         result["specs"] = specs
         return outputs
 

@@ -144,6 +144,11 @@ class CompileConfig:
             read the schedule does not order after its wait changes results (a test mode; the
             environment variable GRAPHOFFLOAD_SANITIZE=1 turns it on too; see
             graphoffload/runtime/sanitizer.py).
+        skip_nonfinite: skip the update of a call whose loss (anything `backward()` is called
+            on) or global gradient norm is not finite: no parameter, optimizer state or step
+            counter changes (gradients are still cleared as the step says), and the call is
+            counted in `step.skipped_steps`. Exact otherwise. Fused updates then wait for every
+            gradient, as with global-norm clipping. Off by default (graphoffload/nonfinite.py).
     """
 
     subgroup_numel: int = 32 * 1024 * 1024
@@ -155,6 +160,7 @@ class CompileConfig:
     sequence_parallel: Any = None
     accumulation_steps: int = 1
     sanitize: bool = False
+    skip_nonfinite: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.accumulation_steps, int) or self.accumulation_steps < 1:

@@ -28,7 +28,7 @@ Phase = Literal["input", "forward", "backward", "optimizer", "comm", "transfer",
 TENSOR_SLOT = object()   # marks where a graph output goes in the step's return value
 
 InputKind = Literal["param", "buffer", "state", "lr", "scaler", "batch", "host_scratch", "grad_sum"]
-OutputKind = Literal["user", "grad", "buffer"]
+OutputKind = Literal["user", "grad", "buffer", "skipped"]
 
 
 @dataclass(frozen=True)
@@ -55,8 +55,9 @@ class InputSpec:
 @dataclass(frozen=True)
 class OutputSpec:
     """One graph output: the step's own return value (``user``, index into its flattened
-    tensors), a gradient left on ``param.grad`` (``grad``), or a buffer the model rebound to
-    a new tensor (``buffer``)."""
+    tensors), a gradient left on ``param.grad`` (``grad``), a buffer the model rebound to
+    a new tensor (``buffer``), or the flag that this call's update was skipped because its loss
+    or gradient norm was not finite (``skipped``, with ``CompileConfig.skip_nonfinite``)."""
 
     kind: OutputKind
     target: Any

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import traceback
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -33,19 +34,24 @@ if TYPE_CHECKING:
 
 class Executor:
     def __init__(self, graph: TrainGraph, capture: Capture, offload: Offload | None = None,
-                 host_state: HostState | None = None, sanitize: bool = False):
+                 host_state: HostState | None = None, sanitize: bool = False,
+                 runtime_for: Callable[[torch.device], OffloadRuntime] | None = None):
         self.graph = graph
         self.capture = capture
         self.gm = graph.gm
         self.vals = {n.name: n.meta.get("val") for n in graph.graph.nodes if n.op == "placeholder"}
         self.offload_runtime: OffloadRuntime | None = None
         self.host_state: HostState | None = None
+        self.skip_flag: Tensor | None = None   # CompileConfig.skip_nonfinite: the last run's flag
         self.device = device = capture.bindings.device
         if any(s.host for s in graph.signature.inputs):
             offload = offload or Offload()
-            sanitizer = Sanitizer() if sanitize_requested(sanitize) else None
-            self.offload_runtime = OffloadRuntime(device, offload.cpu_workers, host_update_threads(offload.cpu_threads),
-                                                sanitizer)
+            if runtime_for is not None:   # shared by the variants of a compiled step (shared_runtimes.py)
+                self.offload_runtime = runtime_for(device)
+            else:
+                sanitizer = Sanitizer() if sanitize_requested(sanitize) else None
+                self.offload_runtime = OffloadRuntime(device, offload.cpu_workers,
+                                                      host_update_threads(offload.cpu_threads), sanitizer)
             # a re-planned graph keeps the host state, whose master weights are authoritative
             self.host_state = host_state or HostState(capture.bindings,
                                                       pin_memory=offload.pin_memory and device.type == "cuda")
@@ -183,6 +189,8 @@ class Executor:
         for spec, value in zip(self.graph.signature.outputs, outputs):
             if spec.kind == "user":
                 user.append(value)
+            elif spec.kind == "skipped":
+                self.skip_flag = value
             elif spec.kind == "grad":
                 b.params[spec.target].grad = value
             else:

@@ -111,6 +111,11 @@ class OffloadRuntime:
         # across steps, as the gradient buffers themselves are
         self.widened_grads: dict[tuple[int, tuple[int, ...], torch.dtype], Tensor] = {}
 
+    def shutdown(self) -> None:
+        """End the worker threads once the work already queued has run (uploads handed over to a
+        call that will never come still land). Does not wait, so it is safe from a finalizer."""
+        self.pool.shutdown(wait=False)
+
     def _span(self, track: str, name: str, start: float) -> None:
         self.spans.append((track, name, start - self._t0, time.perf_counter() - self._t0))
 
