@@ -31,7 +31,7 @@ import torch
 from torch import fx
 
 from graphoffload.aliasing import StorageMap, written_args
-from graphoffload.capture import user_line_of_stack_trace
+from graphoffload.diagnostics import user_line_of_stack_trace
 from graphoffload.graph import TrainGraph
 from graphoffload.passes.update_kernels import UpdateKernel, find_update_kernels
 

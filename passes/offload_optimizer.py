@@ -32,15 +32,15 @@ import torch
 from torch import fx
 
 from graphoffload.aliasing import StorageMap
-from graphoffload.capture import user_line_of_stack_trace
+from graphoffload.diagnostics import user_line_of_stack_trace
 from graphoffload.errors import UnsupportedError
 from graphoffload.graph import InputSpec, TrainGraph, fake_mode_of, fill_missing_meta, placeholder_name
 from graphoffload.memory import analyze_memory, format_bytes
 from graphoffload.calibration import Calibration
 from graphoffload.cost_model import node_seconds
 from graphoffload.offload_planner import BucketCost, StepCosts, plan, predict
+from graphoffload.ops.host_transfer import assign_streams
 from graphoffload.passes.update_kernels import UpdateKernel, find_update_kernels
-from graphoffload.runtime import host_offload  # noqa: F401  (registers the ops)
 
 if TYPE_CHECKING:
     from graphoffload.passes.manager import PassContext
@@ -441,7 +441,7 @@ def offload_optimizer(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
                    f"{cause}, but their gradients go to the host as soon as they are final, inside backward, "
                    "so the device frees them there" + (" (the host applies clip_grad_norm_'s scaling)"
                                                        if "clip_grad_norm_" in cause else ""))
-    host_offload.assign_streams(g)   # node.meta["stream"]: which copy stream each transfer runs on
+    assign_streams(g)   # node.meta["stream"]: which copy stream each transfer runs on
     graph = graph.with_signature(inputs=tuple(specs))
     fill_missing_meta(graph, "offload_optimizer")   # the prefetched buffers' sizes count below
     device_peak = analyze_memory(graph).peak

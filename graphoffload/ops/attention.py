@@ -249,6 +249,10 @@ def _attention_grad(ctx, grad_out, _grad_lse):
 
 attention.register_autograd(_attention_grad, setup_context=_setup_context)
 
+# the overloads graph nodes target
+ATTENTION = torch.ops.graphoffload.attention.default
+ATTENTION_BACKWARD = torch.ops.graphoffload.attention_backward.default
+
 
 def sdpa_via_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None = None,
                        dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,

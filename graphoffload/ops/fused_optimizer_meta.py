@@ -5,13 +5,17 @@ real, zero-filled copies of every argument: on a GPU that allocates the paramete
 and optimizer state for real while tracing (what graphoffload exists to avoid), and on the meta
 device it fails. The ops update their arguments in place and return nothing, so the meta
 kernel checks the lists line up and does nothing else.
+
+Registering into `aten` changes torch for the whole process, so it is an explicit call
+(`register_fused_optimizer_meta_kernels`, made by capture before it traces), idempotent, and
+never an import side effect; it skips any op that already has a meta kernel (a later torch).
 """
 
 from __future__ import annotations
 
-import torch
+import functools
 
-_LIBRARY = torch.library.Library("aten", "IMPL")   # kept alive for the registrations' lifetime
+import torch
 
 
 def _check_lists(name: str, *lists) -> None:
@@ -28,8 +32,15 @@ def _sgd_meta(self, grads, momentum_buffer_list, **_):
     _check_lists("_fused_sgd_", self, grads, momentum_buffer_list)
 
 
-for _op, _kernel in (("_fused_adamw_", _adam_meta), ("_fused_adam_", _adam_meta), ("_fused_sgd_", _sgd_meta)):
-    for _overload in getattr(torch.ops.aten, _op).overloads():
-        _name = f"{_op}.{_overload}" if _overload != "default" else _op
-        if not torch._C._dispatch_has_kernel_for_dispatch_key(f"aten::{_name}", "Meta"):
-            _LIBRARY.impl(_name, _kernel, "Meta")
+@functools.cache
+def register_fused_optimizer_meta_kernels() -> torch.library.Library:
+    """Give `aten::_fused_adamw_`, `_fused_adam_` and `_fused_sgd_` (every overload) a meta
+    kernel where they have none. Idempotent; returns the library holding the registrations,
+    which the cache keeps alive for the process's lifetime (they end with it)."""
+    library = torch.library.Library("aten", "IMPL")
+    for op, kernel in (("_fused_adamw_", _adam_meta), ("_fused_adam_", _adam_meta), ("_fused_sgd_", _sgd_meta)):
+        for overload in getattr(torch.ops.aten, op).overloads():
+            name = f"{op}.{overload}" if overload != "default" else op
+            if not torch._C._dispatch_has_kernel_for_dispatch_key(f"aten::{name}", "Meta"):
+                library.impl(name, kernel, "Meta")
+    return library
