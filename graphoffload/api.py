@@ -24,7 +24,8 @@ from graphoffload.errors import StateError, UnsupportedError
 from graphoffload.graph import TrainGraph
 from graphoffload.optimizer_lowering import first_step_params
 from graphoffload.memory import MemoryProfile, analyze_memory
-from graphoffload.passes.manager import Pass, PassContext, PassFn, PassManager, builtin_passes
+from graphoffload.passes.manager import Pass, PassContext, PassFn, PassManager
+from graphoffload.passes.registry import builtin_schedule
 from graphoffload.runtime.accumulation import GradSums
 from graphoffload.runtime.executor import Executor
 from graphoffload.runtime.host_state import HostState
@@ -94,7 +95,7 @@ class CompiledStep:
                               for update in (False, True)} if k > 1 else None
         self._micro_step = 0     # micro-batches of the current accumulation window done so far
         self.pass_manager = PassManager(passes, disable=self.config.disable_passes,
-                                        builtin=builtin_passes(self.config))
+                                        builtin=builtin_schedule(self.config))
         self._variants: dict[Any, CompiledVariant] = {}
         self._last: CompiledVariant | None = None
         self._ran: Executor | None = None     # the executor of the last run, whose uploads may be in flight

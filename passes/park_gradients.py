@@ -182,6 +182,3 @@ def park_gradients(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
                f"buckets parked in host memory during backward, each bucket brought back one bucket ahead "
                f"of its update; predicted device peak {format_bytes(before_peak)} -> {format_bytes(after_peak)}")
     return graph
-
-
-park_gradients.requires = ("fuse_optimizer",)
