@@ -3,10 +3,14 @@
 A pass is a plain function ``(TrainGraph, PassContext) -> TrainGraph``. Its contract, as
 function attributes or through `Pass`: ``requires``, the capabilities (or pass names) that passes
 before it must provide, and ``provides``, what it leaves for later passes (it always provides
-its own name). The built-in passes are registered in registry.py. After every pass the manager stamps the nodes the pass created with its name, fills in
-``meta["val"]`` and ``meta["phase"]`` a pass left out (by fake-tensor propagation and from the
-node's inputs), verifies the graph, and keeps a snapshot of it as a stage for inspection, so a
-broken pass is named in the error and every dump says which pass made each node.
+its own name). The built-in passes are registered in registry.py.
+
+After every pass the manager stamps the nodes the pass created with its name (recorded as they
+are created, by fx's node-creation hook, so a pass that copies another node's meta cannot carry
+the old name over), fills in ``meta["val"]`` and ``meta["phase"]`` a pass left out (by
+fake-tensor propagation and from the node's inputs), verifies the graph, and keeps a snapshot
+of it as a stage for inspection, so a broken pass is named in the error and every dump says which
+pass made each node.
 """
 
 from __future__ import annotations
@@ -16,11 +20,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
+from torch import fx
 
 from graphoffload.config import CompileConfig
 from graphoffload.errors import GraphOffloadError, PassError
 from graphoffload.graph import TrainGraph, fill_missing_meta
 from graphoffload.passes.verify import verify_train_graph
+from graphoffload.torch_private import recording_created_nodes
 
 PassFn = Callable[[TrainGraph, "PassContext"], TrainGraph]
 
@@ -75,6 +81,14 @@ def validate_schedule(passes: Sequence[Pass], known: frozenset[str]) -> None:
         provided |= {p.name, *p.provides}
 
 
+def _stamp_provenance(graph: TrainGraph, created: list[fx.Node], pass_name: str) -> None:
+    # every node the pass created and kept is its own, whatever meta it copied from another node
+    live = set(graph.graph.nodes)
+    for node in created:
+        if node in live:
+            node.meta["pass"] = pass_name
+
+
 class PassManager:
     """Runs built-in passes (minus disabled ones) then user passes, in order, after checking
     the schedule against the passes' contracts. `builtin`: the built-in passes to run (default:
@@ -100,7 +114,8 @@ class PassManager:
         for p in self.passes:
             start = time.perf_counter()
             try:
-                result = p.fn(graph, ctx)
+                with recording_created_nodes(graph.gm) as created:
+                    result = p.fn(graph, ctx)
             except GraphOffloadError:
                 raise   # already says what is wrong and what to do
             except Exception as exc:
@@ -108,6 +123,7 @@ class PassManager:
             if not isinstance(result, TrainGraph):
                 raise PassError(f"pass {p.name!r} returned {type(result).__name__}, expected a TrainGraph")
             graph = result
+            _stamp_provenance(graph, created, p.name)
             fill_missing_meta(graph, p.name)
             graph.gm.recompile()
             if ctx.config.verify:
