@@ -33,7 +33,7 @@ from torch import fx
 from graphoffload.aliasing import StorageMap, written_args
 from graphoffload.diagnostics import user_line_of_stack_trace
 from graphoffload.graph import TrainGraph
-from graphoffload.passes.update_kernels import UpdateKernel, find_update_kernels
+from graphoffload.passes.update_kernels import UpdateKernel, update_kernels_to_rewrite
 
 if TYPE_CHECKING:
     from graphoffload.passes.manager import PassContext
@@ -291,9 +291,8 @@ def _hoist_gradient_reductions(graph: fx.Graph) -> int:
 def fuse_optimizer(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
     cfg = ctx.config.fuse_optimizer
     g = graph.graph
-    kernels = find_update_kernels(g)
+    kernels = update_kernels_to_rewrite(graph, "fuse_optimizer", "fuse")
     if not kernels:
-        graph.note("fuse_optimizer", "no optimizer update in the step: nothing to fuse")
         return graph
     total = sum(p.meta["val"].numel() for k in kernels for p in k.params)
     bucket_numel = cfg.bucket_numel or min(max(total // 32, 1 << 16), 1 << 24)

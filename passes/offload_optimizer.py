@@ -40,7 +40,7 @@ from graphoffload.calibration import Calibration
 from graphoffload.cost_model import node_seconds
 from graphoffload.offload_planner import BucketCost, StepCosts, plan, predict
 from graphoffload.ops.host_transfer import assign_streams
-from graphoffload.passes.update_kernels import UpdateKernel, find_update_kernels
+from graphoffload.passes.update_kernels import UpdateKernel, update_kernels_to_rewrite
 
 if TYPE_CHECKING:
     from graphoffload.passes.manager import PassContext
@@ -361,12 +361,11 @@ def _moved(event, bucket: BucketCost) -> int:
 
 
 def offload_optimizer(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
+    kernels = update_kernels_to_rewrite(graph, "offload_optimizer", "offload")
+    if not kernels:
+        return graph
     offload = ctx.config.offload
     g = graph.graph
-    kernels = find_update_kernels(g)
-    if not kernels:
-        graph.note("offload_optimizer", "no optimizer update in the step: nothing to offload")
-        return graph
     specs = list(graph.signature.inputs)
     spec_of = {s.name: i for i, s in enumerate(specs)}
     state_bytes = sum(st.meta["val"].numel() * st.meta["val"].element_size()

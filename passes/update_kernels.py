@@ -10,9 +10,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import fx
+
+if TYPE_CHECKING:
+    from graphoffload.graph import TrainGraph
 
 aten = torch.ops.aten
 graphoffload_ops = torch.ops.graphoffload
@@ -157,3 +161,12 @@ def find_update_kernels(graph: fx.Graph) -> list[UpdateKernel]:
                 uncounter = _the_one({uncounters.get(r) for r in roots})
         out.append(UpdateKernel(node, rule, counter, uncounter))
     return out
+
+
+def update_kernels_to_rewrite(graph: TrainGraph, pass_name: str, verb: str) -> list[UpdateKernel]:
+    """The step's update kernels, for a pass that rewrites them; when there are none, the pass
+    notes that it has nothing to `verb` (and returns the graph unchanged)."""
+    kernels = find_update_kernels(graph.graph)
+    if not kernels:
+        graph.note(pass_name, f"no optimizer update in the step: nothing to {verb}")
+    return kernels

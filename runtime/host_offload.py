@@ -320,11 +320,10 @@ def active_runtime() -> OffloadRuntime:
 
 
 # ------------------------------------------------------------------ graph ops
-# the kernels of the ops graphoffload/ops/host_transfer.py declares
+# the kernels of the ops graphoffload/ops/host_transfer.py declares (their docstrings say what each does)
 
 @host_transfer.copy_to_host.register_kernel(None)
 def copy_to_host(grads: list[Tensor], host: list[Tensor]) -> Tensor:
-    """Start copying device tensors into host buffers; returns a ticket."""
     return active_runtime().copy_to_host(grads, host)
 
 
@@ -355,9 +354,6 @@ def host_adam_(after: Tensor, params: list[Tensor], grads: list[Tensor], exp_avg
                beta1: float, beta2: float, weight_decay: float, eps: float, amsgrad: bool, maximize: bool,
                decoupled: bool, grad_scale: Tensor | None = None, found_inf: Tensor | None = None,
                grad_multiplier: Tensor | None = None) -> Tensor:
-    """Adam/AdamW on host tensors, on the worker, once `after` is done; returns a ticket.
-    With a GradScaler's `grad_scale`/`found_inf` (host copies) it unscales and skips on inf;
-    with `grad_multiplier` (a host scalar) it first scales the gradients in place."""
     lr = lr.clone()   # the graph's lr tensor may be gone by the time the worker runs
     runtime = active_runtime()
 
@@ -378,7 +374,6 @@ def host_sgd_(after: Tensor, params: list[Tensor], grads: list[Tensor], momentum
               lr: Tensor, weight_decay: float, momentum: float, dampening: float, nesterov: bool,
               maximize: bool, is_first_step: bool, grad_scale: Tensor | None = None,
               found_inf: Tensor | None = None, grad_multiplier: Tensor | None = None) -> Tensor:
-    """SGD on host tensors, on the worker, once `after` is done; returns a ticket."""
     lr = lr.clone()
     runtime = active_runtime()
 
@@ -392,42 +387,31 @@ def host_sgd_(after: Tensor, params: list[Tensor], grads: list[Tensor], momentum
 
 @host_transfer.copy_to_device.register_kernel(None)
 def copy_to_device(after: Tensor, master: list[Tensor], staging: list[Tensor], params: list[Tensor]) -> Tensor:
-    """Once `after` is done, copy host master weights (through low-precision staging buffers
-    when the parameters are narrower) into the device parameters; returns a ticket. The
-    parameters count as written by `wait_device`, where the data is there."""
     return active_runtime().copy_to_device(after, master, staging, params)
 
 
 @host_transfer.prefetch_to_device.register_kernel(None)
 def prefetch_to_device(host: list[Tensor], device: torch.device, after: list[Tensor]) -> list[Tensor]:
-    """Start copying host tensors into new device buffers; returns the buffers, then a ticket
-    that `wait_device` redeems before anything reads them. `after`: tickets of the copies to
-    the host that fill `host` (the copy waits for them in stream order, the host does not)."""
     return active_runtime().prefetch(host, after)
 
 
 @host_transfer.wait_host.register_kernel(None)
 def wait_host(ticket: Tensor, host: list[Tensor]) -> None:
-    """Block until the device-to-host copy behind `ticket` has landed in `host`."""
     active_runtime().wait_host(ticket)
 
 
 @host_transfer.wait_device.register_kernel(None)
 def wait_device(ticket: Tensor, params: list[Tensor]) -> None:
-    """Make the compute stream wait until the upload behind `ticket` has landed in `params`."""
     active_runtime().wait_device(ticket)
 
 
 @host_transfer.hand_over.register_kernel(None)
 def hand_over(ticket: Tensor, params: list[Tensor], key: str) -> None:
-    """Let the upload behind `ticket` finish during the next step: that step's
-    `wait_handed_over(key)` waits for it, right before its forward first reads `params`."""
     active_runtime().hand_over(ticket, key)
 
 
 @host_transfer.wait_handed_over.register_kernel(None)
 def wait_handed_over(params: list[Tensor], key: str) -> None:
-    """Make the compute stream wait for the upload the previous step handed over under `key`."""
     active_runtime().wait_handed_over(key)
 
 

@@ -199,8 +199,6 @@ def ring_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, ls
 @ring_ops.ring_attention.register_kernel(None)
 def ring_attention(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: float | None, layout: str,
                    group_name: str, timeout_s: float) -> tuple[Tensor, Tensor]:
-    """`graphoffload::attention` over a sequence split across the ranks of `group_name`:
-    (out, logsumexp) of this rank's queries; q, k, v hold this rank's part of the sequence."""
     return ring_forward(q, k, v, is_causal, scale, layout, _Ring(group_name, timeout_s))
 
 
@@ -208,5 +206,4 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: floa
 def ring_attention_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                             is_causal: bool, scale: float | None, layout: str, group_name: str,
                             timeout_s: float) -> tuple[Tensor, Tensor, Tensor]:
-    """Gradients (dq, dk, dv) of `ring_attention` for this rank's q, k, v."""
     return ring_backward(grad_out, q, k, v, out, lse, is_causal, scale, layout, _Ring(group_name, timeout_s))

@@ -42,6 +42,10 @@ def _no_kernel(name: str) -> RuntimeError:
                         "which runs it inside a compiled step's executor")
 
 
+def _returns_nothing(*args, **kwargs) -> None:
+    return None   # the fake kernel of a wait: it only orders, and writes nothing new
+
+
 def _ticket_fake() -> Tensor:
     return torch.empty((), dtype=torch.int64)
 
@@ -123,9 +127,7 @@ def wait_host(ticket: Tensor, host: list[Tensor]) -> None:
     raise _no_kernel("graphoffload::wait_host")
 
 
-@wait_host.register_fake
-def _wait_host_fake(ticket, host):
-    return None
+wait_host.register_fake(_returns_nothing)
 
 
 @torch.library.custom_op("graphoffload::wait_device", mutates_args=("params",))
@@ -134,9 +136,7 @@ def wait_device(ticket: Tensor, params: list[Tensor]) -> None:
     raise _no_kernel("graphoffload::wait_device")
 
 
-@wait_device.register_fake
-def _wait_device_fake(ticket, params):
-    return None
+wait_device.register_fake(_returns_nothing)
 
 
 @torch.library.custom_op("graphoffload::hand_over", mutates_args=("params",))
@@ -146,9 +146,7 @@ def hand_over(ticket: Tensor, params: list[Tensor], key: str) -> None:
     raise _no_kernel("graphoffload::hand_over")
 
 
-@hand_over.register_fake
-def _hand_over_fake(ticket, params, key):
-    return None
+hand_over.register_fake(_returns_nothing)
 
 
 @torch.library.custom_op("graphoffload::wait_handed_over", mutates_args=("params",))
@@ -157,6 +155,4 @@ def wait_handed_over(params: list[Tensor], key: str) -> None:
     raise _no_kernel("graphoffload::wait_handed_over")
 
 
-@wait_handed_over.register_fake
-def _wait_handed_over_fake(params, key):
-    return None
+wait_handed_over.register_fake(_returns_nothing)
