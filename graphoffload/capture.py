@@ -325,7 +325,7 @@ def _backward_provenance(outputs: Any, mode: _StepMode | None = None, where: str
 
 class _StepMode(TorchFunctionMode):
     """Routes SDPA to graphoffload's attention op (and fp32/fp16 grouped matmuls to its grouped_mm,
-    runtime/grouped_mm.py) and tags backward; everything else passes."""
+    graphoffload/ops/grouped_mm.py) and tags backward; everything else passes."""
 
     def __init__(self, events: _StepEvents, regions: CheckpointRegions,
                  sums: _AccumulatingGrads | None = None):

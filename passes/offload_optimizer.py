@@ -264,11 +264,10 @@ def _emit_device_path(g: fx.Graph, k: UpdateKernel, masters: list[fx.Node], pref
             nodes += args[1]
         if k.counter is not None:
             steps = args[k.rule.steps_position]
-            nodes.append(g.call_function(k.counter.target, (steps, *k.counter.args[1:]), dict(k.counter.kwargs)))
+            nodes.append(k.emit_counter(g, steps))
         update = g.call_function(k.node.target, tuple(args), dict(k.node.kwargs))
-        if k.uncounter is not None:   # GradScaler: a skipped update's step does not count
-            steps = args[k.rule.steps_position]
-            nodes.append(g.call_function(k.uncounter.target, (steps, [k.uncounter.args[1][0]] * len(steps))))
+        if k.step_rollback is not None:   # GradScaler: a skipped update's step does not count
+            nodes.append(k.emit_step_rollback(g, args[k.rule.steps_position]))
         if narrow:
             nodes.append(g.call_function(torch.ops.aten._foreach_copy_.default, (k.params, targets)))
         back_from = [on_device[t] for lst in states for t in lst] + targets

@@ -1,9 +1,10 @@
-"""Host offload runtime: copy streams, CPU update worker, and the graph ops that drive them.
+"""Host offload runtime: copy streams, CPU update worker, and the kernels of the graph ops that drive
+them (declared, with their schemas and fake kernels, in graphoffload/ops/host_transfer.py).
 
 The `offload_optimizer` pass rewrites each update bucket into four graph nodes:
 
     t1 = graphoffload.copy_to_host(grads, host_grads)           # D2H on the d2h stream
-    t2 = graphoffload.host_adamw_(t1, master, host_grads, ...)   # CPU update on a worker thread
+    t2 = graphoffload.host_adam_(t1, master, host_grads, ...)    # CPU update on a worker thread
     t3 = graphoffload.copy_to_device(t2, master, staging, params)  # H2D on the h2d stream
     graphoffload.wait_device(t3, params)                         # compute stream waits
 
