@@ -78,7 +78,7 @@ def _cuda_time(fn, warmup: int, iters: int) -> float:
 
 
 def gpu_rows(args) -> list[dict]:
-    from graphoffload.runtime.attention import _backward, _forward
+    from graphoffload.ops.attention import _backward, _forward
 
     dev = torch.device("cuda")
     rows = []
@@ -159,7 +159,7 @@ def _cpu_worker(rank: int, world: int, store: str, cfg: dict, out: str) -> None:
 def cpu_rows(args) -> list[dict]:
     import torch.multiprocessing as mp
 
-    from graphoffload.runtime.attention import _backward, _forward
+    from graphoffload.ops.attention import _backward, _forward
 
     cfg = {"batch": args.batch, "heads": args.heads, "seq": args.seq, "head_dim": args.head_dim,
            "warmup": args.warmup, "iters": args.iters, "threads": 1}

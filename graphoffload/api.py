@@ -26,7 +26,8 @@ from graphoffload.graph import TrainGraph
 from graphoffload.interruption import InterruptionGuard, Snapshot
 from graphoffload.optimizer_lowering import first_step_params
 from graphoffload.memory import MemoryProfile, analyze_memory
-from graphoffload.passes.manager import Pass, PassContext, PassFn, PassManager, builtin_passes
+from graphoffload.passes.manager import Pass, PassContext, PassFn, PassManager
+from graphoffload.passes.registry import builtin_schedule
 from graphoffload.runtime.accumulation import GradSums
 from graphoffload.runtime.executor import Executor
 from graphoffload.runtime.host_state import HostState
@@ -70,6 +71,12 @@ def _optimizer_key(opt: torch.optim.Optimizer) -> Any:
     return (type(opt), tuple(groups), tuple(id(p) for p in first_step_params(opt)))
 
 
+def _remove_hooks(handles: list[Any]) -> None:
+    for handle in handles:
+        handle.remove()
+    handles.clear()
+
+
 class CompiledStep:
     """A train step compiled by graphoffload. Call it like the original function.
 
@@ -100,11 +107,15 @@ class CompiledStep:
                               for update in (False, True)} if k > 1 else None
         self._micro_step = 0     # micro-batches of the current accumulation window done so far
         self.pass_manager = PassManager(passes, disable=self.config.disable_passes,
-                                        builtin=builtin_passes(self.config))
+                                        builtin=builtin_schedule(self.config))
         self._variants: dict[Any, CompiledVariant] = {}
         self._last: CompiledVariant | None = None
         self._ran: Executor | None = None     # the executor of the last run, whose uploads may be in flight
-        self._hooked: set[int] = set()
+        # the user's modules and optimizers this step hooked, and the hooks' handles, which are
+        # removed when the step is dropped (the objects outlive it; their hooks must not)
+        self._hooked: weakref.WeakSet = weakref.WeakSet()
+        self._hook_handles: list[Any] = []
+        weakref.finalize(self, _remove_hooks, self._hook_handles)
         self._host_states: dict[Any, HostState] = {}
         # one offload runtime (worker pool, copy streams) per device for every variant, shut down
         # when this step is garbage-collected: a runtime per variant leaked a thread per re-trace
@@ -201,13 +212,12 @@ class CompiledStep:
             if step is not None:
                 step.synchronize()
         for obj in (*bindings.modules, *bindings.optimizers):
-            if id(obj) in self._hooked:
+            if obj in self._hooked:
                 continue
-            self._hooked.add(id(obj))
-            obj.register_state_dict_pre_hook(sync)
-            obj.register_load_state_dict_pre_hook(sync)
+            self._hooked.add(obj)
+            self._hook_handles += [obj.register_state_dict_pre_hook(sync), obj.register_load_state_dict_pre_hook(sync)]
             if isinstance(obj, torch.nn.Module):
-                obj.register_forward_pre_hook(sync)
+                self._hook_handles.append(obj.register_forward_pre_hook(sync))
 
     def compile(self, *args: Any, **kwargs: Any) -> TrainGraph:
         """Trace and transform the step for these arguments without running it (so its graphs,

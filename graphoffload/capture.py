@@ -19,10 +19,8 @@ import contextlib
 import copy
 import dataclasses
 import inspect
-import linecache
 import os
 import re
-import sys
 import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -39,20 +37,19 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from torch.overrides import TorchFunctionMode
 
-import graphoffload
 from graphoffload import nonfinite, optimizer_lowering
 from graphoffload.aliasing import written_placeholders
 from graphoffload.config import CompileConfig
+from graphoffload.diagnostics import (OWN_DIRS, calling_user_line, is_installed_package, user_frame,
+                                      user_line_of_stack_trace, where_in_user_code)
 from graphoffload.errors import CaptureError, GraphOffloadError, UnsupportedError, describe
 from graphoffload.graph import (TENSOR_SLOT, GraphSignature, InputSpec, OutputSpec, TrainGraph, fake_mode_of,
                                 placeholder_name)
 from graphoffload.recompute import CheckpointRegions, mark_recomputed, refuse_reentrant
-from graphoffload.runtime import attention as _attention_module
-from graphoffload.runtime import grouped_mm as _grouped_mm
-from graphoffload.runtime.attention import sdpa_via_attention
+from graphoffload.ops import grouped_mm as _grouped_mm
+from graphoffload.ops import register_fused_optimizer_meta_kernels
+from graphoffload.ops.attention import sdpa_via_attention
 
-# frames under these directories are not the user's code
-_OWN_DIRS = tuple(os.path.dirname(m.__file__) + os.sep for m in (torch, graphoffload, _attention_module))
 
 # --------------------------------------------------------------------------- what the step touches
 
@@ -338,7 +335,7 @@ def _backward_provenance(outputs: Any, mode: _StepMode | None = None, where: str
 
 class _StepMode(TorchFunctionMode):
     """Routes SDPA to graphoffload's attention op (and fp32/fp16 grouped matmuls to its grouped_mm,
-    runtime/grouped_mm.py) and tags backward; everything else passes."""
+    graphoffload/ops/grouped_mm.py) and tags backward; everything else passes."""
 
     def __init__(self, events: _StepEvents, regions: CheckpointRegions,
                  sums: _AccumulatingGrads | None = None):
@@ -351,7 +348,7 @@ class _StepMode(TorchFunctionMode):
         kwargs = kwargs or {}
         # make_fx records stack traces only inside modules' forward(); this covers the rest of
         # the step (loss, clipping, optimizer.step()) with the user's calling line
-        source = _calling_user_line()
+        source = calling_user_line()
         with fx_traceback.annotate({"source": source, **self.regions.tag()}):
             if func is F.scaled_dot_product_attention:
                 return sdpa_via_attention(*args, **kwargs)
@@ -505,56 +502,7 @@ class _AccumulatingGrads:
                 self.sums[name].zero_()
 
 
-def _calling_user_line() -> str | None:
-    """`File "...", line N, in name` + code of the innermost frame outside torch and graphoffload."""
-    frame = sys._getframe(2)
-    while frame is not None and frame.f_code.co_filename.startswith(_OWN_DIRS):
-        frame = frame.f_back
-    if frame is None:
-        return None
-    code = frame.f_code
-    text = linecache.getline(code.co_filename, frame.f_lineno).strip()
-    return f'File "{code.co_filename}", line {frame.f_lineno}, in {code.co_name}\n    {text}'
-
-
 # --------------------------------------------------------------------------- errors
-
-def user_frame(tb: list[traceback.FrameSummary]) -> traceback.FrameSummary | None:
-    """The innermost frame of user code (not torch, not graphoffload)."""
-    for frame in reversed(tb):
-        if not frame.filename.startswith(_OWN_DIRS) and not frame.filename.startswith("<"):
-            return frame
-    return None
-
-
-def user_line_of_stack_trace(stack_trace: str | None) -> str | None:
-    """'file:line in func' of the innermost user frame of a node's recorded stack trace."""
-    if not stack_trace:
-        return None
-    lines = [ln.strip() for ln in stack_trace.strip().splitlines()]
-    for i in range(len(lines) - 1, -1, -1):
-        ln = lines[i]
-        if ln.startswith('File "'):
-            path = ln.split('"')[1]
-            if not path.startswith(_OWN_DIRS) and not path.startswith("<"):
-                rest = ln.split('"', 2)[2].strip(", ")
-                code = lines[i + 1] if i + 1 < len(lines) and not lines[i + 1].startswith('File "') else ""
-                return f"{os.path.basename(path)}:{rest.replace('line ', '')}" + (f"  {code}" if code else "")
-    return None
-
-
-def _where(exc: BaseException) -> str:
-    frame = user_frame(traceback.extract_tb(exc.__traceback__))
-    if frame is None:
-        return ""
-    return f" at {frame.filename}:{frame.lineno} ({frame.name}): {(frame.line or '').strip()}"
-
-
-def _is_installed_package(filename: str) -> bool:
-    """A file of an installed library (transformers, ...) rather than the user's own code."""
-    parts = filename.split(os.sep)
-    return "site-packages" in parts or "dist-packages" in parts
-
 
 def _translate_trace_error(exc: Exception) -> GraphOffloadError:
     from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
@@ -564,10 +512,10 @@ def _translate_trace_error(exc: Exception) -> GraphOffloadError:
             "GuardOnDataDependent" in name or "data-dependent" in str(exc).lower():
         tb = traceback.extract_tb(exc.__traceback__)
         library = user_frame(tb)
-        if library is not None and _is_installed_package(library.filename) and "expert" in (library.line or "") + library.name:
+        if library is not None and is_installed_package(library.filename) and "expert" in (library.line or "") + library.name:
             # transformers' experts_implementation="eager" loops over the experts its router picked
-            own = next((f for f in reversed(tb) if not f.filename.startswith(_OWN_DIRS)
-                        and not f.filename.startswith("<") and not _is_installed_package(f.filename)), None)
+            own = next((f for f in reversed(tb) if not f.filename.startswith(OWN_DIRS)
+                        and not f.filename.startswith("<") and not is_installed_package(f.filename)), None)
             at = f" at {own.filename}:{own.lineno} ({own.name}): {(own.line or '').strip()}" if own else ""
             return CaptureError(
                 f"the train step routes tokens to experts by their values{at}: the mixture-of-experts layer "
@@ -577,7 +525,7 @@ def _translate_trace_error(exc: Exception) -> GraphOffloadError:
                 "default) or \"batched_mm\", in its config or in from_pretrained(). "
                 f"({describe(exc)})")
         return CaptureError(
-            f"the train step depends on tensor values{_where(exc)}. `.item()`, `bool(tensor)`, "
+            f"the train step depends on tensor values{where_in_user_code(exc)}. `.item()`, `bool(tensor)`, "
             "`if tensor > ...` and ops whose output shape depends on values cannot be captured in "
             "one graph: move them outside the compiled step or express them with tensor ops "
             f"(torch.where, masking). ({describe(exc)})")
@@ -587,10 +535,10 @@ def _translate_trace_error(exc: Exception) -> GraphOffloadError:
         match = re.search(r"\w+::[\w.]+", str(exc))
         op = match.group(0) if match else str(exc).split(":")[0]
         return UnsupportedError(
-            f"op {op} cannot be captured{_where(exc)}: it has no fake (meta) kernel, so graphoffload "
+            f"op {op} cannot be captured{where_in_user_code(exc)}: it has no fake (meta) kernel, so graphoffload "
             "cannot trace it without running it. Replace it, or register a fake kernel with "
             "torch.library.register_fake.")
-    return CaptureError(f"capturing the train step failed{_where(exc)}: {name}: {exc}")
+    return CaptureError(f"capturing the train step failed{where_in_user_code(exc)}: {name}: {exc}")
 
 
 # --------------------------------------------------------------------------- capture
@@ -635,6 +583,7 @@ def capture_step(fn: Callable, args: tuple, kwargs: dict, config: CompileConfig,
                                "over micro-batches calling backward for each)")
     fresh = [(opt, [p for g in opt.param_groups for p in g["params"] if not opt.state.get(p)])
              for opt in b.optimizers]
+    register_fused_optimizer_meta_kernels()   # tracing the update on fake tensors needs them
     try:
         capture = _capture_step(fn, args, kwargs, config, b, accumulation)
     except BaseException:

@@ -18,6 +18,7 @@ from torch import fx
 from graphoffload.aliasing import written_args
 from graphoffload.calibration import Calibration
 from graphoffload.graph import tensor_vals
+from graphoffload.ops.attention import ATTENTION, ATTENTION_BACKWARD
 
 aten = torch.ops.aten
 
@@ -37,8 +38,8 @@ FLOP_RULES: dict[object, Callable[[fx.Node], float]] = {
     aten.addmm: lambda n: 2.0 * math.prod(_shape(n, 1)) * _shape(n, 2)[-1],
     aten.bmm: lambda n: 2.0 * math.prod(_shape(n, 0)) * _shape(n, 1)[-1],
     aten.baddbmm: lambda n: 2.0 * math.prod(_shape(n, 1)) * _shape(n, 2)[-1],
-    torch.ops.graphoffload.attention: _attention_flops,
-    torch.ops.graphoffload.attention_backward: lambda n: 2.5 * _attention_flops(n),
+    ATTENTION.overloadpacket: _attention_flops,
+    ATTENTION_BACKWARD.overloadpacket: lambda n: 2.5 * _attention_flops(n),
 }
 
 

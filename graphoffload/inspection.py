@@ -16,7 +16,7 @@ from typing import Any
 
 from torch import fx
 
-from graphoffload.capture import user_line_of_stack_trace
+from graphoffload.diagnostics import user_line_of_stack_trace
 from graphoffload.graph import PHASES, TrainGraph, describe_val
 from graphoffload.memory import analyze_memory, format_bytes
 
@@ -176,7 +176,7 @@ def draw(graph: TrainGraph, stage: str, path: str) -> str:
 _RUNNABLE_HEADER = '''# Written by graphoffload: stage {stage!r}, made by pass {made_by!r}.
 # Re-run it: `python {fname}` runs the graph once on random inputs of the recorded shapes.
 import torch
-import graphoffload  # registers torch.ops.graphoffload.*
+import graphoffload.runtime  # declares torch.ops.graphoffload.* and registers their kernels
 from torch import device  # noqa: F401  (used by the generated code)
 inf, nan = float("inf"), float("nan")
 

@@ -40,7 +40,7 @@ from torch import fx, nn
 from torch.utils.checkpoint import CheckpointPolicy
 
 from graphoffload.errors import CaptureError, UnsupportedError
-from graphoffload.runtime.rng import rng_state, swap_rng_state  # noqa: F401  (registers the ops)
+from graphoffload.ops.rng import rng_state, swap_rng_state  # noqa: F401  (declares the ops)
 
 _CHECKPOINT_FILE = torch_checkpoint.__file__
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
@@ -255,7 +255,7 @@ def _pair(recomputed: list[fx.Node], fwd: dict[int, list[fx.Node]], candidates: 
         if best is None or len(paired) > best[1]:
             best = (index, len(paired), paired)
     if best is None or best[1] == 0:
-        from graphoffload.capture import user_line_of_stack_trace   # capture imports this module
+        from graphoffload.diagnostics import user_line_of_stack_trace
 
         where = user_line_of_stack_trace(recomputed[0].meta.get("stack_trace"))
         raise CaptureError(

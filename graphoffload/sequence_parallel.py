@@ -33,6 +33,7 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 
 from graphoffload.errors import RingTimeoutError, StateError, UnsupportedError, describe
+from graphoffload.ops.ring_attention import LAYOUTS, shard, unshard
 
 
 @dataclass(frozen=True)
@@ -60,8 +61,8 @@ class SequenceParallel:
     bucket_numel: int = 4 * 1024 * 1024
 
     def __post_init__(self) -> None:
-        if self.layout not in ("zigzag", "contiguous"):
-            raise ValueError(f"layout must be 'zigzag' or 'contiguous', got {self.layout!r}")
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"layout must be {' or '.join(map(repr, LAYOUTS))}, got {self.layout!r}")
         if self.batch not in ("full", "sharded"):
             raise ValueError(f"batch must be 'full' or 'sharded', got {self.batch!r}")
         if self.bucket_numel <= 0:
@@ -93,16 +94,12 @@ class SequenceParallel:
 
     def shard(self, batch: Any) -> Any:
         """This rank's part of every tensor in `batch` (a pytree) along `seq_dim`."""
-        from graphoffload.runtime.ring_attention import shard
-
         rank, world = self.rank, self.world_size
         return pytree.tree_map(lambda x: shard(x, self.seq_dim, self.layout, rank, world)
                                if isinstance(x, torch.Tensor) and x.dim() > self.seq_dim else x, batch)
 
     def gather(self, batch: Any) -> Any:
         """Inverse of `shard`: every rank's parts of each tensor, put back in sequence order."""
-        from graphoffload.runtime.ring_attention import unshard
-
         group, world = self.process_group(), self.world_size
 
         def full(x: Any) -> Any:

@@ -31,9 +31,9 @@ import torch
 from torch import fx
 
 from graphoffload.aliasing import StorageMap, written_args
-from graphoffload.capture import user_line_of_stack_trace
+from graphoffload.diagnostics import user_line_of_stack_trace
 from graphoffload.graph import TrainGraph
-from graphoffload.passes.update_kernels import UpdateKernel, find_update_kernels
+from graphoffload.passes.update_kernels import UpdateKernel, update_kernels_to_rewrite
 
 if TYPE_CHECKING:
     from graphoffload.passes.manager import PassContext
@@ -94,7 +94,7 @@ def _hoist_scalar_inputs(graph: fx.Graph, kernels: list[fx.Node]) -> None:
     """Move the kernels' scalar inputs computed from placeholders alone (the lr copied to the
     device) to the top, so they do not pin the updates after them."""
     storages = StorageMap(graph)
-    top = _Top(graph)
+    top = _AfterPlaceholders(graph)
     for kernel in kernels:
         for value in kernel.kwargs.values():
             chain: list[fx.Node] = []
@@ -133,7 +133,7 @@ def _emit_bucket(graph: fx.Graph, k: UpdateKernel, bucket: list[_Update], after:
     if counter is not None:
         steps = [s if s.op == "placeholder" else s.args[0] for s in args[steps_pos]]
         with graph.inserting_after(last):
-            new_counter = graph.call_function(counter.target, (steps, *counter.args[1:]), dict(counter.kwargs))
+            new_counter = k.emit_counter(graph, steps)
         new_counter.meta.update(meta)
         last = new_counter
         for s in args[steps_pos]:   # device copies of the counters follow their increment
@@ -143,11 +143,11 @@ def _emit_bucket(graph: fx.Graph, k: UpdateKernel, bucket: list[_Update], after:
     with graph.inserting_after(last):
         new_kernel = graph.call_function(kernel.target, tuple(args), dict(kernel.kwargs))
     new_kernel.meta.update(meta)
-    if k.uncounter is not None:   # GradScaler: the steps of a skipped update do not count
+    if k.step_rollback is not None:   # GradScaler: the steps of a skipped update do not count
         steps = [s if s.op == "placeholder" else s.args[0] for s in args[steps_pos]]
         with graph.inserting_after(new_kernel):
-            uncounter = graph.call_function(k.uncounter.target, (steps, [k.uncounter.args[1][0]] * len(steps)))
-        uncounter.meta.update(meta)
+            rollback = k.emit_step_rollback(graph, steps)
+        rollback.meta.update(meta)
     return new_kernel
 
 
@@ -196,7 +196,7 @@ def _split_foreach_gradient_ops(graph: fx.Graph) -> None:
             graph.erase_node(node)
 
 
-class _Top:
+class _AfterPlaceholders:
     """Where nodes computed from placeholders alone go: right after the placeholders, in the
     order they are moved (inputs first)."""
 
@@ -244,7 +244,7 @@ def _hoist_inf_checks(graph: fx.Graph) -> int:
     storages = StorageMap(graph)
     checks = [n for n in graph.nodes if getattr(n.target, "overloadpacket", None) is _INF_CHECK
               and n.meta.get("phase") == "optimizer" and len(n.args[0]) == 1]
-    top = _Top(graph)
+    top = _AfterPlaceholders(graph)
     moved = 0
     for check in checks:
         grad, found_inf, inv_scale = check.args
@@ -291,9 +291,8 @@ def _hoist_gradient_reductions(graph: fx.Graph) -> int:
 def fuse_optimizer(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
     cfg = ctx.config.fuse_optimizer
     g = graph.graph
-    kernels = find_update_kernels(g)
+    kernels = update_kernels_to_rewrite(graph, "fuse_optimizer", "fuse")
     if not kernels:
-        graph.note("fuse_optimizer", "no optimizer update in the step: nothing to fuse")
         return graph
     total = sum(p.meta["val"].numel() for k in kernels for p in k.params)
     bucket_numel = cfg.bucket_numel or min(max(total // 32, 1 << 16), 1 << 24)
@@ -336,7 +335,7 @@ def fuse_optimizer(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
                            "after the last backward op (e.g. global-norm gradient clipping)")
             held += [f"{u.name} (read by {u.held_by})" for u in bucket if u.held_by]
             number += 1
-        for node in (k.uncounter, k.node, k.counter):
+        for node in (k.step_rollback, k.node, k.counter):
             if node is not None:
                 g.erase_node(node)
     graph.note("fuse_optimizer", f"{number} update buckets (bucket_numel={bucket_numel:,}), "

@@ -1,11 +1,16 @@
 """PassManager: run an ordered list of passes, check their contracts, verify after each.
 
-A pass is a plain function ``(TrainGraph, PassContext) -> TrainGraph``. It may carry
-``requires`` (names of passes that must run before it) as a function attribute or through
-`Pass`. After every pass the manager stamps the nodes the pass created with its name, fills in
-``meta["val"]`` and ``meta["phase"]`` a pass left out (by fake-tensor propagation and from the
-node's inputs), verifies the graph, and keeps a snapshot of it as a stage for inspection, so a
-broken pass is named in the error and every dump says which pass made each node.
+A pass is a plain function ``(TrainGraph, PassContext) -> TrainGraph``. Its contract, as
+function attributes or through `Pass`: ``requires``, the capabilities (or pass names) that passes
+before it must provide, and ``provides``, what it leaves for later passes (it always provides
+its own name). The built-in passes are registered in registry.py.
+
+After every pass the manager stamps the nodes the pass created with its name (recorded as they
+are created, by fx's node-creation hook, so a pass that copies another node's meta cannot carry
+the old name over), fills in ``meta["val"]`` and ``meta["phase"]`` a pass left out (by
+fake-tensor propagation and from the node's inputs), verifies the graph, and keeps a snapshot
+of it as a stage for inspection, so a broken pass is named in the error and every dump says which
+pass made each node.
 """
 
 from __future__ import annotations
@@ -16,16 +21,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
+from torch import fx
 
 from graphoffload.config import CompileConfig
 from graphoffload.errors import GraphOffloadError, PassError
 from graphoffload.graph import TrainGraph, fill_missing_meta
-from graphoffload.passes.eliminate_dead_code import eliminate_dead_code
-from graphoffload.passes.fuse_optimizer import fuse_optimizer
-from graphoffload.passes.offload_optimizer import offload_optimizer
-from graphoffload.passes.park_gradients import park_gradients
-from graphoffload.passes.ring_attention import ring_attention
 from graphoffload.passes.verify import verify_train_graph
+from graphoffload.torch_private import recording_created_nodes
 
 # one INFO line per pass with its time, so a long compile shows what it is doing
 log = logging.getLogger("graphoffload")
@@ -35,11 +37,13 @@ PassFn = Callable[[TrainGraph, "PassContext"], TrainGraph]
 
 @dataclass(frozen=True)
 class Pass:
-    """A pass function with its name and the passes it requires to have run before it."""
+    """A pass function with its name and its contract: the capabilities (or pass names) it
+    requires passes before it to provide, and the capabilities it provides to later ones."""
 
     fn: PassFn
     name: str
     requires: tuple[str, ...] = ()
+    provides: tuple[str, ...] = ()
 
     @staticmethod
     def of(obj: Pass | PassFn) -> Pass:
@@ -47,7 +51,8 @@ class Pass:
             return obj
         if not callable(obj):
             raise TypeError(f"a pass must be a callable (TrainGraph, PassContext) -> TrainGraph, got {obj!r}")
-        return Pass(obj, getattr(obj, "pass_name", obj.__name__), tuple(getattr(obj, "requires", ())))
+        return Pass(obj, getattr(obj, "pass_name", obj.__name__), tuple(getattr(obj, "requires", ())),
+                    tuple(getattr(obj, "provides", ())))
 
 
 @dataclass
@@ -61,42 +66,49 @@ class PassContext:
     measured_node_seconds: dict[str, float] | None = None
 
 
-def builtin_passes(config: CompileConfig) -> list[Pass]:
-    """The built-in pipeline for a config, in order. Offload works on fusion's buckets, so its
-    transfers start during backward; dead-code elimination runs last to drop what they leave."""
-    passes = [Pass(fuse_optimizer, "fuse_optimizer")]
-    if config.fuse_optimizer.park_gradients:
-        passes.append(Pass(park_gradients, "park_gradients", ("fuse_optimizer",)))
-    if config.sequence_parallel is not None:   # split the sequence first: later passes see local shapes
-        passes.insert(0, Pass(ring_attention, "ring_attention"))
-    if config.offload is not None:
-        passes.append(Pass(offload_optimizer, "offload_optimizer"))
-    passes.append(Pass(eliminate_dead_code, "eliminate_dead_code"))
-    return passes
+def validate_schedule(passes: Sequence[Pass], known: frozenset[str]) -> None:
+    """Check that every pass's requirements are provided by passes scheduled before it. `known`:
+    the capabilities some pass could provide (the built-in ones); a requirement outside it and
+    outside what the scheduled passes provide names nothing, and the error says so."""
+    provided_anywhere = known.union(*({p.name, *p.provides} for p in passes))
+    provided: set[str] = set()
+    for i, p in enumerate(passes):
+        unknown = [r for r in p.requires if r not in provided_anywhere]
+        if unknown:
+            raise PassError(f"pass {p.name!r} requires {unknown}, which no pass provides and no pass is named; "
+                            f"known capabilities and passes: {sorted(provided_anywhere)}")
+        missing = [r for r in p.requires if r not in provided]
+        if missing:
+            raise PassError(f"pass {p.name!r} requires {missing}, which no pass scheduled before it provides "
+                            f"(they are disabled or later in the pipeline); scheduled so far: "
+                            f"{[q.name for q in passes[:i]]}; whole pipeline: {[q.name for q in passes]}")
+        provided |= {p.name, *p.provides}
 
 
-BUILTIN_PASSES: tuple[str, ...] = ("ring_attention", "fuse_optimizer", "park_gradients", "offload_optimizer",
-                                   "eliminate_dead_code")
+def _stamp_provenance(graph: TrainGraph, created: list[fx.Node], pass_name: str) -> None:
+    # every node the pass created and kept is its own, whatever meta it copied from another node
+    live = set(graph.graph.nodes)
+    for node in created:
+        if node in live:
+            node.meta["pass"] = pass_name
 
 
 class PassManager:
-    """Runs built-in passes (minus disabled ones) then user passes, in order."""
+    """Runs built-in passes (minus disabled ones) then user passes, in order, after checking
+    the schedule against the passes' contracts. `builtin`: the built-in passes to run (default:
+    those a default `CompileConfig` enables, from the registry)."""
 
     def __init__(self, user_passes: Sequence[Pass | PassFn] = (), disable: Sequence[str] = (),
                  builtin: Sequence[Pass] | None = None):
-        builtin = list(builtin_passes(CompileConfig()) if builtin is None else builtin)
-        known = set(BUILTIN_PASSES) | {p.name for p in builtin}
+        from graphoffload.passes import registry   # the registry imports this module (for Pass)
+
+        builtin = list(registry.builtin_schedule(CompileConfig()) if builtin is None else builtin)
+        known = set(registry.BUILTIN_PASSES) | {p.name for p in builtin}
         unknown = set(disable) - known
         if unknown:
             raise PassError(f"cannot disable unknown pass(es) {sorted(unknown)}; built-in passes: {sorted(known)}")
         self.passes = [p for p in builtin if p.name not in disable] + [Pass.of(p) for p in user_passes]
-        seen: set[str] = set()
-        for p in self.passes:
-            missing = [r for r in p.requires if r not in seen]
-            if missing:
-                raise PassError(f"pass {p.name!r} requires {missing} to run before it; they are disabled "
-                                f"or later in the pipeline {[q.name for q in self.passes]}")
-            seen.add(p.name)
+        validate_schedule(self.passes, registry.known_capabilities())
 
     def run(self, graph: TrainGraph, ctx: PassContext) -> tuple[TrainGraph, dict[str, TrainGraph]]:
         """Run every pass; return the final graph and a snapshot after each stage."""
@@ -106,7 +118,8 @@ class PassManager:
         for p in self.passes:
             start = time.perf_counter()
             try:
-                result = p.fn(graph, ctx)
+                with recording_created_nodes(graph.gm) as created:
+                    result = p.fn(graph, ctx)
             except GraphOffloadError:
                 raise   # already says what is wrong and what to do
             except Exception as exc:
@@ -114,6 +127,7 @@ class PassManager:
             if not isinstance(result, TrainGraph):
                 raise PassError(f"pass {p.name!r} returned {type(result).__name__}, expected a TrainGraph")
             graph = result
+            _stamp_provenance(graph, created, p.name)
             fill_missing_meta(graph, p.name)
             graph.gm.recompile()
             if ctx.config.verify:

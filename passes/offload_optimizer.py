@@ -32,15 +32,15 @@ import torch
 from torch import fx
 
 from graphoffload.aliasing import StorageMap
-from graphoffload.capture import user_line_of_stack_trace
+from graphoffload.diagnostics import user_line_of_stack_trace
 from graphoffload.errors import UnsupportedError
 from graphoffload.graph import InputSpec, TrainGraph, fake_mode_of, fill_missing_meta, placeholder_name
 from graphoffload.memory import analyze_memory, format_bytes
 from graphoffload.calibration import Calibration
 from graphoffload.cost_model import node_seconds
 from graphoffload.offload_planner import BucketCost, StepCosts, plan, predict
-from graphoffload.passes.update_kernels import UpdateKernel, find_update_kernels
-from graphoffload.runtime import host_offload  # noqa: F401  (registers the ops)
+from graphoffload.ops.host_transfer import assign_streams
+from graphoffload.passes.update_kernels import UpdateKernel, update_kernels_to_rewrite
 
 if TYPE_CHECKING:
     from graphoffload.passes.manager import PassContext
@@ -264,11 +264,10 @@ def _emit_device_path(g: fx.Graph, k: UpdateKernel, masters: list[fx.Node], pref
             nodes += args[1]
         if k.counter is not None:
             steps = args[k.rule.steps_position]
-            nodes.append(g.call_function(k.counter.target, (steps, *k.counter.args[1:]), dict(k.counter.kwargs)))
+            nodes.append(k.emit_counter(g, steps))
         update = g.call_function(k.node.target, tuple(args), dict(k.node.kwargs))
-        if k.uncounter is not None:   # GradScaler: a skipped update's step does not count
-            steps = args[k.rule.steps_position]
-            nodes.append(g.call_function(k.uncounter.target, (steps, [k.uncounter.args[1][0]] * len(steps))))
+        if k.step_rollback is not None:   # GradScaler: a skipped update's step does not count
+            nodes.append(k.emit_step_rollback(g, args[k.rule.steps_position]))
         if narrow:
             nodes.append(g.call_function(torch.ops.aten._foreach_copy_.default, (k.params, targets)))
         back_from = [on_device[t] for lst in states for t in lst] + targets
@@ -361,12 +360,11 @@ def _moved(event, bucket: BucketCost) -> int:
 
 
 def offload_optimizer(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
+    kernels = update_kernels_to_rewrite(graph, "offload_optimizer", "offload")
+    if not kernels:
+        return graph
     offload = ctx.config.offload
     g = graph.graph
-    kernels = find_update_kernels(g)
-    if not kernels:
-        graph.note("offload_optimizer", "no optimizer update in the step: nothing to offload")
-        return graph
     specs = list(graph.signature.inputs)
     spec_of = {s.name: i for i, s in enumerate(specs)}
     state_bytes = sum(st.meta["val"].numel() * st.meta["val"].element_size()
@@ -441,7 +439,7 @@ def offload_optimizer(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
                    f"{cause}, but their gradients go to the host as soon as they are final, inside backward, "
                    "so the device frees them there" + (" (the host applies clip_grad_norm_'s scaling)"
                                                        if "clip_grad_norm_" in cause else ""))
-    host_offload.assign_streams(g)   # node.meta["stream"]: which copy stream each transfer runs on
+    assign_streams(g)   # node.meta["stream"]: which copy stream each transfer runs on
     graph = graph.with_signature(inputs=tuple(specs))
     fill_missing_meta(graph, "offload_optimizer")   # the prefetched buffers' sizes count below
     device_peak = analyze_memory(graph).peak

@@ -28,8 +28,8 @@ from torch import fx
 from graphoffload.aliasing import StorageMap
 from graphoffload.graph import InputSpec, TrainGraph, fill_missing_meta, placeholder_name
 from graphoffload.memory import analyze_memory, format_bytes
+from graphoffload.ops.host_transfer import assign_streams
 from graphoffload.passes.update_kernels import UpdateKernel, find_update_kernels
-from graphoffload.runtime import host_offload  # noqa: F401  (registers the ops)
 
 if TYPE_CHECKING:
     from graphoffload.passes.manager import PassContext
@@ -173,7 +173,7 @@ def park_gradients(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
                 for alias in p.aliases & set(reader.all_input_nodes):
                     reader.replace_input_with(alias, restored)
 
-    host_offload.assign_streams(graph.graph)   # node.meta["stream"] of its copies
+    assign_streams(graph.graph)   # node.meta["stream"] of its copies
     graph = graph.with_signature(inputs=tuple(specs))
     fill_missing_meta(graph, "park_gradients")
     after_peak = analyze_memory(graph).peak
@@ -182,6 +182,3 @@ def park_gradients(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
                f"buckets parked in host memory during backward, each bucket brought back one bucket ahead "
                f"of its update; predicted device peak {format_bytes(before_peak)} -> {format_bytes(after_peak)}")
     return graph
-
-
-park_gradients.requires = ("fuse_optimizer",)

@@ -36,19 +36,24 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import fx
 
-from graphoffload.capture import user_line_of_stack_trace
+from graphoffload.diagnostics import user_line_of_stack_trace
 from graphoffload.errors import UnsupportedError, describe
 from graphoffload.graph import TrainGraph, fake_mode_of
 from graphoffload.passes.update_kernels import kernel_rule
-from graphoffload.runtime.ring_attention import RING_RULES, chunk_ranges
+from graphoffload.ops.attention import ATTENTION, ATTENTION_BACKWARD
+from graphoffload.ops.ring_attention import chunk_ranges
 
 if TYPE_CHECKING:
     from graphoffload.passes.manager import PassContext
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
-ATTENTION = torch.ops.graphoffload.attention.default
-ATTENTION_BACKWARD = torch.ops.graphoffload.attention_backward.default
+# Rule table (JAX-style): each captured attention op and the ring op that replaces it. The
+# pass appends (layout, group name, timeout) to the arguments it keeps.
+RING_RULES = {
+    ATTENTION: torch.ops.graphoffload.ring_attention.default,
+    ATTENTION_BACKWARD: torch.ops.graphoffload.ring_attention_backward.default,
+}
 
 
 @dataclass(frozen=True)

@@ -10,9 +10,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import fx
+
+if TYPE_CHECKING:
+    from graphoffload.graph import TrainGraph
 
 aten = torch.ops.aten
 graphoffload_ops = torch.ops.graphoffload
@@ -62,12 +66,22 @@ class UpdateKernel:
     node: fx.Node
     rule: KernelRule
     counter: fx.Node | None      # `_foreach_add_(steps, 1)` of this kernel, if any
-    uncounter: fx.Node | None = None   # `_foreach_sub_(steps, found_inf)` after it, with a GradScaler
+    step_rollback: fx.Node | None = None   # `_foreach_sub_(steps, found_inf)` after it, with a GradScaler:
+                                           # takes back the step of an update found_inf skipped
+
+    def emit_counter(self, graph: fx.Graph, steps: list[fx.Node]) -> fx.Node:
+        """A copy of this kernel's step-counter increment, on `steps`, at the insertion point."""
+        return graph.call_function(self.counter.target, (steps, *self.counter.args[1:]), dict(self.counter.kwargs))
+
+    def emit_step_rollback(self, graph: fx.Graph, steps: list[fx.Node]) -> fx.Node:
+        """A copy of this kernel's step rollback (GradScaler), on `steps`, at the insertion point."""
+        found_inf = self.step_rollback.args[1][0]
+        return graph.call_function(self.step_rollback.target, (steps, [found_inf] * len(steps)))
 
     @property
     def nodes(self) -> list[fx.Node]:
         """The nodes of the unit besides the kernel (counters and their device copies)."""
-        return [n for n in (self.counter, *self.step_copies(), self.uncounter) if n is not None]
+        return [n for n in (self.counter, *self.step_copies(), self.step_rollback) if n is not None]
 
     @property
     def found_inf(self) -> fx.Node | None:
@@ -121,8 +135,8 @@ class UpdateKernel:
     def erase(self) -> None:
         g = self.node.graph
         copies = self.step_copies()
-        if self.uncounter is not None:
-            g.erase_node(self.uncounter)
+        if self.step_rollback is not None:
+            g.erase_node(self.step_rollback)
         g.erase_node(self.node)
         for copy in copies:
             if not copy.users:
@@ -131,16 +145,17 @@ class UpdateKernel:
             g.erase_node(self.counter)
 
 
-def _the_one(candidates: set) -> fx.Node | None:
+def _sole_node(candidates: set) -> fx.Node | None:
+    """The one node all candidates agree on, or None when they differ or one is missing."""
     return next(iter(candidates)) if len(candidates) == 1 and None not in candidates else None
 
 
 def find_update_kernels(graph: fx.Graph) -> list[UpdateKernel]:
     counters: dict[fx.Node, fx.Node] = {}     # step-counter placeholder -> its `_foreach_add_`
-    uncounters: dict[fx.Node, fx.Node] = {}   # ... -> its `_foreach_sub_` (skipped steps)
+    rollbacks: dict[fx.Node, fx.Node] = {}   # ... -> its `_foreach_sub_` (skipped steps)
     for node in graph.nodes:
         packet = getattr(node.target, "overloadpacket", None)
-        for table, op in ((counters, aten._foreach_add_), (uncounters, aten._foreach_sub_)):
+        for table, op in ((counters, aten._foreach_add_), (rollbacks, aten._foreach_sub_)):
             if packet is op:
                 for t in node.args[0]:
                     table[t] = node
@@ -149,11 +164,20 @@ def find_update_kernels(graph: fx.Graph) -> list[UpdateKernel]:
         rule = kernel_rule(node)
         if rule is None:
             continue
-        counter = uncounter = None
+        counter = rollback = None
         if rule.steps_position is not None:
             roots = [s if s.op == "placeholder" else s.args[0] for s in node.args[rule.steps_position]]
-            counter = _the_one({counters.get(r) for r in roots})
+            counter = _sole_node({counters.get(r) for r in roots})
             if node.kwargs.get("found_inf") is not None:
-                uncounter = _the_one({uncounters.get(r) for r in roots})
-        out.append(UpdateKernel(node, rule, counter, uncounter))
+                rollback = _sole_node({rollbacks.get(r) for r in roots})
+        out.append(UpdateKernel(node, rule, counter, rollback))
     return out
+
+
+def update_kernels_to_rewrite(graph: TrainGraph, pass_name: str, verb: str) -> list[UpdateKernel]:
+    """The step's update kernels, for a pass that rewrites them; when there are none, the pass
+    notes that it has nothing to `verb` (and returns the graph unchanged)."""
+    kernels = find_update_kernels(graph.graph)
+    if not kernels:
+        graph.note(pass_name, f"no optimizer update in the step: nothing to {verb}")
+    return kernels

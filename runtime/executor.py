@@ -151,7 +151,7 @@ class Executor:
     def run_error(self, exc: Exception) -> StepRunError:
         """`exc`, raised by an op while the graph ran, as an error that names the op and the
         user's source line it came from (as capture errors do)."""
-        from graphoffload.capture import user_line_of_stack_trace   # capture imports the runtime
+        from graphoffload.diagnostics import user_line_of_stack_trace
 
         node = self.failed_node(exc)
         if node is None:

@@ -1,9 +1,10 @@
-"""Host offload runtime: copy streams, CPU update worker, and the graph ops that drive them.
+"""Host offload runtime: copy streams, CPU update worker, and the kernels of the graph ops that drive
+them (declared, with their schemas and fake kernels, in graphoffload/ops/host_transfer.py).
 
 The `offload_optimizer` pass rewrites each update bucket into four graph nodes:
 
     t1 = graphoffload.copy_to_host(grads, host_grads)           # D2H on the d2h stream
-    t2 = graphoffload.host_adamw_(t1, master, host_grads, ...)   # CPU update on a worker thread
+    t2 = graphoffload.host_adam_(t1, master, host_grads, ...)    # CPU update on a worker thread
     t3 = graphoffload.copy_to_device(t2, master, staging, params)  # H2D on the h2d stream
     graphoffload.wait_device(t3, params)                         # compute stream waits
 
@@ -38,28 +39,9 @@ import torch
 from torch import Tensor
 
 from graphoffload.calibration import use_intraop_threads
+from graphoffload.ops import host_transfer
+from graphoffload.ops.host_transfer import COPY_STREAMS
 from graphoffload.runtime.sanitizer import Sanitizer
-
-# the copy stream each transfer op runs on; `assign_streams` writes it into the graph
-# (node.meta["stream"]) so the printed schedule shows it, and the runtime uses the same table
-COPY_STREAMS = ("d2h", "h2d_prefetch", "h2d_upload")
-_STREAM_OF_OP = {"copy_to_host": "d2h", "prefetch_to_device": "h2d_prefetch", "copy_to_device": "h2d_upload"}
-
-
-def stream_of(target: object) -> str | None:
-    """The copy stream a graph node's target runs on, or None for the compute stream / host."""
-    name = getattr(target, "__name__", "")
-    namespace = getattr(target, "namespace", None)
-    return _STREAM_OF_OP.get(name.split(".")[0]) if namespace == "graphoffload" else None
-
-
-def assign_streams(graph) -> None:
-    """Record in `node.meta["stream"]` the copy stream of every transfer node of an fx graph."""
-    for node in graph.nodes:
-        stream = stream_of(node.target)
-        if stream is not None:
-            node.meta["stream"] = stream
-
 
 _ACTIVE: contextvars.ContextVar[OffloadRuntime | None] = contextvars.ContextVar("graphoffload_offload", default=None)
 
@@ -343,21 +325,12 @@ def active_runtime() -> OffloadRuntime:
     return runtime
 
 
-def _ticket_fake() -> Tensor:
-    return torch.empty((), dtype=torch.int64)
-
-
 # ------------------------------------------------------------------ graph ops
+# the kernels of the ops graphoffload/ops/host_transfer.py declares (their docstrings say what each does)
 
-@torch.library.custom_op("graphoffload::copy_to_host", mutates_args=("host",))
+@host_transfer.copy_to_host.register_kernel(None)
 def copy_to_host(grads: list[Tensor], host: list[Tensor]) -> Tensor:
-    """Start copying device tensors into host buffers; returns a ticket."""
     return active_runtime().copy_to_host(grads, host)
-
-
-@copy_to_host.register_fake
-def _(grads, host):
-    return _ticket_fake()
 
 
 def _host_fp32_grads(runtime: OffloadRuntime, params: list[Tensor], grads: list[Tensor]) -> list[Tensor]:
@@ -381,16 +354,12 @@ def _scale_host_grads(grads: list[Tensor], grad_multiplier: Tensor | None) -> No
         torch._foreach_mul_(grads, grad_multiplier)
 
 
-@torch.library.custom_op("graphoffload::host_adam_",
-                         mutates_args=("params", "grads", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs", "steps"))
+@host_transfer.host_adam_.register_kernel(None)
 def host_adam_(after: Tensor, params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor],
                exp_avg_sqs: list[Tensor], max_exp_avg_sqs: list[Tensor], steps: list[Tensor], lr: Tensor,
                beta1: float, beta2: float, weight_decay: float, eps: float, amsgrad: bool, maximize: bool,
                decoupled: bool, grad_scale: Tensor | None = None, found_inf: Tensor | None = None,
                grad_multiplier: Tensor | None = None) -> Tensor:
-    """Adam/AdamW on host tensors, on the worker, once `after` is done; returns a ticket.
-    With a GradScaler's `grad_scale`/`found_inf` (host copies) it unscales and skips on inf;
-    with `grad_multiplier` (a host scalar) it first scales the gradients in place."""
     lr = lr.clone()   # the graph's lr tensor may be gone by the time the worker runs
     runtime = active_runtime()
 
@@ -406,18 +375,11 @@ def host_adam_(after: Tensor, params: list[Tensor], grads: list[Tensor], exp_avg
     return runtime.run_on_host(after, work)
 
 
-@host_adam_.register_fake
-def _(after, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, lr, beta1, beta2, weight_decay,
-      eps, amsgrad, maximize, decoupled, grad_scale=None, found_inf=None, grad_multiplier=None):
-    return _ticket_fake()
-
-
-@torch.library.custom_op("graphoffload::host_sgd_", mutates_args=("params", "grads", "momentum_buffers"))
+@host_transfer.host_sgd_.register_kernel(None)
 def host_sgd_(after: Tensor, params: list[Tensor], grads: list[Tensor], momentum_buffers: list[Tensor],
               lr: Tensor, weight_decay: float, momentum: float, dampening: float, nesterov: bool,
               maximize: bool, is_first_step: bool, grad_scale: Tensor | None = None,
               found_inf: Tensor | None = None, grad_multiplier: Tensor | None = None) -> Tensor:
-    """SGD on host tensors, on the worker, once `after` is done; returns a ticket."""
     lr = lr.clone()
     runtime = active_runtime()
 
@@ -429,79 +391,33 @@ def host_sgd_(after: Tensor, params: list[Tensor], grads: list[Tensor], momentum
     return runtime.run_on_host(after, work)
 
 
-@host_sgd_.register_fake
-def _(after, params, grads, momentum_buffers, lr, weight_decay, momentum, dampening, nesterov, maximize,
-      is_first_step, grad_scale=None, found_inf=None, grad_multiplier=None):
-    return _ticket_fake()
-
-
-@torch.library.custom_op("graphoffload::copy_to_device", mutates_args=("staging",))
+@host_transfer.copy_to_device.register_kernel(None)
 def copy_to_device(after: Tensor, master: list[Tensor], staging: list[Tensor], params: list[Tensor]) -> Tensor:
-    """Once `after` is done, copy host master weights (through low-precision staging buffers
-    when the parameters are narrower) into the device parameters; returns a ticket. The
-    parameters count as written by `wait_device`, where the data is there."""
     return active_runtime().copy_to_device(after, master, staging, params)
 
 
-@copy_to_device.register_fake
-def _(after, master, staging, params):
-    return _ticket_fake()
-
-
-@torch.library.custom_op("graphoffload::prefetch_to_device", mutates_args=())
+@host_transfer.prefetch_to_device.register_kernel(None)
 def prefetch_to_device(host: list[Tensor], device: torch.device, after: list[Tensor]) -> list[Tensor]:
-    """Start copying host tensors into new device buffers; returns the buffers, then a ticket
-    that `wait_device` redeems before anything reads them. `after`: tickets of the copies to
-    the host that fill `host` (the copy waits for them in stream order, the host does not)."""
     return active_runtime().prefetch(host, after)
 
 
-@prefetch_to_device.register_fake
-def _(host, device, after):
-    return [torch.empty_like(h, device=device) for h in host] + [_ticket_fake()]
-
-
-@torch.library.custom_op("graphoffload::wait_host", mutates_args=("host",))
+@host_transfer.wait_host.register_kernel(None)
 def wait_host(ticket: Tensor, host: list[Tensor]) -> None:
-    """Block until the device-to-host copy behind `ticket` has landed in `host`."""
     active_runtime().wait_host(ticket)
 
 
-@wait_host.register_fake
-def _(ticket, host):
-    return None
-
-
-@torch.library.custom_op("graphoffload::wait_device", mutates_args=("params",))
+@host_transfer.wait_device.register_kernel(None)
 def wait_device(ticket: Tensor, params: list[Tensor]) -> None:
-    """Make the compute stream wait until the upload behind `ticket` has landed in `params`."""
     active_runtime().wait_device(ticket)
 
 
-@wait_device.register_fake
-def _(ticket, params):
-    return None
-
-
-@torch.library.custom_op("graphoffload::hand_over", mutates_args=("params",))
+@host_transfer.hand_over.register_kernel(None)
 def hand_over(ticket: Tensor, params: list[Tensor], key: str) -> None:
-    """Let the upload behind `ticket` finish during the next step: that step's
-    `wait_handed_over(key)` waits for it, right before its forward first reads `params`."""
     active_runtime().hand_over(ticket, key)
 
 
-@hand_over.register_fake
-def _(ticket, params, key):
-    return None
-
-
-@torch.library.custom_op("graphoffload::wait_handed_over", mutates_args=("params",))
+@host_transfer.wait_handed_over.register_kernel(None)
 def wait_handed_over(params: list[Tensor], key: str) -> None:
-    """Make the compute stream wait for the upload the previous step handed over under `key`."""
     active_runtime().wait_handed_over(key)
 
-
-@wait_handed_over.register_fake
-def _(params, key):
-    return None
 

@@ -19,7 +19,7 @@ causal mask every rank does the same work. Grouped-query attention sends the key
 as they are; they are repeated only locally, for the per-block kernel.
 
 Per-block attention runs the fused SDPA kernels that return the log-sum-exp (the table
-`runtime/attention.py` dispatches through: flash or efficient attention on CUDA, the CPU flash
+`graphoffload/ops/attention.py` dispatches through: flash or efficient attention on CUDA, the CPU flash
 kernel on CPU). Collectives per call: forward N-1 key/value exchanges; backward N-1 key/value
 exchanges plus N gradient exchanges. On gloo every wait has a timeout, so a rank that fails or
 never arrives makes every other rank raise RingTimeoutError instead of hang; on NCCL waits only
@@ -37,51 +37,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from graphoffload.errors import RingTimeoutError, describe
-from graphoffload.runtime.attention import _backward, _expand_kv, _forward, _reduce_kv_grad, _use_cuda_flash
-
-LAYOUTS = ("zigzag", "contiguous")
-
-
-# --------------------------------------------------------------------------- layouts
-
-def chunk_ranges(layout: str, rank: int, world: int, seq_len: int) -> list[tuple[int, int]]:
-    """[start, end) ranges of the global sequence rank `rank` holds, in local order."""
-    if layout == "contiguous":
-        if seq_len % world:
-            raise ValueError(f"sequence length {seq_len} is not divisible by the {world} ranks of the ring")
-        n = seq_len // world
-        return [(rank * n, (rank + 1) * n)]
-    if layout == "zigzag":
-        if seq_len % (2 * world):
-            raise ValueError(f"zigzag needs a sequence length divisible by 2 x {world} ranks, got {seq_len}")
-        c = seq_len // (2 * world)
-        return [(rank * c, (rank + 1) * c), ((2 * world - 1 - rank) * c, (2 * world - rank) * c)]
-    raise ValueError(f"unknown sequence layout {layout!r}; use one of {LAYOUTS}")
-
-
-def shard(x: Tensor, dim: int, layout: str, rank: int, world: int) -> Tensor:
-    """This rank's part of a full-sequence tensor along `dim`."""
-    parts = [x.narrow(dim, a, b - a) for a, b in chunk_ranges(layout, rank, world, x.shape[dim])]
-    return parts[0] if len(parts) == 1 else torch.cat(parts, dim)
-
-
-def unshard(parts: list[Tensor], dim: int, layout: str) -> Tensor:
-    """The full-sequence tensor from every rank's part (in rank order)."""
-    world = len(parts)
-    seq = sum(p.shape[dim] for p in parts)
-    pieces: list[tuple[int, Tensor]] = []
-    for r, p in enumerate(parts):
-        offset = 0
-        for a, b in chunk_ranges(layout, r, world, seq):
-            pieces.append((a, p.narrow(dim, offset, b - a)))
-            offset += b - a
-    return torch.cat([t for _, t in sorted(pieces, key=lambda x: x[0])], dim)
-
-
-def positions(layout: str, rank: int, world: int, seq_len: int, device=None) -> Tensor:
-    """Global positions of this rank's tokens (int64), in local order."""
-    return torch.cat([torch.arange(a, b, device=device) for a, b in chunk_ranges(layout, rank, world, seq_len)])
-
+from graphoffload.ops import ring_attention as ring_ops
+from graphoffload.ops.ring_attention import (LAYOUTS, _block_backward, _block_forward,  # noqa: F401  (layouts re-exported)
+                                             chunk_ranges, positions, shard, unshard)
 
 # --------------------------------------------------------------------------- communication
 
@@ -132,25 +90,6 @@ class _Ring:
             if ok is False:
                 raise RingTimeoutError(f"ring attention: rank {self.rank} timed out after {self.timeout_s:g} s "
                                        f"waiting for {what}")
-
-
-# --------------------------------------------------------------------------- per-block kernels
-
-def _block_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float | None) -> tuple[Tensor, Tensor]:
-    heads = q.shape[-3]
-    out, lse = _forward(q, _expand_kv(k, heads), _expand_kv(v, heads), None, causal, scale)
-    return out, lse[..., :q.shape[-2]]   # efficient attention pads the lse to a multiple of 32
-
-
-def _block_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool,
-                    scale: float | None) -> tuple[Tensor, Tensor, Tensor]:
-    heads = q.shape[-3]
-    if q.device.type == "cuda" and not _use_cuda_flash(q, k, v, None, causal):
-        pad = (-lse.shape[-1]) % 32   # the efficient kernel reads a padded lse
-        lse = F.pad(lse, (0, pad)) if pad else lse
-    dq, dk, dv = _backward(dout.contiguous(), q, _expand_kv(k, heads), _expand_kv(v, heads), out,
-                           lse.contiguous(), None, causal, scale)
-    return dq, _reduce_kv_grad(dk, k.shape[-3]), _reduce_kv_grad(dv, v.shape[-3])
 
 
 def block_plan(layout: str, is_causal: bool, rank: int, source: int, q_len: int,
@@ -254,54 +193,17 @@ def ring_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, ls
     return tuple(results)
 
 
-# --------------------------------------------------------------------------- custom ops
+# --------------------------------------------------------------------------- kernels
+# of the ops graphoffload/ops/ring_attention.py declares
 
-@torch.library.custom_op("graphoffload::ring_attention", mutates_args=())
+@ring_ops.ring_attention.register_kernel(None)
 def ring_attention(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: float | None, layout: str,
                    group_name: str, timeout_s: float) -> tuple[Tensor, Tensor]:
-    """`graphoffload::attention` over a sequence split across the ranks of `group_name`:
-    (out, logsumexp) of this rank's queries; q, k, v hold this rank's part of the sequence."""
     return ring_forward(q, k, v, is_causal, scale, layout, _Ring(group_name, timeout_s))
 
 
-@ring_attention.register_fake
-def _ring_attention_fake(q, k, v, is_causal, scale, layout, group_name, timeout_s):
-    out, lse = _block_forward(q, k.contiguous(), v.contiguous(), is_causal, scale)
-    return torch.empty_like(out), torch.empty(lse.shape, dtype=lse.dtype, device=q.device)
-
-
-@torch.library.custom_op("graphoffload::ring_attention_backward", mutates_args=())
+@ring_ops.ring_attention_backward.register_kernel(None)
 def ring_attention_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                             is_causal: bool, scale: float | None, layout: str, group_name: str,
                             timeout_s: float) -> tuple[Tensor, Tensor, Tensor]:
-    """Gradients (dq, dk, dv) of `ring_attention` for this rank's q, k, v."""
     return ring_backward(grad_out, q, k, v, out, lse, is_causal, scale, layout, _Ring(group_name, timeout_s))
-
-
-@ring_attention_backward.register_fake
-def _ring_attention_backward_fake(grad_out, q, k, v, out, lse, is_causal, scale, layout, group_name, timeout_s):
-    return tuple(torch.empty_like(t) for t in _block_backward(grad_out, q, k.contiguous(), v.contiguous(), out,
-                                                              lse, is_causal, scale))
-
-
-def _setup_context(ctx, inputs, output):
-    q, k, v, is_causal, scale, layout, group_name, timeout_s = inputs
-    ctx.save_for_backward(q, k, v, *output)
-    ctx.args = (is_causal, scale, layout, group_name, timeout_s)
-    ctx.mark_non_differentiable(output[1])
-
-
-def _ring_attention_grad(ctx, grad_out, _grad_lse):
-    q, k, v, out, lse = ctx.saved_tensors
-    dq, dk, dv = ring_attention_backward(grad_out, q, k, v, out, lse, *ctx.args)
-    return dq, dk, dv, None, None, None, None, None
-
-
-ring_attention.register_autograd(_ring_attention_grad, setup_context=_setup_context)
-
-# Rule table (JAX-style): each captured attention op and the ring op that replaces it. The
-# pass appends (layout, group name, timeout) to the arguments it keeps.
-RING_RULES = {
-    torch.ops.graphoffload.attention.default: torch.ops.graphoffload.ring_attention.default,
-    torch.ops.graphoffload.attention_backward.default: torch.ops.graphoffload.ring_attention_backward.default,
-}

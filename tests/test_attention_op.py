@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import graphoffload  # noqa: F401  (registers torch.ops.graphoffload.*)
-from graphoffload.runtime.attention import attention, attention_backward
+from graphoffload.ops.attention import attention, attention_backward
 
 # (batch, heads, kv heads, q len, kv len, head dim, causal, mask)
 CASES = {

@@ -121,7 +121,7 @@ def test_mixtral_with_data_dependent_expert_loop_names_the_switch_and_the_users_
 def test_grouped_mm_op_matches_torch_and_its_fake_gives_the_real_strides(layout):
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from graphoffload.runtime.grouped_mm import grouped_mm
+    from graphoffload.ops.grouped_mm import grouped_mm
 
     torch.manual_seed(0)
     if layout == "tokens-by-expert":

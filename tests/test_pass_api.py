@@ -183,3 +183,49 @@ def test_dead_code_elimination_keeps_every_wait_of_a_coalesced_all_reduce():
     kept = list(graph.graph.nodes)
     assert all(w in kept for w in waits) and reduced in kept
     assert unused_view not in kept   # the pass does remove what is really dead
+
+
+def test_a_schedule_error_names_the_missing_capability_and_the_passes_scheduled_so_far():
+    from graphoffload.passes import BUILTIN_PASS_SPECS, PassManager
+
+    parking = next(s for s in BUILTIN_PASS_SPECS if s.name == "park_gradients").as_pass()
+    dce = next(s for s in BUILTIN_PASS_SPECS if s.name == "eliminate_dead_code").as_pass()
+    assert "buckets" in parking.requires
+    with pytest.raises(PassError) as info:
+        PassManager(builtin=[dce, parking])
+    message = str(info.value)
+    assert "'buckets'" in message and "scheduled so far: ['eliminate_dead_code']" in message
+
+
+def test_user_passes_declare_what_they_require_and_provide():
+    from graphoffload.passes import PassManager
+
+    def make(graph, ctx):
+        return graph
+
+    def use(graph, ctx):
+        return graph
+
+    make.provides = ("widgets",)
+    use.requires = ("widgets",)
+    assert [p.name for p in PassManager([make, use], builtin=[]).passes] == ["make", "use"]
+    with pytest.raises(PassError, match=r"\['widgets'\], which no pass scheduled before it provides"):
+        PassManager([use, make], builtin=[])
+    with pytest.raises(PassError, match=r"requires \['gadgets'\], which no pass provides and no pass is named"):
+        PassManager([Pass(use, "use", requires=("gadgets",))], builtin=[])
+
+
+def test_the_registry_is_the_one_list_of_built_in_passes():
+    from graphoffload.passes import BUILTIN_PASS_SPECS, BUILTIN_PASSES, builtin_schedule
+    from graphoffload.sequence_parallel import SequenceParallel
+
+    assert BUILTIN_PASSES == tuple(s.name for s in BUILTIN_PASS_SPECS)
+    assert [p.name for p in builtin_schedule(CompileConfig())] == ["fuse_optimizer", "eliminate_dead_code"]
+    everything = CompileConfig(sequence_parallel=SequenceParallel(), offload=graphoffload.Offload(),
+                               fuse_optimizer=graphoffload.FuseOptimizer(park_gradients=True))
+    assert [p.name for p in builtin_schedule(everything)] == list(BUILTIN_PASSES)
+    # every built-in requirement is provided by a built-in pass that comes before it
+    provided: set[str] = set()
+    for spec in BUILTIN_PASS_SPECS:
+        assert set(spec.requires) <= provided, spec.name
+        provided |= {spec.name, *spec.provides}

@@ -188,6 +188,10 @@ def _train_and_compare(rank, world, model_name, layout, dtype, batch_mode="full"
         # bf16: a step's sums in another order differ by a rounding, and the steps compound them
         rtol = 1e-6 if exact else 1e-5 if dtype == torch.float32 else 2 ** -7 * (1 + i)
         assert torch.allclose(got.double(), want.double(), rtol=rtol, atol=0), (i, got, want)
+    if rank == 0 and model_name == "gpt":   # every node names the pass that made it, ring_attention's too
+        from test_provenance import assert_every_node_names_its_maker
+
+        assert "ring_attention" in assert_every_node_names_its_maker(step.graphs)
     if exact:
         for (name, p), q in zip(model.named_parameters(), eager_model.parameters()):
             assert (p - q).abs().max().item() <= 1e-10, (name, (p - q).abs().max().item())

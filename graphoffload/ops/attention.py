@@ -121,16 +121,26 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bo
     return res[0], res[1]
 
 
+def _padded_backward_inputs(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
+                            scale: float | None) -> tuple[float | None, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """What the CUDA backward kernels take: the scale (fixed to the unpadded head dim's when
+    padding would change the default), q, k, v, grad_out and out zero-padded to a head dim that is
+    a multiple of 8, and the unused philox seed/offset tensor."""
+    d, dv = q.shape[-1], v.shape[-1]
+    if scale is None and _padded(d) != d:
+        scale = 1.0 / math.sqrt(d)
+    qp, kp, vp = _pad_head_dim(q, _padded(d)), _pad_head_dim(k, _padded(d)), _pad_head_dim(v, _padded(dv))
+    # the padded columns of the output are zeros, as the forward computed them
+    gp, op = _pad_head_dim(grad_out, _padded(dv)), _pad_head_dim(out, _padded(dv))
+    unused = torch.empty((), dtype=torch.int64, device=q.device)   # philox seed/offset: read only with dropout
+    return scale, qp, kp, vp, gp, op, unused
+
+
 def _backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
               mask: Tensor | None, is_causal: bool, scale: float | None) -> tuple[Tensor, Tensor, Tensor]:
     if q.device.type == "cuda":
         d, dv = q.shape[-1], v.shape[-1]
-        if scale is None and _padded(d) != d:
-            scale = 1.0 / math.sqrt(d)
-        qp, kp, vp = _pad_head_dim(q, _padded(d)), _pad_head_dim(k, _padded(d)), _pad_head_dim(v, _padded(dv))
-        # the padded columns of the output are zeros, as the forward computed them
-        gp, op = _pad_head_dim(grad_out, _padded(dv)), _pad_head_dim(out, _padded(dv))
-        unused = torch.empty((), dtype=torch.int64, device=q.device)   # philox seed/offset: read only with dropout
+        scale, qp, kp, vp, gp, op, unused = _padded_backward_inputs(grad_out, q, k, v, out, scale)
         if _use_cuda_flash(q, k, v, mask, is_causal):
             # cum_seq_q/k undefined (None), as the forward returns them, selects the dense kernel;
             # defined (even empty) ones select the variable-length one
@@ -194,12 +204,7 @@ def _mask_grad(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
     heads = q.shape[-3]
     k, v = k.repeat_interleave(heads // k.shape[-3], dim=-3), v.repeat_interleave(heads // v.shape[-3], dim=-3)
     if q.device.type == "cuda":
-        d, dv = q.shape[-1], v.shape[-1]
-        if scale is None and _padded(d) != d:
-            scale = 1.0 / math.sqrt(d)
-        qp, kp, vp = _pad_head_dim(q, _padded(d)), _pad_head_dim(k, _padded(d)), _pad_head_dim(v, _padded(dv))
-        gp, op = _pad_head_dim(grad_out, _padded(dv)), _pad_head_dim(out, _padded(dv))
-        unused = torch.empty((), dtype=torch.int64, device=q.device)
+        scale, qp, kp, vp, gp, op, unused = _padded_backward_inputs(grad_out, q, k, v, out, scale)
         res = aten._scaled_dot_product_efficient_attention_backward(
             gp, qp, kp, vp, _efficient_bias(mask, q, k), op, lse, unused, unused, 0.0,
             [False, False, False, True], is_causal, scale=scale)
@@ -248,6 +253,10 @@ def _attention_grad(ctx, grad_out, _grad_lse):
 
 
 attention.register_autograd(_attention_grad, setup_context=_setup_context)
+
+# the overloads graph nodes target
+ATTENTION = torch.ops.graphoffload.attention.default
+ATTENTION_BACKWARD = torch.ops.graphoffload.attention_backward.default
 
 
 def sdpa_via_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None = None,

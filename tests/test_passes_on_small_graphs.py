@@ -1,0 +1,75 @@
+"""Passes on small hand-built graphs: each test builds the few nodes a rule is about, runs the
+pass (through the PassManager, so provenance and the contracts are exercised too) and checks
+exactly what changed, beside the end-to-end equality tests that train real models."""
+
+from __future__ import annotations
+
+import torch
+from torch import fx
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from graphoffload import CompileConfig
+from graphoffload.graph import GraphSignature, InputSpec, OutputSpec, TrainGraph
+from graphoffload.passes import Pass, PassContext, PassManager, eliminate_dead_code
+
+aten = torch.ops.aten
+
+
+def _graph(build) -> TrainGraph:
+    """A graph with one batch input `x` (4 floats); `build(graph, x)` returns the output node."""
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    with FakeTensorMode() as mode:
+        x.meta["val"] = mode.from_tensor(torch.zeros(4))
+    x.meta.update(phase="input", **{"pass": "capture"})
+    out = build(graph, x)
+    graph.output((out,))
+    for node in graph.nodes:
+        node.meta.setdefault("pass", "capture")
+        node.meta.setdefault("phase", "forward")
+        if node.op == "call_function":
+            with mode:
+                node.meta["val"] = node.target(*fx.map_arg(node.args, lambda n: n.meta["val"]))
+    signature = GraphSignature((InputSpec("batch", "x", 0),), (OutputSpec("user", 0),))
+    return TrainGraph(fx.GraphModule(torch.nn.Module(), graph), signature)
+
+
+def _run(graph: TrainGraph, passes) -> TrainGraph:
+    ctx = PassContext(CompileConfig(), torch.device("cpu"))
+    final, _ = PassManager(passes, builtin=[]).run(graph, ctx)
+    return final
+
+
+def _targets(graph: TrainGraph) -> list:
+    return [n.target for n in graph.graph.nodes if n.op == "call_function"]
+
+
+def test_dead_code_elimination_drops_unused_pure_nodes_and_keeps_writes_and_draws():
+    def build(graph, x):
+        graph.call_function(aten.cos.default, (x,))                    # unused, pure: dropped
+        graph.call_function(aten.rand_like.default, (x,))              # unused draw: kept (shifts later draws)
+        scratch = graph.call_function(aten.empty_like.default, (x,))
+        graph.call_function(aten.copy_.default, (scratch, x))         # unused write: kept
+        return graph.call_function(aten.sin.default, (x,))
+
+    final = _run(_graph(build), [Pass(eliminate_dead_code, "eliminate_dead_code")])
+    assert _targets(final) == [aten.rand_like.default, aten.empty_like.default, aten.copy_.default,
+                               aten.sin.default]
+    assert final.notes["eliminate_dead_code"] == ["removed 1 unused nodes"]
+
+
+def test_a_node_a_pass_creates_is_stamped_with_that_pass_even_when_it_copies_meta():
+    def double(graph: TrainGraph, ctx) -> TrainGraph:
+        out = graph.graph.output_node().args[0][0]
+        with graph.graph.inserting_after(out):
+            twice = graph.graph.call_function(aten.mul.Tensor, (out, 2))
+        twice.meta.update(out.meta)          # copies "pass": "capture" along with the rest
+        del twice.meta["val"]                 # the manager infers it
+        graph.graph.output_node().args = ((twice,),)
+        return graph
+
+    final = _run(_graph(lambda graph, x: graph.call_function(aten.sin.default, (x,))), [double])
+    made = {n.target: n.meta["pass"] for n in final.graph.nodes if n.op == "call_function"}
+    assert made == {aten.sin.default: "capture", aten.mul.Tensor: "double"}
+    twice = next(n for n in final.graph.nodes if n.target is aten.mul.Tensor)
+    assert twice.meta["val"].shape == (4,)
