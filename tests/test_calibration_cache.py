@@ -84,6 +84,7 @@ def _write_and_read(args) -> int:
     return torn
 
 
+@pytest.mark.slow   # several processes
 def test_racing_writers_never_leave_a_torn_cache_file(tmp_path):
     path = str(tmp_path / "cache" / "calibration.json")
     with multiprocessing.get_context("spawn").Pool(4) as pool:
@@ -112,6 +113,7 @@ def _one_node_of_ranks(rank: int, world: int, cache: str, log: str) -> None:
     assert gathered == [1000.0] * world
 
 
+@pytest.mark.slow   # several processes
 def test_under_torch_distributed_local_rank_zero_measures_and_the_others_wait(tmp_path):
     log = str(tmp_path / "measured")
     run_ranks(_one_node_of_ranks, 3, str(tmp_path / "cache"), log)

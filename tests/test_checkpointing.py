@@ -273,6 +273,7 @@ def _checkpointed_gpt_under_sequence_parallelism(rank, world):
     assert torch.ops.graphoffload.attention.default not in {n.target for n in graph.nodes}
 
 
+@pytest.mark.slow   # several processes
 def test_checkpointed_blocks_under_sequence_parallelism_match_eager():
     from ring_dist import run_ranks
 

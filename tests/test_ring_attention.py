@@ -74,6 +74,7 @@ def _check_ops(rank: int, world: int) -> None:
     dist.batch_isend_irecv = real_batch
 
 
+@pytest.mark.slow   # several processes
 @pytest.mark.parametrize("world", [2, 4])
 def test_ring_attention_matches_full_attention(world):
     run_ranks(_check_ops, world)
@@ -92,6 +93,7 @@ def _silent_rank(rank: int, world: int) -> None:
         torch.ops.graphoffload.ring_attention(q, q, q, True, None, "zigzag", dist.group.WORLD.group_name, 2.0)
 
 
+@pytest.mark.slow   # several processes
 def test_ring_attention_times_out_instead_of_hanging():
     run_ranks(_silent_rank, 2, deadline_s=60)
 

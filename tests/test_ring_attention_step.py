@@ -372,10 +372,12 @@ def _attention_memory(rank, world):
     assert act_n <= 1.05 * act_1 / world, (act_n, act_1)   # the whole step: 0.2504 of one rank at N = 4
 
 
+@pytest.mark.slow   # several processes
 def test_sequence_parallel_steps_world2():
     run_ranks(_world2, 2, deadline_s=240)
 
 
+@pytest.mark.slow   # several processes
 def test_sequence_parallel_steps_world4():
     run_ranks(_world4, 4, deadline_s=300)
 
@@ -396,6 +398,7 @@ def _silent_rank(rank, world):
     dist.send(gave_up, 1, tag=7)
 
 
+@pytest.mark.slow   # several processes
 def test_a_rank_that_never_calls_the_step_times_out_the_others():
     run_ranks(_silent_rank, 2, deadline_s=60)
 
