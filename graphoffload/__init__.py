@@ -18,6 +18,7 @@ use, so importing `graphoffload.passes` or `graphoffload.capture` never loads th
 """
 
 import importlib
+from typing import TYPE_CHECKING
 
 from graphoffload import ops  # noqa: F401  (the graphoffload:: op vocabulary, declared before any layer uses it)
 from graphoffload.config import CompileConfig, FuseOptimizer, Offload
@@ -26,6 +27,10 @@ from graphoffload.errors import (CaptureError, GraphOffloadError, PartialUpdateE
 from graphoffload.graph import GraphSignature, InputSpec, OutputSpec, TrainGraph
 from graphoffload.memory import MemoryProfile, analyze_memory
 from graphoffload.sequence_parallel import SequenceParallel
+
+if TYPE_CHECKING:   # type checkers and IDEs see the lazy names as ordinary imports
+    from graphoffload.api import CompiledStep, offload_compile
+    from graphoffload.passes import Pass, PassContext, PassManager
 
 # names whose modules load on first use, by the module that defines them
 _LAZY = {"CompiledStep": "graphoffload.api", "offload_compile": "graphoffload.api",
