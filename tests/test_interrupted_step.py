@@ -195,3 +195,48 @@ def root_cause(exc: BaseException) -> BaseException:
     while exc.__cause__ is not None:
         exc = exc.__cause__
     return exc
+
+
+def test_failure_in_the_cpu_worker_names_updated_and_refuses(monkeypatch):
+    """The offload worker thread fails on its second host update, after the last layer's update
+    has landed: the error reaches the caller from the worker thread as a PartialUpdateError
+    naming what changed, later calls refuse, and a restored model retries exactly."""
+    from graphoffload.runtime import host_offload
+
+    model, opt = make()
+    step = compiled(Offload(device_updates="never"))
+    step(model, opt, batch(0))
+    good_model, good_opt = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
+    calls = {"n": 0}
+    scale = host_offload._scale_host_grads
+
+    def failing_second_update(grads, multiplier):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("injected failure in the CPU worker")
+        scale(grads, multiplier)
+
+    monkeypatch.setattr(host_offload, "_scale_host_grads", failing_second_update)
+    with pytest.raises(PartialUpdateError, match=r"interrupted part-way.*last\.weight") as info:
+        step(model, opt, batch(1))
+    step.synchronize()
+    assert "injected failure in the CPU worker" in str(root_cause(info.value))
+    assert not torch.equal(model.last.weight, good_model["last.weight"])
+    # every parameter whose value moved is named (a bucket written with unchanged values may be
+    # named too: the report errs on the side of restoring)
+    named = str(info.value).split("changed")[1].split(";")[0]
+    for name, value in model.state_dict().items():
+        if not torch.equal(value, good_model[name]):
+            assert name in named, f"{name} changed but the error does not say so"
+    monkeypatch.setattr(host_offload, "_scale_host_grads", scale)
+    with pytest.raises(StateError, match="refusing to run"):
+        step(model, opt, batch(1))
+    model.load_state_dict(good_model)
+    opt.load_state_dict(good_opt)
+    loss = step(model, opt, batch(1))
+    ref_model, ref_opt = make()
+    ref = compiled(Offload(device_updates="never"))
+    ref(ref_model, ref_opt, batch(0))
+    assert torch.equal(loss, ref(ref_model, ref_opt, batch(1)))
+    for a, b in zip(model.parameters(), ref_model.parameters()):
+        assert torch.equal(a, b)
