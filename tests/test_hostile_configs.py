@@ -16,7 +16,7 @@ import dataclasses
 import pytest
 import torch
 from gpt import GPT
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from steps import TINY, clipped_step, train_step, zero_first_step
 from test_offload_planner import BALANCED
@@ -85,6 +85,9 @@ def assert_unchanged(model, opt, before) -> None:
        step_name=st.sampled_from(sorted(STEPS)), bucket=st.sampled_from([512, 4096, 1 << 20]),
        rows=st.integers(1, 2), seq=st.sampled_from([4, 16]), ignored=st.integers(0, 3),
        seed=st.integers(0, 3))
+@example(optimizer="adagrad", schedule="offload-cpu", step_name="clipped", bucket=512, rows=1, seq=4, ignored=0, seed=0)
+@example(optimizer="adam-amsgrad", schedule="hand-over", step_name="zero-first", bucket=512, rows=2, seq=16,
+         ignored=3, seed=1)
 def test_random_configurations_train_as_eager_or_refuse_cleanly(optimizer, schedule, step_name, bucket, rows,
                                                                 seq, ignored, seed):
     step_fn = STEPS[step_name]
