@@ -18,7 +18,7 @@ import torch.utils._pytree as pytree
 from torch import Tensor
 
 from graphoffload import inspection, timeline
-from graphoffload.capture import Accumulation, Capture, capture_step, find_bindings
+from graphoffload.capture import Accumulation, Capture, StepBindings, capture_step, find_bindings
 from graphoffload.checkpoint import load_optimizer_state_exactly
 from graphoffload.config import CompileConfig, Offload
 from graphoffload.errors import PartialUpdateError, StateError, UnsupportedError
@@ -137,8 +137,9 @@ class CompiledStep:
             return None
         return self._accumulation[self._micro_step == self.config.accumulation_steps - 1]
 
-    def _key(self, args: tuple, kwargs: dict) -> Any:
-        b = find_bindings(self.fn, args, kwargs)
+    def _key(self, args: tuple, kwargs: dict, bindings: StepBindings | None = None) -> Any:
+        # the models and optimizers are found once per call (`__call__` passes what it found)
+        b = bindings if bindings is not None else find_bindings(self.fn, args, kwargs)
         accumulation = self._next_accumulation()
         # a variant that does not update depends on neither the optimizers' settings nor first steps
         optimizers = tuple(id(o) for o in b.optimizers) if accumulation is not None and not accumulation.update \
@@ -184,8 +185,9 @@ class CompiledStep:
             self._host_states.setdefault(owner, executor.host_state)
         return CompiledVariant(capture, graph, stages, executor, dict(ctx.timings))
 
-    def _variant(self, args: tuple, kwargs: dict) -> tuple[Any, CompiledVariant]:
-        key = self._key(args, kwargs)
+    def _variant(self, args: tuple, kwargs: dict,
+                 bindings: StepBindings | None = None) -> tuple[Any, CompiledVariant]:
+        key = self._key(args, kwargs, bindings)
         variant = self._variants.get(key)
         if variant is None:
             self.synchronize()   # tracing reads the parameters
@@ -231,7 +233,7 @@ class CompiledStep:
         bindings = find_bindings(self.fn, args, kwargs)
         before = Snapshot.take(bindings)
         try:
-            result = self._call(args, kwargs)
+            result = self._call(args, kwargs, bindings)
         except BaseException as exc:
             updated = before.changed()
             if not updated:
@@ -275,14 +277,14 @@ class CompiledStep:
         (instead of restoring them from a checkpoint)."""
         self._interruption.clear()
 
-    def _call(self, args: tuple, kwargs: dict) -> Any:
+    def _call(self, args: tuple, kwargs: dict, bindings: StepBindings) -> Any:
         if self.config.sequence_parallel is not None:
             if self._rank_agreement is None:
                 self._rank_agreement = RankAgreement(self.config.sequence_parallel)
             self._rank_agreement.check(args, kwargs)
             # per-rank batch shards -> full sequence
             args, kwargs = self.config.sequence_parallel.prepare_inputs(args, kwargs)
-        key, variant = self._variant(args, kwargs)
+        key, variant = self._variant(args, kwargs, bindings)
         if self._ran is not variant.executor:
             # only the executor that handed uploads over knows where its next run waits for them
             self.synchronize()
