@@ -60,7 +60,14 @@ def _aliased_arg(node: fx.Node, ret_index: int) -> object:
     if ret is None:
         return None
     for arg, value in _arg_values(node):
-        if arg.alias_info is not None and set(arg.alias_info.before_set) & set(ret.before_set):
+        if arg.alias_info is None:
+            continue
+        if set(arg.alias_info.before_set) & set(ret.before_set):
+            return value
+        # `Tensor(a -> *) self ... -> Tensor(a)[]` (split, unbind, chunk): the list's elements alias
+        # `self`, but the bindings give the element's alias set only on the argument's side, as
+        # the wildcard it becomes; without this every element counted as a storage of its own
+        if not ret.before_set and "*" in arg.alias_info.after_set:
             return value
     return None
 

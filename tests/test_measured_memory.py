@@ -2,10 +2,13 @@
 tracking dispatch mode (helpers.AllocationTracker) measures the bytes the step's ops allocate
 beyond what was alive before it, and the liveness analysis' `peak - resident` must match it.
 
-Measured when this was written (GPT 4 layers, d_model 128, AdamW): plain 1.0001x the prediction,
-fused 0.876x, offload 0.876x, parked gradients 0.832x -- the prediction is an upper bound, within
-20% of the measurement, where fusion and parking run. The bound below is [0.8, 1.01]: a prediction
-that missed an allocation (below the measurement) or counted freed storages (20% above) fails."""
+Measured when this was written (GPT 4 layers, d_model 128, AdamW): plain, fused, offload and
+parked gradients all 1.0001-1.0005x the prediction. Until the aliasing analysis knew that
+`split`'s list of outputs are views of its input (the schema puts that alias on the list's
+elements), each q/k/v view counted as a storage of its own and the prediction overestimated
+by 12-17% wherever the peak fell inside backward (fused 0.876x, parked 0.832x). The bound below
+is [0.99, 1.01]: a prediction that missed an allocation or counted a freed or aliased storage
+fails."""
 
 from __future__ import annotations
 
@@ -21,7 +24,7 @@ import graphoffload
 from graphoffload import CompileConfig, FuseOptimizer, Offload
 
 CFG = GPTConfig(vocab_size=256, seq_len=8, n_layer=4, n_head=4, d_model=128)
-LOW, HIGH = 0.8, 1.01
+LOW, HIGH = 0.99, 1.01
 CASES = {
     "plain": (train_step, dict(config=CompileConfig(disable_passes=("fuse_optimizer",)))),
     "plain-clipped": (clipped_step, dict(config=CompileConfig(disable_passes=("fuse_optimizer",)))),

@@ -118,3 +118,22 @@ def test_unsafe_view_after_a_batched_matmul_shares_the_product_storage():
     unsafe_view = next(n.name for n in graph.graph.nodes if n.target == torch.ops.aten._unsafe_view.default)
     assert profile.live_at(unsafe_view) == profile.resident + product
     assert profile.peak == profile.resident + product + f32()
+
+
+def test_split_and_unbind_outputs_are_views_of_their_input():
+    # `Tensor(a -> *) self -> Tensor(a)[]`: each piece aliases the input; counting each as a
+    # storage of its own overestimated every attention block's q/k/v by twice their bytes
+    def fn(a):
+        b = a * 2                      # 48 KiB
+        q, k, v = b.split(64, dim=1)   # views of b
+        rows = v.unbind(0)             # views of b again
+        return [(q * k).sum() + rows[0].sum()]
+
+    graph = hand_graph(fn, torch.randn(64, 192))
+    profile = analyze_memory(graph)
+    a = b = f32(64, 192)
+    nodes = {n.target: n.name for n in graph.graph.nodes if n.op == "call_function"}
+    aten = torch.ops.aten
+    assert profile.live_at(nodes[aten.split.Tensor]) == a + b
+    assert profile.live_at(nodes[aten.unbind.int]) == a + b
+    assert profile.peak == a + b + f32(64, 64) + f32()   # b, q * k, and one partial sum
