@@ -192,7 +192,7 @@ class CompiledStep:
         if variant is None:
             self.synchronize()   # tracing reads the parameters
             variant = self._variants[key] = self._compile(args, kwargs)
-            if variant.executor.handed_over:
+            if variant.executor.handed_over or variant.executor.carries_host_writes:
                 self._synchronize_before_outside_access(variant.capture.bindings)
         self._last = variant
         return key, variant

@@ -84,11 +84,14 @@ class Offload:
         overlap_next_step: let the CPU path's last updates and uploads finish while the next
             call's forward runs: that call waits for each bucket's parameters right before its
             forward first reads them, instead of this call waiting for all of them at its end.
+            Device-path buckets likewise do not block the host for their state's write-back:
+            it lands after the call returns, and the next call's prefetch of that state waits
+            for it in stream order.
             Between calls parameters may then still be in flight: the step synchronizes itself
             before the model's forward or `state_dict()`/`load_state_dict()` of the model, the
-            optimizer or the step run; anything else that reads or writes parameters between
-            calls (another compiled step on the same model too) must call `step.synchronize()`
-            first. Off by default.
+            optimizer or the step run; anything else that reads or writes parameters or
+            `optimizer.state` between calls (another compiled step on the same model too) must
+            call `step.synchronize()` first. Off by default.
         replan_after: with a planned schedule, time this many steps after each plan; if their
             median drifts from the prediction by more than `replan_threshold` (a fraction),
             profile the next step node by node and plan again from the measured times (at most

@@ -236,9 +236,14 @@ def _emit_cpu_path(g: fx.Graph, k: UpdateKernel, masters: list[fx.Node], host_gr
 
 
 def _emit_device_path(g: fx.Graph, k: UpdateKernel, masters: list[fx.Node], prefetch_after: fx.Node,
-                      device: torch.device, meta: dict) -> None:
+                      device: torch.device, meta: dict, carry: bool) -> None:
     """Prefetch the bucket's state, update it on the device with the original kernel when its
-    gradients are final, write the state (and the master weights) back to the host."""
+    gradients are final, write the state (and the master weights) back to the host.
+
+    The step's end waits on the host for the write-back to land (`wait_host`), unless `carry`
+    (Offload.overlap_next_step): then the copy lands after the step returns
+    (`carry_host_write`), and only its readers wait for it -- the next step's prefetch of the
+    same state in stream order, `synchronize()` before outside access on the host."""
     states = [list(k.node.args[pos] or []) if pos != k.rule.steps_position else k.step_placeholders()
               for pos in k.rule.list_positions[2:]]
     narrow = masters and masters[0].meta["val"].dtype != k.params[0].meta["val"].dtype
@@ -274,7 +279,7 @@ def _emit_device_path(g: fx.Graph, k: UpdateKernel, masters: list[fx.Node], pref
         back_to = [t for lst in states for t in lst] + masters
         write_back = g.call_function(ops.copy_to_host.default, (back_from, back_to))
     with g.inserting_before(g.output_node()):
-        landed = g.call_function(ops.wait_host.default, (write_back, back_to))
+        landed = g.call_function((ops.carry_host_write if carry else ops.wait_host).default, (write_back, back_to))
     _tag([fetched, *items, waited, write_back, landed], meta, "transfer")
     _tag([n for n in nodes if n is not waited] + [update], meta, "optimizer")
 
@@ -419,7 +424,8 @@ def offload_optimizer(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
                            (f"bucket {b}", _first_reader(k, position)) if offload.overlap_next_step else None,
                            read_after[b])
         else:
-            _emit_device_path(g, k, masters, prefetch_anchor(prefetch_at[b]), ctx.device, meta)
+            _emit_device_path(g, k, masters, prefetch_anchor(prefetch_at[b]), ctx.device, meta,
+                              carry=offload.overlap_next_step)
         k.erase()
         if early[b] is not None:
             waits_past_backward.setdefault(causes[b], []).append(str(k.node.meta.get("bucket", b)))
@@ -434,6 +440,10 @@ def offload_optimizer(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
         graph.note("offload_optimizer", f"{paths.count('cpu') - len(read_in_step)} CPU-path buckets hand their "
                    "uploads over to the next step, which waits for each right before its forward first reads "
                    "the bucket's parameters")
+        if paths.count("device"):
+            graph.note("offload_optimizer", f"{paths.count('device')} device-path buckets' state write-backs land "
+                       "after the step returns: the next step's prefetch of that state waits for them in stream "
+                       "order, and synchronize() before any outside access")
     for cause, buckets in waits_past_backward.items():
         graph.note("offload_optimizer", f"{len(buckets)} buckets' updates ({', '.join(buckets)}) wait past backward "
                    f"{cause}, but their gradients go to the host as soon as they are final, inside backward, "

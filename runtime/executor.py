@@ -59,6 +59,9 @@ class Executor:
         param_names = {s.name: s.target for s in graph.signature.inputs if s.kind == "param"}
         self.handed_over = {n.args[2]: [param_names[p.name] for p in n.args[1]] for n in graph.graph.nodes
                             if n.target is torch.ops.graphoffload.hand_over.default}
+        # device-path write-backs that land after a run returns (Offload.overlap_next_step)
+        self.carries_host_writes = any(n.target is torch.ops.graphoffload.carry_host_write.default
+                                       for n in graph.graph.nodes)
 
     def inputs(self, args: tuple, kwargs: dict) -> list[Tensor]:
         b = self.capture.bindings
@@ -173,8 +176,9 @@ class Executor:
         return [name for key in self.offload_runtime.carried for name in self.handed_over.get(key, ())]
 
     def synchronize(self) -> None:
-        """Wait for the uploads the last run handed over (Offload.overlap_next_step)."""
-        if self.offload_runtime is not None and self.offload_runtime.carried:
+        """Wait for the uploads the last run handed over and its carried write-backs
+        (Offload.overlap_next_step)."""
+        if self.offload_runtime is not None and self.offload_runtime.in_flight:
             self.offload_runtime.synchronize()
             self.host_state.record_versions()
 

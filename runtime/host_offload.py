@@ -89,6 +89,9 @@ class OffloadRuntime:
         # the upload's future; `inbound` is what the running step took over from the last one
         self.carried: dict[str, Future] = {}
         self.inbound: dict[str, Future] = {}
+        # device-path write-backs a step let land after it returned (carry_host_write): the host
+        # tensor's address -> the copy's future; readers of that host memory wait for it
+        self.host_writes: dict[int, Future] = {}
         # fp32 copies of low-precision host gradients, by (gradient buffer, shape, dtype): kept
         # across steps, as the gradient buffers themselves are
         self.widened_grads: dict[tuple[int, tuple[int, ...], torch.dtype], Tensor] = {}
@@ -155,12 +158,19 @@ class OffloadRuntime:
         self.inbound = {}
 
     def synchronize(self) -> None:
-        """Wait until every handed-over upload has landed in the parameters."""
+        """Wait until every handed-over upload has landed in the parameters, and every carried
+        write-back in the host state."""
         carried, self.carried = list(self.carried.values()), {}
-        for fut in carried:
+        writes, self.host_writes = list({id(f): f for f in self.host_writes.values()}.values()), {}
+        for fut in carried + writes:
             event = fut.result()
             if event is not None:
                 event.synchronize()
+
+    @property
+    def in_flight(self) -> bool:
+        """Whether an upload or a write-back of an earlier step may still be landing."""
+        return bool(self.carried or self.host_writes)
 
     def issue(self, fut: Future) -> Tensor:
         ticket = self._next
@@ -198,10 +208,25 @@ class OffloadRuntime:
             event = self._stream_end("d2h", "copy", start, self.d2h)
         return self.issue(_done(event))
 
+    def _host_writes_into(self, host: list[Tensor]) -> list[Future]:
+        """The carried write-backs (an earlier step's, landing late) into any of `host`."""
+        found = {id(f): f for h in host for f in [self.host_writes.get(h.data_ptr())] if f is not None}
+        return list(found.values())
+
+    def _wait_host_writes(self, writes: list[Future]) -> None:
+        for fut in writes:
+            event = fut.result()
+            if event is not None:
+                event.synchronize()
+
     def run_on_host(self, after: Tensor, work) -> Tensor:
         dependency = self.redeem(after)
+        # a host update may read host memory a carried write-back is still filling (only after a
+        # re-plan moved a bucket between paths; the write-back landed long ago otherwise)
+        writes = list({id(f): f for f in self.host_writes.values()}.values())
 
         def task():
+            self._wait_host_writes(writes)
             event = dependency.result()
             if event is not None:
                 event.synchronize()
@@ -221,7 +246,10 @@ class OffloadRuntime:
             issued_at = torch.cuda.Event()
             issued_at.record(torch.cuda.current_stream(self.device))
 
+        writes = self._host_writes_into(master)
+
         def task():
+            self._wait_host_writes(writes)
             dependency.result()
             sources = master
             if staging:
@@ -248,7 +276,7 @@ class OffloadRuntime:
         """Copies of host tensors on the device, filled asynchronously; the ticket comes last.
         `after`: tickets of device-to-host copies that fill `host`; the prefetch stream waits for
         them on the GPU (stream order), the host does not block."""
-        dependencies = [self.redeem(t) for t in after or []]
+        dependencies = [self.redeem(t) for t in after or []] + self._host_writes_into(host)
         out = [torch.empty_like(h, device=self.device) for h in host]
         if self.sanitizer is not None:
             # read when it runs, after its dependencies, as the stream does
@@ -282,6 +310,11 @@ class OffloadRuntime:
         event = self.redeem(ticket).result()
         if event is not None:
             event.synchronize()
+
+    def carry_host_write(self, ticket: Tensor, host: list[Tensor]) -> None:
+        fut = self.redeem(ticket)
+        for h in host:
+            self.host_writes[h.data_ptr()] = fut
 
     def wait_device(self, ticket: Tensor) -> None:
         self._wait_on_compute_stream(self.redeem(ticket))
@@ -404,6 +437,11 @@ def prefetch_to_device(host: list[Tensor], device: torch.device, after: list[Ten
 @host_transfer.wait_host.register_kernel(None)
 def wait_host(ticket: Tensor, host: list[Tensor]) -> None:
     active_runtime().wait_host(ticket)
+
+
+@host_transfer.carry_host_write.register_kernel(None)
+def carry_host_write(ticket: Tensor, host: list[Tensor]) -> None:
+    active_runtime().carry_host_write(ticket, host)
 
 
 @host_transfer.wait_device.register_kernel(None)

@@ -67,3 +67,58 @@ def test_ring_waits_poll_a_timeout_only_on_gloo(stream_ordered):
     works = [_Work(), _Work()]
     ring.wait(works, "a block")
     assert all(w.calls == ([()] if stream_ordered else [(ring.timeout,)]) for w in works)
+
+
+def test_a_carried_write_back_blocks_nobody_but_its_readers():
+    """Item 7, the device path's end-of-step wait: `carry_host_write` returns while the copy is
+    in flight (under the sanitizer, its destination still holds poison), the next prefetch of
+    that host memory waits for it (it reads the landed values, not the poison), and
+    `synchronize()` lands it on the host."""
+    from graphoffload.runtime.host_offload import OffloadRuntime
+    from graphoffload.runtime.sanitizer import Sanitizer
+
+    runtime = OffloadRuntime(torch.device("cpu"), sanitizer=Sanitizer(seed=0, min_delay_s=0.2, max_delay_s=0.25))
+    try:
+        state = torch.arange(6, dtype=torch.float32)
+        host, other = torch.zeros(6), torch.ones(6)
+        with runtime.active():
+            ticket = runtime.copy_to_host([state], [host])
+            runtime.carry_host_write(ticket, [host])
+            assert host.isnan().all(), "carry_host_write waited for the copy: the host blocked"
+        assert runtime.in_flight
+        with runtime.active():   # the next step
+            *fetched, ticket = runtime.prefetch([host, other])
+            runtime.wait_device(ticket)
+        assert torch.equal(fetched[0], state), "the prefetch read the host memory before its write-back landed"
+        assert torch.equal(fetched[1], other)
+        runtime.synchronize()
+        assert not runtime.in_flight and torch.equal(host, state)
+    finally:
+        runtime.shutdown()
+
+
+def test_overlap_next_step_carries_device_path_write_backs_and_trains_as_eager():
+    """With Offload(overlap_next_step=True) the device-path buckets end in carry_host_write, not
+    wait_host; under the sanitizer (late, poisoned copies) five steps still equal eager, and the
+    optimizer's state_dict() between steps (which synchronizes) shows eager's state."""
+    torch.manual_seed(0)
+    eager = GPT(TINY)
+    compiled = GPT(TINY)
+    compiled.load_state_dict(eager.state_dict())
+    opt_e = torch.optim.AdamW(eager.parameters(), lr=1e-3, fused=True)
+    opt_c = torch.optim.AdamW(compiled.parameters(), lr=1e-3, fused=True)
+    step = graphoffload.offload_compile(train_step, offload=Offload(
+        device_updates=1, calibration=BALANCED, overlap_next_step=True), config=CompileConfig(
+        sanitize=True, fuse_optimizer=FuseOptimizer(bucket_numel=4096)))
+    for i, batch in enumerate(token_batches(5)):
+        torch.testing.assert_close(step(compiled, opt_c, batch), train_step(eager, opt_e, batch),
+                                   rtol=1e-5, atol=1e-6, msg=lambda m: f"step {i}: {m}")
+        if i == 2:
+            saved = opt_c.state_dict()["state"]
+            for j, p in enumerate(eager.parameters()):
+                torch.testing.assert_close(saved[j]["exp_avg"], opt_e.state[p]["exp_avg"], rtol=1e-5, atol=1e-7)
+    targets = {n.target for n in step.last.graph.graph.nodes}
+    assert ops.carry_host_write.default in targets and ops.wait_host.default not in targets
+    step.synchronize()
+    for (name, pe), pc in zip(eager.named_parameters(), compiled.parameters()):
+        torch.testing.assert_close(pc, pe, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")

@@ -51,7 +51,7 @@ def test_every_op_is_declared_by_the_vocabulary_and_traceable_without_the_runtim
 import torch, graphoffload.ops
 from torch._subclasses.fake_tensor import FakeTensorMode
 names = ["attention", "attention_backward", "attention_mask_grad", "grouped_mm", "rng_state", "swap_rng_state",
-         "copy_to_host", "copy_to_device", "prefetch_to_device", "wait_host", "wait_device", "hand_over",
+         "copy_to_host", "copy_to_device", "prefetch_to_device", "wait_host", "carry_host_write", "wait_device", "hand_over",
          "wait_handed_over", "host_adam_", "host_sgd_", "ring_attention", "ring_attention_backward"]
 missing = [n for n in names if not hasattr(torch.ops.graphoffload, n)]
 assert not missing, missing

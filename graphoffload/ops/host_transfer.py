@@ -130,6 +130,18 @@ def wait_host(ticket: Tensor, host: list[Tensor]) -> None:
 wait_host.register_fake(_returns_nothing)
 
 
+@torch.library.custom_op("graphoffload::carry_host_write", mutates_args=("host",))
+def carry_host_write(ticket: Tensor, host: list[Tensor]) -> None:
+    """Let the device-to-host copy behind `ticket` land after the step returns, instead of
+    blocking the host until it has: the next step's prefetch of `host` waits for it in stream
+    order, host updates and uploads wait for it on the worker, and `synchronize()` (run before
+    any outside access the step can see) waits for it on the host."""
+    raise _no_kernel("graphoffload::carry_host_write")
+
+
+carry_host_write.register_fake(_returns_nothing)
+
+
 @torch.library.custom_op("graphoffload::wait_device", mutates_args=("params",))
 def wait_device(ticket: Tensor, params: list[Tensor]) -> None:
     """Make the compute stream wait until the upload behind `ticket` has landed in `params`."""
