@@ -98,9 +98,6 @@ class CompiledStep:
         if accumulation_steps is not None:
             self.config = dataclasses.replace(self.config, accumulation_steps=accumulation_steps)
         k = self.config.accumulation_steps
-        if k > 1 and self.config.sequence_parallel is not None:
-            raise UnsupportedError("accumulation_steps with sequence_parallel is not supported yet: accumulate "
-                                   "inside the step instead (a loop over micro-batches calling backward for each)")
         self._grad_sums = GradSums()
         # the two variants of an accumulating step: add into the running sums; add and update
         self._accumulation = {update: Accumulation(k, update, self._grad_sums.tensor, self._grad_sums.discard)

@@ -74,8 +74,10 @@ LINEAR_UNARY = {aten.view.default, aten._unsafe_view.default, aten.reshape.defau
                 aten.transpose.int, aten.permute.default, aten.detach.default, aten.clone.default,
                 aten.alias.default, aten.neg.default, aten._to_copy.default, aten.unsqueeze.default,
                 aten.squeeze.dim, aten.squeeze.default, aten.sum.dim_IntList, aten.sum.default,
-                aten.mul.Tensor, aten.mul.Scalar, aten.div.Tensor, aten.div.Scalar, aten.expand.default}
-LINEAR_SUM = {aten.add.Tensor, aten.sub.Tensor}   # linear when every tensor input is partial
+                aten.mul.Tensor, aten.mul.Scalar, aten.div.Tensor, aten.div.Scalar, aten.expand.default,
+                aten.zero_.default}   # zero: every rank's zeros sum to zero
+# linear when every tensor input is partial (add_: a partial added into a running partial sum)
+LINEAR_SUM = {aten.add.Tensor, aten.sub.Tensor, aten.add_.Tensor}
 # ops that sum over the sequence when it is sharded: their full-shaped outputs are partial
 REDUCING = {aten.sum.dim_IntList, aten.sum.default, aten.mm.default, aten.bmm.default, aten.addmm.default,
             aten.embedding_dense_backward.default, aten.native_layer_norm_backward.default}
@@ -96,7 +98,11 @@ class _Sharder:
         self.rank, self.world, self.group = sp.rank, sp.world_size, sp.group_name
         self.fake_mode = fake_mode_of(self.g)
         self.orig = {n: n.meta.get("val") for n in self.g.nodes}   # full-sequence values
-        self.spec: dict[fx.Node, Any] = {}
+        # gradient accumulation's running sums (accumulation_steps=k) hold each rank's partial sum
+        # over the window: nothing reduces them until the update adds the last micro-batch's
+        # gradient, so gradients cross the group once per update, not once per micro-batch
+        self.spec: dict[fx.Node, Any] = {n: PARTIAL for n in self.g.nodes if n.op == "placeholder"
+                                         and graph.signature.input(n.name).kind == "grad_sum"}
         self.shards: dict[tuple[fx.Node, Shard], fx.Node] = {}
         self.reduced: dict[fx.Node, fx.Node] = {}
         self.counts: Counter = Counter()
