@@ -282,15 +282,27 @@ def _recorded_module_zero_grad(b: StepBindings, events: _StepEvents) -> Iterator
 
 
 @contextlib.contextmanager
-def _swapped_scaler_state(b: StepBindings, traced: dict[tuple[int, str], Tensor]) -> Iterator[None]:
+def _swapped_scaler_state(b: StepBindings, traced: dict[tuple[int, str], Tensor],
+                          accumulating: bool = False) -> Iterator[None]:
     """Point each GradScaler at traced copies of its scale and growth tracker (graph inputs it
-    updates in place), and give it back its per-step bookkeeping afterwards."""
+    updates in place), and give it back its per-step bookkeeping afterwards.
+
+    `accumulating` (the variant of `accumulation_steps=k` that only adds into the running sums):
+    the scaler's `unscale_`, `step` and `update` do nothing, as `optimizer.step()` does nothing
+    there. Eager accumulation calls them once a window, so the scale stays the same across the
+    window's micro-batches, and the updating call unscales, checks and updates on the sums."""
+    def skipped(*args: Any, **kwargs: Any) -> None:
+        return None
+
     with contextlib.ExitStack() as stack:
         for i, scaler in enumerate(b.scalers):
             _set_for_trace(stack, scaler, "_scale", traced[(i, "scale")])
             _set_for_trace(stack, scaler, "_growth_tracker", traced[(i, "growth_tracker")])
             # the step's scale/step/update cycle runs on a copy of its per-optimizer bookkeeping
             _set_for_trace(stack, scaler, "_per_optimizer_states", copy.deepcopy(scaler._per_optimizer_states))
+            if accumulating:
+                for method in ("unscale_", "step", "update"):
+                    _set_for_trace(stack, scaler, method, skipped)
         yield
 
 
@@ -577,10 +589,6 @@ def capture_step(fn: Callable, args: tuple, kwargs: dict, config: CompileConfig,
     again: left behind, it would make the next step (compiled or eager) skip SGD's first-step
     momentum initialisation."""
     b = find_bindings(fn, args, kwargs)
-    if accumulation is not None and b.scalers:
-        raise UnsupportedError("a GradScaler in a step compiled with accumulation_steps is not supported yet: "
-                               "use bf16 autocast without loss scaling, or accumulate inside the step (a loop "
-                               "over micro-batches calling backward for each)")
     fresh = [(opt, [p for g in opt.param_groups for p in g["params"] if not opt.state.get(p)])
              for opt in b.optimizers]
     register_fused_optimizer_meta_kernels()   # tracing the update on fake tensors needs them
@@ -693,7 +701,8 @@ def _capture_step(fn: Callable, args: tuple, kwargs: dict, config: CompileConfig
         # module parameters are named before _swapped_module_tensors puts the traced ones in
         with _recorded_module_zero_grad(b, events), _swapped_module_tensors(b, params, buffers), \
                 _lowered_optimizers(b, params, states, lrs, first_steps, config, events), \
-                _swapped_scaler_state(b, scaler_state), _StepMode(events, regions, sums):
+                _swapped_scaler_state(b, scaler_state, accumulation is not None and not accumulation.update), \
+                _StepMode(events, regions, sums):
             out = fn(*step_args, **step_kwargs)
             if sums is not None:
                 sums.finish()

@@ -312,19 +312,7 @@ def test_accumulation_refuses_what_it_cannot_do():
         graphoffload.offload_compile(hf_step, accumulation_steps=0)
     model = tiny_gpt()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
-    scaler = torch.amp.GradScaler("cpu")
-
-    def scaled_step(model, optimizer, batch):
-        loss = model(batch["input_ids"], labels=batch["labels"])
-        scaler.scale(loss).backward()
-        scaler.step(optimizer)
-        scaler.update()
-        optimizer.zero_grad()
-        return loss
-
     before = snapshot(model, opt)
-    with pytest.raises(UnsupportedError, match="GradScaler"):
-        graphoffload.offload_compile(scaled_step, accumulation_steps=K)(model, opt, token_batches(1)[0])
 
     def grad_step(model, optimizer, batch):
         loss = model(batch["input_ids"], labels=batch["labels"])
@@ -338,6 +326,54 @@ def test_accumulation_refuses_what_it_cannot_do():
         graphoffload.offload_compile(grad_step, accumulation_steps=K)(model, opt, token_batches(1)[0])
     assert "grad_step" in str(info.value)
     assert_unchanged(model, opt, before)
+
+
+@pytest.mark.parametrize("clip", [False, True], ids=["step", "unscale-clip-step"])
+@pytest.mark.parametrize("offload", [False, True], ids=["plain", "offload"])
+def test_accumulation_steps_with_a_grad_scaler_trains_like_eager_accumulation(clip, offload):
+    """The ordinary scaled step called once per micro-batch: the accumulating calls skip the
+    scaler's unscale_/step/update (eager calls them once a window), the updating call unscales,
+    checks and steps on the sums, and updates the scale once -- equal to eager to the bit."""
+    def make():
+        model = tiny_gpt()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+        return model, opt, torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2)
+
+    eager, opt_e, scaler_e = make()
+    compiled, opt_c, scaler_c = make()
+
+    def scaled_step(model, optimizer, batch):
+        loss = model(batch["input_ids"], labels=batch["labels"])
+        scaler_c.scale(loss).backward()
+        if clip:
+            scaler_c.unscale_(optimizer)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        scaler_c.step(optimizer)
+        scaler_c.update()
+        optimizer.zero_grad()
+        return loss
+
+    step = graphoffload.offload_compile(scaled_step, accumulation_steps=K,
+                                        offload=graphoffload.Offload(device_updates="never") if offload else None)
+    losses_e, losses_c = [], []
+    for window in windows(3):
+        for mb in window:
+            loss = eager(mb["input_ids"], labels=mb["labels"])
+            scaler_e.scale(loss / K).backward()
+            losses_e.append(loss.detach())
+            losses_c.append(step(compiled, opt_c, mb))
+            if step.micro_step:   # mid-window: the scale has not moved, as in eager
+                assert scaler_c.get_scale() == scaler_e.get_scale()
+        if clip:
+            scaler_e.unscale_(opt_e)
+            torch.nn.utils.clip_grad_norm_(eager.parameters(), 0.5)
+        scaler_e.step(opt_e)
+        scaler_e.update()
+        opt_e.zero_grad()
+        assert scaler_c.get_scale() == scaler_e.get_scale()
+    assert scaler_c.get_scale() > 2.0**10     # it grew: the updates were not skipped
+    step.synchronize()
+    assert_training_matches(eager, opt_e, losses_e, compiled, opt_c, losses_c, exact=True, offloaded=offload)
 
 
 def test_accumulation_with_uploads_handed_over_to_the_next_call_stays_exact():
