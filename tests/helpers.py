@@ -8,7 +8,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 from gpt import GPT, GPTConfig
-from steps import TINY, token_batches, train_step  # noqa: F401  (token_batches, train_step: re-exported)
+from steps import TINY, hf_step as hf_train_step, token_batches, train_step  # noqa: F401  (re-exported)
 
 import graphoffload
 
@@ -37,14 +37,6 @@ def hf_llama(seed: int = 0):
                                    hidden_size=32, intermediate_size=64, vocab_size=64,
                                    max_position_embeddings=32, attn_implementation="sdpa")
     return transformers.LlamaForCausalLM(cfg)
-
-
-def hf_train_step(model, optimizer, batch):
-    out = model(input_ids=batch["input_ids"], labels=batch["labels"])
-    out.loss.backward()
-    optimizer.step()
-    optimizer.zero_grad()
-    return out.loss
 
 
 def run_steps(step_fn: Callable, model, opt, batches: Sequence[dict], scheduler=None) -> list[torch.Tensor]:

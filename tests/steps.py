@@ -16,6 +16,15 @@ def train_step(model, optimizer, batch):
     return loss
 
 
+def hf_step(model, optimizer, batch):
+    """The same for a Hugging Face causal LM (it shifts the labels itself)."""
+    loss = model(input_ids=batch["input_ids"], labels=batch["labels"]).loss
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss
+
+
 def zero_first_step(model, optimizer, batch):
     """optimizer.zero_grad() first: the gradients stay on .grad after the step."""
     optimizer.zero_grad()

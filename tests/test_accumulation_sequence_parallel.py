@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from ring_dist import run_ranks
+from steps import train_step as one_step
 
 K = 3
 
@@ -38,14 +39,6 @@ def loop_step(model, optimizer, micro_batches):
     torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
     optimizer.step()
     optimizer.zero_grad()
-
-
-def one_step(model, optimizer, batch):
-    loss = model(batch["input_ids"], labels=batch["labels"])
-    loss.backward()
-    optimizer.step()
-    optimizer.zero_grad()
-    return loss
 
 
 def _optimizers():

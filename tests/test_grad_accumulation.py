@@ -11,6 +11,7 @@ import pytest
 import torch
 from helpers import (assert_tensors_match, assert_training_matches, assert_unchanged, hf_gpt2, hf_llama, snapshot,
                      tiny_gpt, token_batches, train_step)
+from steps import hf_step
 
 import graphoffload
 from graphoffload.errors import StateError, UnsupportedError
@@ -175,14 +176,6 @@ def eager_window(model, optimizer, micro_batches, step_fn=None, max_norm=None):
     optimizer.step()
     optimizer.zero_grad()
     return losses
-
-
-def hf_step(model, optimizer, batch):
-    loss = model(input_ids=batch["input_ids"], labels=batch["labels"]).loss
-    loss.backward()
-    optimizer.step()
-    optimizer.zero_grad()
-    return loss
 
 
 def hf_clipped_step(model, optimizer, batch):

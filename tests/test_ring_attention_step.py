@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from ring_dist import run_ranks
+from steps import hf_step
 
 STEPS = 5
 
@@ -86,14 +87,6 @@ def _plain(dtype):
 
 def gpt_step(model, optimizer, batch):
     loss = model(batch["input_ids"], labels=batch["labels"])
-    loss.backward()
-    optimizer.step()
-    optimizer.zero_grad()
-    return loss
-
-
-def hf_step(model, optimizer, batch):
-    loss = model(input_ids=batch["input_ids"], labels=batch["labels"]).loss
     loss.backward()
     optimizer.step()
     optimizer.zero_grad()
