@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from typing import Any, overload
 
 import torch
-import torch.utils._pytree as pytree
 from torch import Tensor
 
 from graphoffload import inspection, timeline
@@ -23,6 +22,7 @@ from graphoffload.checkpoint import load_optimizer_state_exactly
 from graphoffload.config import CompileConfig, Offload
 from graphoffload.errors import PartialUpdateError, StateError, UnsupportedError
 from graphoffload.graph import TrainGraph
+from graphoffload.torch_private import pytree
 from graphoffload.interruption import InterruptionGuard, Snapshot
 from graphoffload.optimizer_lowering import first_step_params
 from graphoffload.memory import MemoryProfile, analyze_memory

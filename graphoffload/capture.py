@@ -29,12 +29,7 @@ from typing import Any
 import torch
 import torch.fx.traceback as fx_traceback
 import torch.nn.functional as F
-import torch._functorch.config as functorch_config
-import torch.utils._pytree as pytree
 from torch import Tensor, fx, nn
-from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.fx.experimental.proxy_tensor import make_fx
-from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from torch.overrides import TorchFunctionMode
 
 from graphoffload import nonfinite, optimizer_lowering
@@ -46,6 +41,11 @@ from graphoffload.errors import CaptureError, GraphOffloadError, UnsupportedErro
 from graphoffload.graph import (TENSOR_SLOT, GraphSignature, InputSpec, OutputSpec, TrainGraph, fake_mode_of,
                                 placeholder_name)
 from graphoffload.recompute import CheckpointRegions, mark_recomputed, refuse_reentrant
+from graphoffload.torch_private import (GRAD_SCALER_STATE_ATTRIBUTES, DataDependentOutputException,
+                                       DynamicOutputShapeException, FakeTensorMode, ShapeEnv, functorch_config,
+                                       grad_fn_sequence_number, grad_fn_sequence_numbers_supported,
+                                       grad_scaler_state, make_fx, pytree, reset_grad_fn_sequence_number,
+                                       set_grad_fn_sequence_number)
 from graphoffload.ops import grouped_mm as _grouped_mm
 from graphoffload.ops import register_fused_optimizer_meta_kernels
 from graphoffload.ops.attention import sdpa_via_attention
@@ -69,7 +69,7 @@ class StepBindings:
     def scaler_state(self, index: int, key: str) -> Tensor:
         # GradScaler keeps these as private attributes and offers no public handle on them
         scaler = self.scalers[index]
-        return scaler._scale if key == "scale" else scaler._growth_tracker
+        return grad_scaler_state(scaler, key)
 
     def buffer(self, name: str) -> Tensor:
         module, attr = self.buffers[name]
@@ -296,10 +296,11 @@ def _swapped_scaler_state(b: StepBindings, traced: dict[tuple[int, str], Tensor]
 
     with contextlib.ExitStack() as stack:
         for i, scaler in enumerate(b.scalers):
-            _set_for_trace(stack, scaler, "_scale", traced[(i, "scale")])
-            _set_for_trace(stack, scaler, "_growth_tracker", traced[(i, "growth_tracker")])
+            for key in ("scale", "growth_tracker"):
+                _set_for_trace(stack, scaler, GRAD_SCALER_STATE_ATTRIBUTES[key], traced[(i, key)])
             # the step's scale/step/update cycle runs on a copy of its per-optimizer bookkeeping
-            _set_for_trace(stack, scaler, "_per_optimizer_states", copy.deepcopy(scaler._per_optimizer_states))
+            _set_for_trace(stack, scaler, GRAD_SCALER_STATE_ATTRIBUTES["per_optimizer_states"],
+                           copy.deepcopy(grad_scaler_state(scaler, "per_optimizer_states")))
             if accumulating:
                 for method in ("unscale_", "step", "update"):
                     _set_for_trace(stack, scaler, method, skipped)
@@ -332,11 +333,11 @@ def _backward_provenance(outputs: Any, mode: _StepMode | None = None, where: str
             refuse_reentrant(node, user_line_of_stack_trace(where))
             handles.append(node.register_prehook(lambda _g: mode.__enter__() and None))
             handles.append(node.register_hook(lambda _gi, _go: mode.__exit__(None, None, None)))
-    if hasattr(fx_traceback, "set_grad_fn_seq_nr"):
+    if grad_fn_sequence_numbers_supported():
         for node in _autograd_nodes(roots):
-            seq = node._sequence_nr()
-            handles.append(node.register_prehook(lambda _g, seq=seq: fx_traceback.set_grad_fn_seq_nr(seq)))
-            handles.append(node.register_hook(lambda _gi, _go: fx_traceback.reset_grad_fn_seq_nr()))
+            seq = grad_fn_sequence_number(node)
+            handles.append(node.register_prehook(lambda _g, seq=seq: set_grad_fn_sequence_number(seq)))
+            handles.append(node.register_hook(lambda _gi, _go: reset_grad_fn_sequence_number()))
     try:
         with fx_traceback.annotate({"phase": "backward"}):
             yield
@@ -517,7 +518,6 @@ class _AccumulatingGrads:
 # --------------------------------------------------------------------------- errors
 
 def _translate_trace_error(exc: Exception) -> GraphOffloadError:
-    from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
 
     name = type(exc).__name__
     if isinstance(exc, (DataDependentOutputException, DynamicOutputShapeException)) or \
@@ -666,7 +666,7 @@ def _capture_step(fn: Callable, args: tuple, kwargs: dict, config: CompileConfig
     lr_before = [b.lr(oi, gi) for oi, gi in b.lr_groups]
     device = b.device
     for scaler in b.scalers:
-        if scaler._scale is None:   # created lazily by the first scale(): create it now, outside the trace
+        if grad_scaler_state(scaler, "scale") is None:   # created lazily by the first scale(): create it now, outside the trace
             scaler.scale(torch.zeros((), device=device))
     scaler_keys = [(i, key) for i in range(len(b.scalers)) for key in ("scale", "growth_tracker")]
 

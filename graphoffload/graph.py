@@ -157,8 +157,7 @@ def fake_mode_of(graph: fx.Graph):
     reads only the leading placeholders and takes the mode of the first fake tensor among
     them; scanning every node and checking every value each time made compiles quadratic.
     A graph whose placeholders carry no fake tensor falls back to torch's full detection."""
-    from torch._guards import detect_fake_mode
-    from torch._subclasses.fake_tensor import FakeTensor
+    from graphoffload.torch_private import FakeTensor, detect_fake_mode
 
     for node in graph.nodes:
         if node.op != "placeholder":

@@ -30,10 +30,10 @@ from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
-import torch.utils._pytree as pytree
 
 from graphoffload.errors import RingTimeoutError, StateError, UnsupportedError, describe
 from graphoffload.ops.ring_attention import LAYOUTS, shard, unshard
+from graphoffload.torch_private import pytree
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,29 @@
 """The private torch APIs graphoffload relies on, behind one boundary.
 
 torch changes private APIs between releases; keeping each use here, with what it relies on,
-makes an upgrade a visit to one module. Supported: torch 2.11 and 2.13.
+makes an upgrade a visit to one module (`tests/test_layers.py` checks that no other module of
+the library imports a private torch module). Supported: torch 2.11 and 2.13.
 
+- `pytree`: `torch.utils._pytree` (tree_leaves / tree_flatten / tree_unflatten / tree_map over
+  the step's arguments and outputs), the same flattening `make_fx` and `torch.func` use.
+- Fake tensors: `FakeTensorMode`, `FakeTensor` and the exceptions a data-dependent op raises
+  under it (`DataDependentOutputException`, `DynamicOutputShapeException`) from
+  `torch._subclasses.fake_tensor`; `detect_fake_mode` from `torch._guards` finds the mode the
+  values of a traced graph belong to.
+- Tracing: `make_fx` and `ShapeEnv` (`torch.fx.experimental`), and `functorch_config`
+  (`torch._functorch.config`), patched to forbid reading a fake tensor's data pointer while a
+  fake mode for capture is made.
+- `grad_fn_sequence_number` / `set_grad_fn_sequence_number` / `reset_grad_fn_sequence_number`:
+  an autograd node's `_sequence_nr()` and `torch.fx.traceback.set_grad_fn_seq_nr` /
+  `reset_grad_fn_seq_nr`, with which capture points each backward node at the forward node it
+  differentiates (as AOTAutograd does); absent in a torch without them
+  (`grad_fn_sequence_numbers_supported()`).
+- `has_kernel_for_dispatch_key`: `torch._C._dispatch_has_kernel_for_dispatch_key`, so meta
+  kernels are registered into `aten` only where torch has none.
+- `resolve_process_group`: `torch.distributed.distributed_c10d._resolve_process_group`, the
+  process group behind the name functional collectives carry in the graph.
+- GradScaler's state: `_scale`, `_growth_tracker` and `_per_optimizer_states` (no public handle
+  on the tensors it updates in place); `GRAD_SCALER_STATE_ATTRIBUTES` names them.
 - `recording_created_nodes`: `GraphModule._register_create_node_hook` /
   `_unregister_create_node_hook`, which `Graph.create_node` calls for every node created in a
   graph owned by the module (what `torch.fx.passes.graph_transform_observer` uses to follow a
@@ -12,9 +33,81 @@ makes an upgrade a visit to one module. Supported: torch 2.11 and 2.13.
 from __future__ import annotations
 
 import contextlib
+import importlib
 from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
 
+import torch
+import torch.fx.traceback as _fx_traceback
+import torch.utils._pytree as pytree  # noqa: F401  (re-exported; torch imports it anyway)
 from torch import fx
+
+if TYPE_CHECKING:
+    import torch._functorch.config as functorch_config  # noqa: F401
+    from torch._guards import detect_fake_mode  # noqa: F401
+    from torch._subclasses.fake_tensor import (DataDependentOutputException,  # noqa: F401
+                                               DynamicOutputShapeException, FakeTensor, FakeTensorMode)
+    from torch.fx.experimental.proxy_tensor import make_fx  # noqa: F401
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv  # noqa: F401
+
+# loaded on first use: importing the tracing machinery costs about 0.4 s, which `import
+# graphoffload` (the ops' fake kernels import this module) should not pay
+_LAZY = {"functorch_config": ("torch._functorch.config", None),
+         "detect_fake_mode": ("torch._guards", "detect_fake_mode"),
+         "FakeTensor": ("torch._subclasses.fake_tensor", "FakeTensor"),
+         "FakeTensorMode": ("torch._subclasses.fake_tensor", "FakeTensorMode"),
+         "DataDependentOutputException": ("torch._subclasses.fake_tensor", "DataDependentOutputException"),
+         "DynamicOutputShapeException": ("torch._subclasses.fake_tensor", "DynamicOutputShapeException"),
+         "make_fx": ("torch.fx.experimental.proxy_tensor", "make_fx"),
+         "ShapeEnv": ("torch.fx.experimental.symbolic_shapes", "ShapeEnv")}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    module, attr = _LAZY[name]
+    loaded = importlib.import_module(module)
+    return loaded if attr is None else getattr(loaded, attr)
+
+# GradScaler's private attributes: what each holds
+GRAD_SCALER_STATE_ATTRIBUTES = {"scale": "_scale", "growth_tracker": "_growth_tracker",
+                                "per_optimizer_states": "_per_optimizer_states"}
+
+
+def grad_scaler_state(scaler: torch.amp.GradScaler, key: str) -> Any:
+    """One of GradScaler's private fields by its key in GRAD_SCALER_STATE_ATTRIBUTES (the scale
+    is None until the first `scale()`)."""
+    return getattr(scaler, GRAD_SCALER_STATE_ATTRIBUTES[key])
+
+
+def grad_fn_sequence_numbers_supported() -> bool:
+    return hasattr(_fx_traceback, "set_grad_fn_seq_nr")
+
+
+def grad_fn_sequence_number(node: Any) -> int:
+    """The sequence number autograd gave a node when its forward op ran."""
+    return node._sequence_nr()
+
+
+def set_grad_fn_sequence_number(seq: int) -> None:
+    """Stamp the ops traced from now on as computing the backward of autograd node `seq`."""
+    _fx_traceback.set_grad_fn_seq_nr(seq)
+
+
+def reset_grad_fn_sequence_number() -> None:
+    _fx_traceback.reset_grad_fn_seq_nr()
+
+
+def has_kernel_for_dispatch_key(qualified_name: str, key: str) -> bool:
+    """Whether the op (e.g. "aten::_fused_adamw_") has a kernel for a dispatch key ("Meta")."""
+    return torch._C._dispatch_has_kernel_for_dispatch_key(qualified_name, key)
+
+
+def resolve_process_group(group_name: str) -> Any:
+    """The process group a functional collective names in the graph."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(group_name)
 
 
 @contextlib.contextmanager

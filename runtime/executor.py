@@ -15,13 +15,13 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.utils._pytree as pytree
 from torch import Tensor, fx
 
 from graphoffload.calibration import host_update_threads
 from graphoffload.config import Offload
 from graphoffload.errors import GraphOffloadError, StateError, StepRunError, describe
 from graphoffload.graph import TENSOR_SLOT, TrainGraph
+from graphoffload.torch_private import pytree
 
 from graphoffload.runtime.host_offload import OffloadRuntime
 from graphoffload.runtime.host_state import HostState

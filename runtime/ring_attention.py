@@ -40,13 +40,12 @@ from graphoffload.errors import RingTimeoutError, describe
 from graphoffload.ops import ring_attention as ring_ops
 from graphoffload.ops.ring_attention import (LAYOUTS, _block_backward, _block_forward,  # noqa: F401  (layouts re-exported)
                                              chunk_ranges, positions, shard, unshard)
+from graphoffload.torch_private import resolve_process_group
 
 # --------------------------------------------------------------------------- communication
 
 def resolve_group(group_name: str) -> dist.ProcessGroup:
-    from torch.distributed.distributed_c10d import _resolve_process_group
-
-    return _resolve_process_group(group_name)
+    return resolve_process_group(group_name)
 
 
 class _Ring:

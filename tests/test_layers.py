@@ -6,6 +6,8 @@ earlier test loaded."""
 from __future__ import annotations
 
 import json
+import pathlib
+import re
 import subprocess
 import sys
 
@@ -84,3 +86,22 @@ print(before)
 """
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout
     assert out.strip() in ("True", "False")
+
+
+PRIVATE_TORCH = re.compile(r"(?:from|import)\s+torch\._|torch\.utils\._pytree|torch\.fx\.experimental|torch\._C\._"
+                           r"|_resolve_process_group|\._sequence_nr\(|_register_create_node_hook")
+
+
+def test_private_torch_api_is_used_only_behind_its_boundary():
+    """Issue 15 item 7: one module (graphoffload/torch_private.py) owns every private torch API
+    the library relies on; an upgrade of torch is a visit to it."""
+    root = pathlib.Path(__file__).resolve().parent.parent
+    offenders = []
+    for package in ("graphoffload", "passes", "runtime"):
+        for path in sorted((root / package).rglob("*.py")):
+            if path.name == "torch_private.py":
+                continue
+            for number, line in enumerate(path.read_text().splitlines(), 1):
+                if PRIVATE_TORCH.search(line):
+                    offenders.append(f"{path.relative_to(root)}:{number}: {line.strip()}")
+    assert not offenders, "private torch API outside graphoffload/torch_private.py:\n" + "\n".join(offenders)

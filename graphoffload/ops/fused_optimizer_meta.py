@@ -17,6 +17,8 @@ import functools
 
 import torch
 
+from graphoffload.torch_private import has_kernel_for_dispatch_key
+
 
 def _check_lists(name: str, *lists) -> None:
     sizes = {len(lst) for lst in lists if len(lst)}
@@ -41,6 +43,6 @@ def register_fused_optimizer_meta_kernels() -> torch.library.Library:
     for op, kernel in (("_fused_adamw_", _adam_meta), ("_fused_adam_", _adam_meta), ("_fused_sgd_", _sgd_meta)):
         for overload in getattr(torch.ops.aten, op).overloads():
             name = f"{op}.{overload}" if overload != "default" else op
-            if not torch._C._dispatch_has_kernel_for_dispatch_key(f"aten::{name}", "Meta"):
+            if not has_kernel_for_dispatch_key(f"aten::{name}", "Meta"):
                 library.impl(name, kernel, "Meta")
     return library
