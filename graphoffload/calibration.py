@@ -53,11 +53,10 @@ class Calibration:
 
     @staticmethod
     def cache_path(device: torch.device, threads: int | None = None) -> str:
-        root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
         name = device.type if device.type == "cpu" else torch.cuda.get_device_name(device).replace(" ", "_")
         host = f"{platform.node()}-{os.cpu_count()}cpu"
         threads = host_update_threads(threads)
-        return os.path.join(root, "graphoffload", f"calibration-{host}-{name}-{threads}threads.json")
+        return os.path.join(cache_dir(), f"calibration-{host}-{name}-{threads}threads.json")
 
     @classmethod
     def load_or_measure(cls, device: torch.device | str, remeasure: bool = False,
@@ -84,6 +83,13 @@ class Calibration:
     def _load(cls, path: str) -> Calibration:
         with open(path) as f:
             return cls(**json.load(f))
+
+
+def cache_dir() -> str:
+    """Where graphoffload keeps what it measured or planned on this machine:
+    `$XDG_CACHE_HOME/graphoffload`, else `~/.cache/graphoffload`."""
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(root, "graphoffload")
 
 
 def _local_rank() -> int:

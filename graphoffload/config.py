@@ -92,6 +92,11 @@ class Offload:
             optimizer or the step run; anything else that reads or writes parameters or
             `optimizer.state` between calls (another compiled step on the same model too) must
             call `step.synchronize()` first. Off by default.
+        plan_cache: keep each offload plan on disk beside the calibration
+            (`$XDG_CACHE_HOME/graphoffload/plans/`), keyed by everything the planner reads (the
+            step's predicted costs, the calibration, the budget), so a restarted job with the
+            same model, shapes and calibration skips planning. A reused plan is the plan
+            planning again would make. False: always plan.
         replan_after: with a planned schedule, time this many steps after each plan; if their
             median drifts from the prediction by more than `replan_threshold` (a fraction),
             profile the next step node by node and plan again from the measured times (at most
@@ -105,6 +110,7 @@ class Offload:
     device_updates: Literal["auto", "never"] | int = "auto"
     calibration: Calibration | None = None
     overlap_next_step: bool = False
+    plan_cache: bool = True
     replan_after: int = 3
     replan_threshold: float = 0.25
 

@@ -417,7 +417,11 @@ def _fixed_stride(n: int, k: int) -> tuple[str, ...]:
     return tuple("device" if i % k == k - 1 else "cpu" for i in range(n))
 
 
-def plan(costs: StepCosts, cal: Calibration, budget: int | None = None, max_sweeps: int = 3) -> tuple[Prediction, dict[str, float]]:
+SWEEPS = 3   # local-search sweeps over the buckets; rarely does a third one still improve
+
+
+def plan(costs: StepCosts, cal: Calibration, budget: int | None = None,
+         max_sweeps: int = SWEEPS) -> tuple[Prediction, dict[str, float]]:
     """The fastest predicted assignment, and the predicted time of each named candidate.
 
     A first-improvement local search (flip one bucket's path, keep it if faster) from the best

@@ -38,7 +38,8 @@ from graphoffload.graph import InputSpec, TrainGraph, fake_mode_of, fill_missing
 from graphoffload.memory import analyze_memory, format_bytes
 from graphoffload.calibration import Calibration
 from graphoffload.cost_model import node_seconds
-from graphoffload.offload_planner import BucketCost, StepCosts, plan, predict
+from graphoffload.offload_planner import SWEEPS, BucketCost, Prediction, StepCosts, plan, predict
+from graphoffload.plan_cache import load_plan, plan_key, plan_path, store_plan
 from graphoffload.ops.host_transfer import assign_streams
 from graphoffload.passes.update_kernels import UpdateKernel, update_kernels_to_rewrite
 
@@ -343,7 +344,9 @@ def _choose_paths(graph: TrainGraph, kernels: list[UpdateKernel], ctx: PassConte
         if chosen is None:
             raise UnsupportedError(f"device_updates={mode} cannot meet gpu_memory_budget {offload.gpu_memory_budget}")
     else:
-        chosen, candidates = plan(costs, cal, budget)
+        # re-plans from measured node times are never cached: no restart measures the same times
+        chosen, candidates = _plan_or_reuse(graph, costs, cal, budget,
+                                            offload.plan_cache and ctx.measured_node_seconds is None)
     graph.note("offload_optimizer", f"plan: {chosen.assignment.count('device')} of {n} buckets on the device, "
                f"predicted step {chosen.step_seconds * 1e3:.3g} ms" + "".join(
                    f"; {name} {t * 1e3:.3g} ms" for name, t in candidates.items()))
@@ -354,6 +357,22 @@ def _choose_paths(graph: TrainGraph, kernels: list[UpdateKernel], ctx: PassConte
                    f"{sum(_moved(e, bucket) for e in spans) / 2**20:.2f} MiB moved")
     graph.schedule = chosen
     return list(chosen.assignment), chosen.prefetch_node
+
+
+def _plan_or_reuse(graph: TrainGraph, costs: StepCosts, cal: Calibration, budget: int | None,
+                   use_cache: bool) -> tuple[Prediction, dict[str, float]]:
+    """The planner's choice, from the on-disk plan cache when the same costs, calibration and
+    budget were planned before (Offload.plan_cache)."""
+    if not use_cache:
+        return plan(costs, cal, budget)
+    key = plan_key(costs, cal, budget, SWEEPS)
+    cached = load_plan(key)
+    if cached is not None:
+        graph.note("offload_optimizer", f"plan reused from the on-disk plan cache ({plan_path(key)})")
+        return cached
+    chosen, candidates = plan(costs, cal, budget, SWEEPS)
+    store_plan(key, chosen, candidates)
+    return chosen, candidates
 
 
 def _moved(event, bucket: BucketCost) -> int:

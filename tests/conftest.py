@@ -8,6 +8,19 @@ import pytest
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _own_cache_dir(tmp_path_factory):
+    """Calibrations and offload plans cached during the tests go to a directory of the test
+    session's (subprocesses inherit it), never to the user's cache."""
+    saved = os.environ.get("XDG_CACHE_HOME")
+    os.environ["XDG_CACHE_HOME"] = str(tmp_path_factory.mktemp("cache"))
+    yield
+    if saved is None:
+        os.environ.pop("XDG_CACHE_HOME", None)
+    else:
+        os.environ["XDG_CACHE_HOME"] = saved
+
+
 # ---- the offload schedule matrix under the sanitizer (issue 12): modules or tests marked
 # `sanitizer_matrix` run their CPU cases twice, the second time with GRAPHOFFLOAD_SANITIZE=1,
 # so a read the schedule does not order after its transfer's wait fails on the CPU too.

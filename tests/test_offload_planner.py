@@ -375,3 +375,53 @@ def test_plan_stops_simulating_flips_that_cannot_win(monkeypatch):
     (model,) = models   # one step model for the whole search
     assert 9 + 100 <= model.evaluated <= 9 + 3 * 100 + 1
     assert model.simulated < 0.95 * 2 * 100 * model.evaluated   # rejected flips stop early
+
+
+def _planned(budget=None, calibration=BALANCED, plan_cache=True):
+    """A fresh compile (as a restarted job makes) of the tiny GPT under the planner: its notes
+    and its plan."""
+    model = GPT(TINY)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    step = graphoffload.offload_compile(
+        train_step, config=CompileConfig(fuse_optimizer=FuseOptimizer(bucket_numel=2048)),
+        offload=Offload(device_updates="auto", calibration=calibration, gpu_memory_budget=budget,
+                        plan_cache=plan_cache))
+    graph = step.compile(model, opt, token_batches(1)[0])
+    return "\n".join(graph.notes["offload_optimizer"]), graph.schedule
+
+
+def test_a_restarted_job_reuses_the_cached_plan(tmp_path, monkeypatch):
+    from graphoffload.passes import offload_optimizer as offload_pass
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    notes, first = _planned()
+    assert "plan reused" not in notes
+    files = list((tmp_path / "graphoffload" / "plans").glob("plan-*.json"))
+    assert len(files) == 1
+
+    def no_planning(*args, **kwargs):
+        raise AssertionError("planned again although the same plan was cached")
+
+    monkeypatch.setattr(offload_pass, "plan", no_planning)
+    notes, second = _planned()
+    assert "plan reused from the on-disk plan cache" in notes
+    assert second.assignment == first.assignment and 0 < first.assignment.count("device") < len(first.assignment)
+    assert second.step_seconds == first.step_seconds and second.prefetch_node == first.prefetch_node
+    assert second.peak_bytes == first.peak_bytes and second.events == first.events
+    # another calibration or budget is another key: planned (and here, refused by the stub)
+    with pytest.raises(graphoffload.errors.PassError, match="planned again"):
+        _planned(calibration=dataclasses.replace(BALANCED, h2d_bytes_per_s=BALANCED.h2d_bytes_per_s / 2))
+    with pytest.raises(graphoffload.errors.PassError, match="planned again"):
+        _planned(budget=10 * 2**30)
+    monkeypatch.undo()
+
+
+def test_an_unreadable_cached_plan_is_planned_again(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    _, first = _planned()
+    (path,) = (tmp_path / "graphoffload" / "plans").glob("plan-*.json")
+    path.write_text('{"format": 1, "key": "')   # a torn write from another tool
+    notes, again = _planned()
+    assert "plan reused" not in notes and again.assignment == first.assignment
+    _, off = _planned(plan_cache=False)   # plan_cache=False neither reads nor writes
+    assert len(list(path.parent.glob("plan-*.json"))) == 1 and off.assignment == first.assignment
