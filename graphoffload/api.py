@@ -22,7 +22,6 @@ from graphoffload.checkpoint import load_optimizer_state_exactly
 from graphoffload.config import CompileConfig, Offload
 from graphoffload.errors import PartialUpdateError, StateError, UnsupportedError
 from graphoffload.graph import TrainGraph
-from graphoffload.torch_private import pytree
 from graphoffload.interruption import InterruptionGuard, Snapshot
 from graphoffload.optimizer_lowering import first_step_params
 from graphoffload.memory import MemoryProfile, analyze_memory
@@ -33,6 +32,7 @@ from graphoffload.runtime.executor import Executor
 from graphoffload.runtime.host_state import HostState
 from graphoffload.runtime.shared_runtimes import SharedRuntimes
 from graphoffload.sequence_parallel import RankAgreement
+from graphoffload.torch_private import pytree
 
 log = logging.getLogger("graphoffload")
 

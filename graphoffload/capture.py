@@ -518,7 +518,6 @@ class _AccumulatingGrads:
 # --------------------------------------------------------------------------- errors
 
 def _translate_trace_error(exc: Exception) -> GraphOffloadError:
-
     name = type(exc).__name__
     if isinstance(exc, (DataDependentOutputException, DynamicOutputShapeException)) or \
             "GuardOnDataDependent" in name or "data-dependent" in str(exc).lower():
@@ -666,7 +665,8 @@ def _capture_step(fn: Callable, args: tuple, kwargs: dict, config: CompileConfig
     lr_before = [b.lr(oi, gi) for oi, gi in b.lr_groups]
     device = b.device
     for scaler in b.scalers:
-        if grad_scaler_state(scaler, "scale") is None:   # created lazily by the first scale(): create it now, outside the trace
+        # the scale is created lazily by the first scale(): create it now, outside the trace
+        if grad_scaler_state(scaler, "scale") is None:
             scaler.scale(torch.zeros((), device=device))
     scaler_keys = [(i, key) for i in range(len(b.scalers)) for key in ("scale", "growth_tracker")]
 
