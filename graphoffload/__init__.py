@@ -24,7 +24,7 @@ from graphoffload import ops  # noqa: F401  (the graphoffload:: op vocabulary, d
 from graphoffload.config import CompileConfig, FuseOptimizer, Offload
 from graphoffload.errors import (CaptureError, GraphOffloadError, PartialUpdateError, PassError, RingTimeoutError,
                                  StateError, StepRunError, UnsupportedError)
-from graphoffload.graph import GraphSignature, InputSpec, OutputSpec, TrainGraph
+from graphoffload.graph import GraphSignature, InputSpec, Note, OutputSpec, TrainGraph
 from graphoffload.memory import MemoryProfile, analyze_memory
 from graphoffload.sequence_parallel import SequenceParallel
 
@@ -49,7 +49,8 @@ def __dir__() -> list[str]:
 
 __all__ = [
     "CaptureError", "CompileConfig", "CompiledStep", "FuseOptimizer", "GraphOffloadError", "GraphSignature", "InputSpec",
-    "MemoryProfile", "Offload", "OutputSpec", "PartialUpdateError", "Pass", "PassContext", "PassError", "PassManager",
+    "MemoryProfile", "Note", "Offload", "OutputSpec", "PartialUpdateError", "Pass", "PassContext", "PassError",
+    "PassManager",
     "RingTimeoutError", "SequenceParallel", "StateError", "StepRunError", "TrainGraph", "UnsupportedError",
     "analyze_memory", "offload_compile",
 ]

@@ -14,7 +14,9 @@ Graph conventions (see passes/README.md for the full list of invariants):
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
+from types import MappingProxyType
 from typing import Any, Literal
 
 import torch
@@ -84,13 +86,35 @@ class GraphSignature:
         return {s.target: s.name for s in self.inputs if s.kind == "param"}
 
 
+class Note(str):
+    """One thing a pass reports about what it did: the line `explain()` shows, with its facts as
+    fields. Tools and tests read `kind` and `fields` (`graph.notes_of(pass, kind)`), not the
+    prose, which may be reworded; a Note is still the str it reads as."""
+
+    kind: str
+    fields: Mapping[str, Any]
+
+    def __new__(cls, text: str, kind: str = "", **fields: Any) -> Note:
+        note = super().__new__(cls, text)
+        note.kind = kind
+        note.fields = MappingProxyType(dict(fields))
+        return note
+
+    def __reduce__(self):   # copies and pickles keep the fields
+        return (_make_note, (str(self), self.kind, dict(self.fields)))
+
+
+def _make_note(text: str, kind: str, fields: dict[str, Any]) -> Note:
+    return Note(text, kind, **fields)
+
+
 @dataclass
 class TrainGraph:
     """A captured (and possibly transformed) train step."""
 
     gm: fx.GraphModule
     signature: GraphSignature
-    notes: dict[str, list[str]] = field(default_factory=dict)
+    notes: dict[str, list[Note]] = field(default_factory=dict)
     schedule: Any = None      # the offload planner's predicted timeline, when one was made
 
     @property
@@ -136,9 +160,15 @@ class TrainGraph:
         specs.append(replace(spec, name=node.name))   # the name fx gave it (see placeholder_name)
         return node
 
-    def note(self, pass_name: str, line: str) -> None:
-        """Record a line for `explain()` about what `pass_name` did."""
-        self.notes.setdefault(pass_name, []).append(line)
+    def note(self, pass_name: str, line: str, kind: str = "", **fields: Any) -> Note:
+        """Record what `pass_name` did: `line` for `explain()`, `kind` and `fields` for tools."""
+        note = Note(line, kind, **fields)
+        self.notes.setdefault(pass_name, []).append(note)
+        return note
+
+    def notes_of(self, pass_name: str, kind: str) -> list[Note]:
+        """The notes of one kind a pass recorded (e.g. `notes_of("offload_optimizer", "plan")`)."""
+        return [n for n in self.notes.get(pass_name, []) if getattr(n, "kind", "") == kind]
 
 
 def placeholder_name(prefix: str, name: str) -> str:

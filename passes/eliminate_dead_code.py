@@ -41,5 +41,5 @@ def eliminate_dead_code(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
             continue
         graph.graph.erase_node(node)
         removed += 1
-    graph.note("eliminate_dead_code", f"removed {removed} unused nodes")
+    graph.note("eliminate_dead_code", f"removed {removed} unused nodes", "removed", nodes=removed)
     return graph

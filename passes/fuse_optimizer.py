@@ -323,23 +323,29 @@ def fuse_optimizer(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
             label = f"bucket {number}: {names[0]}" + (f" +{len(names) - 1}" if len(names) > 1 else "")
             numel = sum(u.numel for u in bucket)
             if ready_in_backward:
-                graph.note("fuse_optimizer", f"{label} ({numel:,} elements) runs in backward after {_describe(anchor)}")
+                graph.note("fuse_optimizer", f"{label} ({numel:,} elements) runs in backward after {_describe(anchor)}",
+                           "bucket", bucket=number, params=tuple(names), numel=numel, in_backward=True,
+                           after=anchor.name)
             elif anchor.target is torch.ops._c10d_functional.wait_tensor.default:
                 graph.note("fuse_optimizer", f"{label} ({numel:,} elements) stays after backward: it must follow "
                            f"{_describe(anchor)}, the end of its gradients' all-reduce, whose bucket closes "
                            "after the last backward op (smaller SequenceParallel(bucket_numel=...) buckets "
-                           "close earlier)")
+                           "close earlier)", "bucket", bucket=number, params=tuple(names), numel=numel,
+                           in_backward=False, after=anchor.name, waits_for="all-reduce")
             else:
                 graph.note("fuse_optimizer", f"{label} ({numel:,} elements) stays after backward: it must follow "
                            f"{_describe(anchor)}, which writes or reads its gradients, parameters or state "
-                           "after the last backward op (e.g. global-norm gradient clipping)")
+                           "after the last backward op (e.g. global-norm gradient clipping)", "bucket", bucket=number,
+                           params=tuple(names), numel=numel, in_backward=False, after=anchor.name,
+                           waits_for="after backward")
             held += [f"{u.name} (read by {u.held_by})" for u in bucket if u.held_by]
             number += 1
         for node in (k.step_rollback, k.node, k.counter):
             if node is not None:
                 g.erase_node(node)
     graph.note("fuse_optimizer", f"{number} update buckets (bucket_numel={bucket_numel:,}), "
-               f"{in_backward} run inside backward")
+               f"{in_backward} run inside backward", "buckets", buckets=number, in_backward=in_backward,
+               bucket_numel=bucket_numel)
     if number - in_backward > 1 and not cfg.park_gradients:
         graph.note("fuse_optimizer", "the gradients of buckets that stay after backward live until their update; "
                    "FuseOptimizer(park_gradients=True) keeps them in host memory meanwhile (exact; costs "

@@ -308,7 +308,8 @@ def _choose_paths(graph: TrainGraph, kernels: list[UpdateKernel], ctx: PassConte
     mode = offload.device_updates
     if mode == "never" or (mode == "auto" and offload.calibration is None and ctx.device.type != "cuda"):
         if mode == "auto":
-            graph.note("offload_optimizer", "no accelerator: every bucket takes the CPU path")
+            graph.note("offload_optimizer", "no accelerator: every bucket takes the CPU path", "no_plan",
+                       reason="no accelerator")
         return ["cpu"] * n, {}
     cal = offload.calibration or Calibration.load_or_measure(ctx.device, threads=offload.cpu_threads)
     nodes = [nd for nd in graph.graph.nodes if nd.op != "output"]
@@ -349,12 +350,15 @@ def _choose_paths(graph: TrainGraph, kernels: list[UpdateKernel], ctx: PassConte
                                             offload.plan_cache and ctx.measured_node_seconds is None)
     graph.note("offload_optimizer", f"plan: {chosen.assignment.count('device')} of {n} buckets on the device, "
                f"predicted step {chosen.step_seconds * 1e3:.3g} ms" + "".join(
-                   f"; {name} {t * 1e3:.3g} ms" for name, t in candidates.items()))
+                   f"; {name} {t * 1e3:.3g} ms" for name, t in candidates.items()), "plan",
+               device_buckets=chosen.assignment.count("device"), buckets=n, step_seconds=chosen.step_seconds,
+               candidates=dict(candidates))
     for b, bucket in enumerate(buckets):
         spans = [e for e in chosen.events if e.bucket == b]
+        start, end, moved = min(e.start for e in spans), max(e.end for e in spans), sum(_moved(e, bucket) for e in spans)
         graph.note("offload_optimizer", f"{bucket.name}: {chosen.assignment[b]} path, "
-                   f"{min(e.start for e in spans) * 1e3:.3g}-{max(e.end for e in spans) * 1e3:.3g} ms, "
-                   f"{sum(_moved(e, bucket) for e in spans) / 2**20:.2f} MiB moved")
+                   f"{start * 1e3:.3g}-{end * 1e3:.3g} ms, {moved / 2**20:.2f} MiB moved", "bucket",
+                   bucket=bucket.name, path=chosen.assignment[b], start_s=start, end_s=end, moved_bytes=moved)
     graph.schedule = chosen
     return list(chosen.assignment), chosen.prefetch_node
 
@@ -368,7 +372,8 @@ def _plan_or_reuse(graph: TrainGraph, costs: StepCosts, cal: Calibration, budget
     key = plan_key(costs, cal, budget, SWEEPS)
     cached = load_plan(key)
     if cached is not None:
-        graph.note("offload_optimizer", f"plan reused from the on-disk plan cache ({plan_path(key)})")
+        graph.note("offload_optimizer", f"plan reused from the on-disk plan cache ({plan_path(key)})", "plan_reused",
+                   path=plan_path(key))
         return cached
     chosen, candidates = plan(costs, cal, budget, SWEEPS)
     store_plan(key, chosen, candidates)
@@ -454,27 +459,31 @@ def offload_optimizer(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
     if read_in_step:
         graph.note("offload_optimizer", f"{len(read_in_step)} CPU-path buckets' parameters are read after the "
                    "update inside the step: the step waits for their uploads before that read"
-                   + (" and does not hand them over" if offload.overlap_next_step else ""))
+                   + (" and does not hand them over" if offload.overlap_next_step else ""), "read_after_update",
+                   buckets=len(read_in_step))
     if offload.overlap_next_step:
         graph.note("offload_optimizer", f"{paths.count('cpu') - len(read_in_step)} CPU-path buckets hand their "
                    "uploads over to the next step, which waits for each right before its forward first reads "
-                   "the bucket's parameters")
+                   "the bucket's parameters", "handed_over", buckets=paths.count("cpu") - len(read_in_step))
         if paths.count("device"):
             graph.note("offload_optimizer", f"{paths.count('device')} device-path buckets' state write-backs land "
                        "after the step returns: the next step's prefetch of that state waits for them in stream "
-                       "order, and synchronize() before any outside access")
+                       "order, and synchronize() before any outside access", "carried_write_backs",
+                       buckets=paths.count("device"))
     for cause, buckets in waits_past_backward.items():
         graph.note("offload_optimizer", f"{len(buckets)} buckets' updates ({', '.join(buckets)}) wait past backward "
                    f"{cause}, but their gradients go to the host as soon as they are final, inside backward, "
                    "so the device frees them there" + (" (the host applies clip_grad_norm_'s scaling)"
-                                                       if "clip_grad_norm_" in cause else ""))
+                                                       if "clip_grad_norm_" in cause else ""),
+                   "waits_past_backward", cause=cause, buckets=tuple(buckets))
     assign_streams(g)   # node.meta["stream"]: which copy stream each transfer runs on
     graph = graph.with_signature(inputs=tuple(specs))
     fill_missing_meta(graph, "offload_optimizer")   # the prefetched buffers' sizes count below
     device_peak = analyze_memory(graph).peak
     graph.note("offload_optimizer", f"{len(kernels)} update buckets offloaded: {format_bytes(moved_bytes)} of "
                f"master weights and optimizer state in host memory; predicted device peak "
-               f"{format_bytes(device_peak)}")
+               f"{format_bytes(device_peak)}", "offloaded", buckets=len(kernels), host_bytes=moved_bytes,
+               device_peak_bytes=device_peak)
     unseen = unseen_device_bytes(g, ctx.device)
     if any(unseen.values()):
         graph.note("offload_optimizer", "device memory no node holds, modelled: " + ", ".join(

@@ -180,5 +180,7 @@ def park_gradients(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
     count = sum(len(b) for _, b in kept_plans)
     graph.note("park_gradients", f"{count} gradients ({format_bytes(parked_bytes)}) in {len(kept_plans)} waiting "
                f"buckets parked in host memory during backward, each bucket brought back one bucket ahead "
-               f"of its update; predicted device peak {format_bytes(before_peak)} -> {format_bytes(after_peak)}")
+               f"of its update; predicted device peak {format_bytes(before_peak)} -> {format_bytes(after_peak)}",
+               "parked", gradients=count, bytes=parked_bytes, buckets=len(kept_plans), peak_before=before_peak,
+               peak_after=after_peak)
     return graph

@@ -558,12 +558,14 @@ def ring_attention(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
     graph.note("ring_attention", f"rank {sharder.rank} of {sharder.world}, {sp.layout} layout: the sequence of "
                f"{sharder.seq} tokens is split into {sharder.seq // sharder.world} per rank")
     graph.note("ring_attention", f"{c['fwd']} attention forward and {c['bwd']} backward nodes -> ring attention "
-               f"({sharder.world - 1} key/value exchanges forward, {2 * sharder.world - 1} backward, each)")
+               f"({sharder.world - 1} key/value exchanges forward, {2 * sharder.world - 1} backward, each)",
+               "attention", forward=c["fwd"], backward=c["bwd"])
     graph.note("ring_attention", f"{c['seeds']} token embedding(s) split; {c['sharded']} full-sequence tensors "
                "(positions, labels, rotary tables) sharded where they meet the split sequence")
     graph.note("ring_attention", f"{c['grads']} parameter gradients all-reduced in {c['buckets']} buckets; "
                f"{c['losses']} loss(es) averaged over all ranks' tokens; {c['partials']} other partial sums "
-               "all-reduced")
+               "all-reduced", "reductions", gradients=c["grads"], gradient_buckets=c["buckets"],
+               losses=c["losses"], other_partials=c["partials"])
     if c["sharded_outputs"]:
         graph.note("ring_attention", f"{c['sharded_outputs']} step outputs are this rank's part of the sequence")
     return graph

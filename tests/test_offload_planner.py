@@ -141,8 +141,11 @@ def test_hybrid_training_matches_eager_bit_for_bit(device_updates, tmp_path):
         fetched = sum(t.numel() * t.element_size() for t in fetch.meta["val"][:-1])
         before = profile.live_at(fetch.prev.name)
         assert profile.live_at(fetch.name) - before >= fetched > 0
-    notes = "\n".join(step.train_graph.notes["offload_optimizer"])
-    assert "device path" in notes and "cpu path" in notes and "MiB moved" in notes
+    buckets = step.train_graph.notes_of("offload_optimizer", "bucket")
+    assert {b.fields["path"] for b in buckets} == {"device", "cpu"}
+    assert all(b.fields["moved_bytes"] > 0 and b.fields["end_s"] > b.fields["start_s"] for b in buckets)
+    (chosen,) = step.train_graph.notes_of("offload_optimizer", "plan")
+    assert chosen.fields["device_buckets"] == sum(b.fields["path"] == "device" for b in buckets)
 
     trace = json.loads(open(step.timeline(str(tmp_path / "t.json"))).read())
     tracks = {(e["pid"], e["tid"]) for e in trace["traceEvents"] if e["ph"] == "X"}
@@ -387,15 +390,15 @@ def _planned(budget=None, calibration=BALANCED, plan_cache=True):
         offload=Offload(device_updates="auto", calibration=calibration, gpu_memory_budget=budget,
                         plan_cache=plan_cache))
     graph = step.compile(model, opt, token_batches(1)[0])
-    return "\n".join(graph.notes["offload_optimizer"]), graph.schedule
+    return graph.notes_of("offload_optimizer", "plan_reused"), graph.schedule
 
 
 def test_a_restarted_job_reuses_the_cached_plan(tmp_path, monkeypatch):
     from graphoffload.passes import offload_optimizer as offload_pass
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    notes, first = _planned()
-    assert "plan reused" not in notes
+    reused, first = _planned()
+    assert not reused
     files = list((tmp_path / "graphoffload" / "plans").glob("plan-*.json"))
     assert len(files) == 1
 
@@ -403,8 +406,8 @@ def test_a_restarted_job_reuses_the_cached_plan(tmp_path, monkeypatch):
         raise AssertionError("planned again although the same plan was cached")
 
     monkeypatch.setattr(offload_pass, "plan", no_planning)
-    notes, second = _planned()
-    assert "plan reused from the on-disk plan cache" in notes
+    reused, second = _planned()
+    assert len(reused) == 1 and reused[0].fields["path"] == str(files[0])
     assert second.assignment == first.assignment and 0 < first.assignment.count("device") < len(first.assignment)
     assert second.step_seconds == first.step_seconds and second.prefetch_node == first.prefetch_node
     assert second.peak_bytes == first.peak_bytes and second.events == first.events
@@ -421,7 +424,7 @@ def test_an_unreadable_cached_plan_is_planned_again(tmp_path, monkeypatch):
     _, first = _planned()
     (path,) = (tmp_path / "graphoffload" / "plans").glob("plan-*.json")
     path.write_text('{"format": 1, "key": "')   # a torn write from another tool
-    notes, again = _planned()
-    assert "plan reused" not in notes and again.assignment == first.assignment
+    reused, again = _planned()
+    assert not reused and again.assignment == first.assignment
     _, off = _planned(plan_cache=False)   # plan_cache=False neither reads nor writes
     assert len(list(path.parent.glob("plan-*.json"))) == 1 and off.assignment == first.assignment

@@ -209,11 +209,13 @@ def _train_and_compare(rank, world, model_name, layout, dtype, batch_mode="full"
     loss_sum = next(n for n in graph.nodes if n.target is torch.ops._c10d_functional.all_reduce.default)
     assert loss_sum.meta["val"].dtype in (torch.float32, torch.float64)   # a bf16 count is inexact
     assert targets.count(torch.ops._c10d_functional.all_reduce_coalesced.default) >= layers   # gradient buckets
-    notes = "\n".join(step.last.stages["final"].notes["ring_attention"])
-    assert "-> ring attention" in notes and "all-reduced in" in notes
+    final = step.last.stages["final"]
+    (attention,) = final.notes_of("ring_attention", "attention")
+    assert attention.fields["forward"] == attention.fields["backward"] == layers
+    (reductions,) = final.notes_of("ring_attention", "reductions")
+    assert reductions.fields["gradient_buckets"] == targets.count(torch.ops._c10d_functional.all_reduce_coalesced.default)
     # one update bucket (a tiny model): it waits for its gradients' all-reduce, and says so
-    fuse_notes = "\n".join(step.last.stages["final"].notes["fuse_optimizer"])
-    assert "the end of its gradients' all-reduce" in fuse_notes
+    assert [b.fields["waits_for"] for b in final.notes_of("fuse_optimizer", "bucket")] == ["all-reduce"]
 
 
 class _MaskedAttention(torch.nn.Module):
