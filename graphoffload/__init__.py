@@ -50,7 +50,7 @@ def __dir__() -> list[str]:
 __all__ = [
     "CaptureError", "CompileConfig", "CompiledStep", "FuseOptimizer", "GraphOffloadError", "GraphSignature", "InputSpec",
     "MemoryProfile", "Note", "Offload", "OutputSpec", "PartialUpdateError", "Pass", "PassContext", "PassError",
-    "PassManager",
-    "RingTimeoutError", "SequenceParallel", "StateError", "StepRunError", "TrainGraph", "UnsupportedError",
+    "PassManager", "RingTimeoutError", "SequenceParallel", "StateError", "StepRunError", "TrainGraph",
+    "UnsupportedError",
     "analyze_memory", "offload_compile",
 ]
