@@ -33,6 +33,7 @@ from torch import fx
 from graphoffload.aliasing import StorageMap, written_args
 from graphoffload.diagnostics import user_line_of_stack_trace
 from graphoffload.graph import TrainGraph
+from graphoffload.passes.bucketing import greedy_buckets
 from graphoffload.passes.update_kernels import UpdateKernel, update_kernels_to_rewrite
 
 if TYPE_CHECKING:
@@ -105,16 +106,7 @@ def _hoist_scalar_inputs(graph: fx.Graph, kernels: list[fx.Node]) -> None:
 def _buckets(updates: list[_Update], position: dict[fx.Node, int], bucket_numel: int) -> list[list[_Update]]:
     """Group updates that become ready in order, at most `bucket_numel` elements a bucket."""
     ordered = sorted(updates, key=lambda u: (position[u.anchor], u.index))
-    buckets: list[list[_Update]] = []
-    size = 0
-    for u in ordered:
-        if buckets and size + u.numel <= bucket_numel:
-            buckets[-1].append(u)
-            size += u.numel
-        else:
-            buckets.append([u])
-            size = u.numel
-    return buckets
+    return greedy_buckets(ordered, lambda u: u.numel, bucket_numel)
 
 
 def _emit_bucket(graph: fx.Graph, k: UpdateKernel, bucket: list[_Update], after: fx.Node, number: int) -> fx.Node:

@@ -39,6 +39,7 @@ from torch import fx
 from graphoffload.diagnostics import user_line_of_stack_trace
 from graphoffload.errors import UnsupportedError, describe
 from graphoffload.graph import TrainGraph, fake_mode_of
+from graphoffload.passes.bucketing import greedy_buckets
 from graphoffload.passes.update_kernels import kernel_rule
 from graphoffload.ops.attention import ATTENTION, ATTENTION_BACKWARD
 from graphoffload.ops.ring_attention import chunk_ranges
@@ -131,18 +132,9 @@ class _Sharder:
         for node in self.g.nodes:
             if kernel_rule(node) is not None:
                 grads.update((g, None) for g in node.args[1] if isinstance(g, fx.Node))
-        self.buckets: dict[fx.Node, list[fx.Node]] = {}
-        bucket: list[fx.Node] = []
-        size = 0
-        for g in sorted(grads, key=self.position.__getitem__):
-            numel = g.meta["val"].numel()
-            if bucket and size + numel > sp.bucket_numel:
-                self.buckets[bucket[-1]] = bucket
-                bucket, size = [], 0
-            bucket.append(g)
-            size += numel
-        if bucket:
-            self.buckets[bucket[-1]] = bucket
+        self.buckets: dict[fx.Node, list[fx.Node]] = {
+            bucket[-1]: bucket for bucket in greedy_buckets(sorted(grads, key=self.position.__getitem__),
+                                                            lambda g: g.meta["val"].numel(), sp.bucket_numel)}
 
     # ------------------------------------------------------------------ helpers
 

@@ -74,3 +74,13 @@ def test_a_node_a_pass_creates_is_stamped_with_that_pass_even_when_it_copies_met
     assert made == {aten.sin.default: "capture", aten.mul.Tensor: "double"}
     twice = next(n for n in final.graph.nodes if n.target is aten.mul.Tensor)
     assert twice.meta["val"].shape == (4,)
+
+
+def test_greedy_buckets_close_when_the_next_item_would_not_fit():
+    from graphoffload.passes.bucketing import greedy_buckets
+
+    sizes = [3, 4, 2, 9, 1, 1, 5]
+    buckets = greedy_buckets(sizes, lambda n: n, 7)
+    assert buckets == [[3, 4], [2], [9], [1, 1, 5]]   # 9 alone: larger than the limit
+    assert [x for b in buckets for x in b] == sizes     # order kept, nothing lost
+    assert greedy_buckets([], lambda n: n, 7) == []
