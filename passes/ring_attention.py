@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import fx
 
+from graphoffload.aliasing import written_args
 from graphoffload.diagnostics import user_line_of_stack_trace
 from graphoffload.errors import UnsupportedError, describe
 from graphoffload.graph import TrainGraph, fake_mode_of
@@ -102,8 +103,9 @@ class _Sharder:
         # gradient accumulation's running sums (accumulation_steps=k) hold each rank's partial sum
         # over the window: nothing reduces them until the update adds the last micro-batch's
         # gradient, so gradients cross the group once per update, not once per micro-batch
-        self.spec: dict[fx.Node, Any] = {n: PARTIAL for n in self.g.nodes if n.op == "placeholder"
-                                         and graph.signature.input(n.name).kind == "grad_sum"}
+        self.grad_sums = {n for n in self.g.nodes if n.op == "placeholder"
+                          and graph.signature.input(n.name).kind == "grad_sum"}
+        self.spec: dict[fx.Node, Any] = {n: PARTIAL for n in self.grad_sums}
         self.shards: dict[tuple[fx.Node, Shard], fx.Node] = {}
         self.reduced: dict[fx.Node, fx.Node] = {}
         self.counts: Counter = Counter()
@@ -253,6 +255,13 @@ class _Sharder:
                   all(specs[n] is None for n in tensors if n not in partial)) or \
                  (target in LINEAR_SUM and len(partial) == len(tensors))
         if partial and not linear:
+            if any(n in self.grad_sums for n in written_args(node)):
+                # reducing the running sum first would leave the write in a copy and the sum as it was
+                where = user_line_of_stack_trace(node.meta.get("stack_trace")) or "an unknown line"
+                raise UnsupportedError(
+                    f"sequence parallelism with accumulation_steps: {node.name} ({target}) at {where} writes into "
+                    "a running gradient sum, which holds each rank's partial sum until the update, with a value "
+                    "that is not a partial sum; accumulate inside the step instead (a loop over micro-batches)")
             for n in partial:
                 node.replace_input_with(n, self.reduce(n))
             specs = {n: self.spec.get(n) for n in node.all_input_nodes}

@@ -110,10 +110,37 @@ def _form_b(rank, world, optimizer):
     assert step.trace_count == (3 if optimizer == "sgd" else 2)
 
 
+class _ScaledLoss(torch.nn.Module):
+    """A parameter used only after the loss is averaged over ranks: its gradient is the same on
+    every rank (not a partial sum), so it cannot be added into a running partial sum."""
+
+    def __init__(self):
+        super().__init__()
+        self.gpt = _gpt()
+        self.scale = torch.nn.Parameter(torch.ones((), dtype=torch.float64))
+
+    def forward(self, idx, labels):
+        return self.gpt(idx, labels=labels) * self.scale
+
+
+def _replicated_gradient_is_refused(rank, world):
+    import graphoffload
+
+    model = _ScaledLoss()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = [p.detach().clone() for p in model.parameters()]
+    step = graphoffload.offload_compile(one_step, accumulation_steps=K,
+                                        sequence_parallel=graphoffload.SequenceParallel(timeout_s=60))
+    with pytest.raises(graphoffload.UnsupportedError, match="running gradient sum"):
+        step(model, opt, _micro_batches(1)[0])
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+
+
 def _world2(rank, world):
     for optimizer in ("adamw", "sgd"):
         _form_a(rank, world, optimizer)
         _form_b(rank, world, optimizer)
+    _replicated_gradient_is_refused(rank, world)
 
 
 @pytest.mark.slow   # several processes
