@@ -223,6 +223,86 @@ def fill_missing_meta(graph: TrainGraph, pass_name: str) -> None:
                 node.meta["phase"] = "forward"
 
 
+@dataclass(frozen=True)
+class NodeInputs:
+    """What a node computed from before a pass: its op, its arguments and its value (the objects
+    themselves, so a check after the pass is an identity test for the nodes nobody touched)."""
+
+    target: Any
+    args: tuple
+    kwargs: dict
+    val: Any
+
+
+def snapshot_inputs(graph: TrainGraph) -> dict[fx.Node, NodeInputs]:
+    """Each op node's inputs and value, taken before a pass so `refresh_vals` can tell which
+    nodes the pass edited without updating their ``meta["val"]``."""
+    return {n: NodeInputs(n.target, n.args, n.kwargs, n.meta.get("val"))
+            for n in graph.graph.nodes if n.op == "call_function"}
+
+
+def _same_meta(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return (a.shape == b.shape and a.dtype == b.dtype and a.device == b.device
+                and (a.layout != torch.strided or a.stride() == b.stride()))
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same_meta(x, y) for x, y in zip(a, b))
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return False
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 - symbolic or odd values: treat as changed
+        return False
+
+
+def _same_arguments(a: Any, b: Any) -> bool:
+    # fx makes a new tuple whenever a node's arguments are set, so identity settles the usual case
+    if a is b:
+        return True
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 - e.g. a tensor constant among the arguments: call it edited
+        return False
+
+
+def refresh_vals(graph: TrainGraph, pass_name: str, before: Mapping[fx.Node, NodeInputs]) -> list[fx.Node]:
+    """Recompute ``meta["val"]`` where a pass changed what a node computes but left its value
+    as it was (as Inductor's FakeTensorUpdater does after its passes): a node whose op or
+    arguments the pass edited, or one an input of which now has another value. A value the pass
+    set itself is trusted; a recomputed value equal in shape, dtype, device and strides keeps the
+    old object (aliasing analyses compare storages). Returns the nodes whose value changed.
+
+    One pass over the graph in order, so a changed size flows to every user downstream."""
+    changed: set[fx.Node] = set()
+    fake_mode = None
+    for node in graph.graph.nodes:
+        if node.op != "call_function" or "val" not in node.meta:
+            continue
+        old = before.get(node)
+        if old is None:
+            continue   # created by the pass: it set the value, or fill_missing_meta does
+        if node.meta["val"] is not old.val:
+            if not _same_meta(node.meta["val"], old.val):
+                changed.add(node)   # the pass updated it: its users may need the new value
+            continue
+        edited = (old.target is not node.target or not _same_arguments(old.args, node.args)
+                  or not _same_arguments(old.kwargs, node.kwargs))
+        if not edited and not any(i in changed for i in node.all_input_nodes):
+            continue
+        fake_mode = fake_mode or fake_mode_of(graph.graph)
+        args, kwargs = fx.map_arg((node.args, node.kwargs), lambda n: n.meta.get("val"))
+        try:
+            with fake_mode:
+                val = node.target(*args, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - reported with the pass's name
+            raise PassError(f"pass {pass_name!r} changed the inputs of node {node.name} ({node.target}), whose "
+                            f"value cannot be inferred any more: {exc}") from exc
+        if not _same_meta(val, node.meta["val"]):
+            node.meta["val"] = val
+            changed.add(node)
+    return sorted(changed, key=lambda n: n.name)
+
+
 def tensor_vals(node: fx.Node) -> list[torch.Tensor]:
     """The tensors a node produces, from ``meta["val"]``."""
     val = node.meta.get("val")

@@ -8,7 +8,9 @@ its own name). The built-in passes are registered in registry.py.
 After every pass the manager stamps the nodes the pass created with its name (recorded as they
 are created, by fx's node-creation hook, so a pass that copies another node's meta cannot carry
 the old name over), fills in ``meta["val"]`` and ``meta["phase"]`` a pass left out (by
-fake-tensor propagation and from the node's inputs), verifies the graph, and keeps a snapshot
+fake-tensor propagation and from the node's inputs), recomputes ``meta["val"]`` of nodes whose
+arguments the pass edited without updating it (and of their users, as far as a value changes),
+verifies the graph, and keeps a snapshot
 of it as a stage for inspection, so a broken pass is named in the error and every dump says which
 pass made each node.
 """
@@ -25,7 +27,7 @@ from torch import fx
 
 from graphoffload.config import CompileConfig
 from graphoffload.errors import GraphOffloadError, PassError
-from graphoffload.graph import TrainGraph, fill_missing_meta
+from graphoffload.graph import TrainGraph, fill_missing_meta, refresh_vals, snapshot_inputs
 from graphoffload.passes.verify import verify_train_graph
 from graphoffload.torch_private import recording_created_nodes
 
@@ -117,6 +119,7 @@ class PassManager:
         stages = {"captured": graph.copy()}
         for p in self.passes:
             start = time.perf_counter()
+            before = snapshot_inputs(graph)
             try:
                 with recording_created_nodes(graph.gm) as created:
                     result = p.fn(graph, ctx)
@@ -129,6 +132,7 @@ class PassManager:
             graph = result
             _stamp_provenance(graph, created, p.name)
             fill_missing_meta(graph, p.name)
+            refresh_vals(graph, p.name, before)
             graph.gm.recompile()
             if ctx.config.verify:
                 verify_train_graph(graph, p.name)

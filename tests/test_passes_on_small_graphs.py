@@ -84,3 +84,62 @@ def test_greedy_buckets_close_when_the_next_item_would_not_fit():
     assert buckets == [[3, 4], [2], [9], [1, 1, 5]]   # 9 alone: larger than the limit
     assert [x for b in buckets for x in b] == sizes     # order kept, nothing lost
     assert greedy_buckets([], lambda n: n, 7) == []
+
+
+def test_the_manager_refreshes_the_value_of_nodes_a_pass_edited_and_of_their_users():
+    # x[4] -> view(2, 2) -> sin -> out; the pass makes the view (4, 1) and touches no meta:
+    # the manager recomputes the view's value and the sin's after it, as Inductor's updater does
+    def build(graph, x):
+        return graph.call_function(aten.sin.default, (graph.call_function(aten.view.default, (x, [2, 2])),))
+
+    def reshape_pass(graph, ctx):
+        (view,) = [n for n in graph.graph.nodes if n.target is aten.view.default]
+        view.args = (view.args[0], [4, 1])
+        return graph
+
+    graph = _graph(build)
+    sin_val_before = next(n for n in graph.graph.nodes if n.target is aten.sin.default).meta["val"]
+    final = _run(graph, [Pass(reshape_pass, "reshape")])
+    vals = {n.target: n.meta["val"] for n in final.graph.nodes if n.op == "call_function"}
+    assert tuple(vals[aten.view.default].shape) == (4, 1)
+    assert tuple(vals[aten.sin.default].shape) == (4, 1)
+    assert vals[aten.sin.default] is not sin_val_before
+
+
+def test_an_edit_that_changes_no_value_keeps_the_value_objects():
+    def build(graph, x):
+        return graph.call_function(aten.cos.default, (graph.call_function(aten.sin.default, (x,)),))
+
+    graph = _graph(build)
+    kept = {n.name: n.meta.get("val") for n in graph.graph.nodes}
+
+    def rename_only(graph, ctx):
+        # an edit that changes no value: cos(sin(x)) -> cos(neg(x)); the new value equals the old
+        (sin,) = [n for n in graph.graph.nodes if n.target is aten.sin.default]
+        with graph.graph.inserting_after(sin):
+            neg = graph.graph.call_function(aten.neg.default, (sin.args[0],))
+        sin.replace_all_uses_with(neg)
+        graph.graph.erase_node(sin)
+        return graph
+
+    final = _run(graph, [Pass(rename_only, "rename_only")])
+    cos = next(n for n in final.graph.nodes if n.target is aten.cos.default)
+    assert cos.meta["val"] is kept[cos.name]   # recomputed (its input changed), equal, so kept
+    assert next(n for n in final.graph.nodes if n.target is aten.neg.default).meta["pass"] == "rename_only"
+
+
+def test_a_pass_whose_edit_leaves_a_node_without_a_value_is_named_in_the_error():
+    import pytest
+
+    from graphoffload.errors import PassError
+
+    def build(graph, x):
+        return graph.call_function(aten.view.default, (x, [2, 2]))
+
+    def bad_view(graph, ctx):
+        (view,) = [n for n in graph.graph.nodes if n.target is aten.view.default]
+        view.args = (view.args[0], [3, 3])   # 9 elements from 4: no value
+        return graph
+
+    with pytest.raises(PassError, match="pass 'bad_view' changed the inputs of node view"):
+        _run(_graph(build), [Pass(bad_view, "bad_view")])
