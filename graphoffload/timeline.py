@@ -15,7 +15,7 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from graphoffload.offload_planner import Prediction
+from graphoffload.passes.offload_planner import Prediction
 
 TRACKS = ("compute", "h2d", "d2h", "cpu")
 

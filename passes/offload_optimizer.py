@@ -12,7 +12,7 @@ gradient still leaves as soon as it is final, and the host applies clipping's cl
 scalars follow after backward (as DeepSpeed's ZeRO-Offload clips on the host).
 
 Where `Offload.device_updates` allows (default "auto" on a GPU), a performance model picks,
-per bucket, the device path instead (graphoffload/offload_planner.py): the bucket's state is
+per bucket, the device path instead (passes/offload_planner.py): the bucket's state is
 prefetched into device buffers while backward runs, the original fused kernel updates it when
 its gradients are final (so they never leave the device), and the state goes back to the host.
 explain() lists each bucket's path, predicted start and end, and bytes moved.
@@ -37,9 +37,9 @@ from graphoffload.errors import UnsupportedError
 from graphoffload.graph import InputSpec, TrainGraph, fake_mode_of, fill_missing_meta, placeholder_name
 from graphoffload.memory import analyze_memory, format_bytes
 from graphoffload.calibration import Calibration
-from graphoffload.cost_model import node_seconds
-from graphoffload.offload_planner import SWEEPS, BucketCost, Prediction, StepCosts, plan, predict
-from graphoffload.plan_cache import load_plan, plan_key, plan_path, store_plan
+from graphoffload.passes.offload_cost_model import node_seconds
+from graphoffload.passes.offload_planner import SWEEPS, BucketCost, Prediction, StepCosts, plan, predict
+from graphoffload.passes.offload_plan_cache import load_plan, plan_key, plan_path, store_plan
 from graphoffload.ops.host_transfer import assign_streams
 from graphoffload.passes.update_kernels import UpdateKernel, update_kernels_to_rewrite
 

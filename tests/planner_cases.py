@@ -13,7 +13,7 @@ import os
 import sys
 
 from graphoffload.calibration import Calibration
-from graphoffload.offload_planner import BucketCost, StepCosts, plan, predict
+from graphoffload.passes.offload_planner import BucketCost, StepCosts, plan, predict
 
 RECORDED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "planner_recorded.json")
 

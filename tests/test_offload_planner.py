@@ -14,7 +14,7 @@ from steps import TINY, token_batches, train_step
 import graphoffload
 from graphoffload import CompileConfig, FuseOptimizer, Offload
 from graphoffload.calibration import Calibration
-from graphoffload.offload_planner import BucketCost, StepCosts, plan, predict
+from graphoffload.passes.offload_planner import BucketCost, StepCosts, plan, predict
 
 # an H100 box as the research notes measured it
 BALANCED = Calibration(h2d_bytes_per_s=55e9, d2h_bytes_per_s=55e9, duplex_bytes_per_s=72e9,
@@ -315,7 +315,7 @@ def test_the_brute_force_check_rejects_a_worse_planner(mutant):
 import math  # noqa: E402
 
 import planner_cases  # noqa: E402
-from graphoffload.offload_planner import StepModel  # noqa: E402
+from graphoffload.passes.offload_planner import StepModel  # noqa: E402
 
 RECORDED = json.load(open(planner_cases.RECORDED))
 CASES = [c for c in planner_cases.cases() if planner_cases.key(c) in RECORDED]

@@ -21,9 +21,9 @@ import logging
 import math
 import os
 
-from graphoffload import offload_planner
+from graphoffload.passes import offload_planner
 from graphoffload.calibration import Calibration, cache_dir, write_atomically
-from graphoffload.offload_planner import Event, Prediction, StepCosts
+from graphoffload.passes.offload_planner import Event, Prediction, StepCosts
 
 log = logging.getLogger("graphoffload")
 
