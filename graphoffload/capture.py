@@ -48,6 +48,7 @@ from graphoffload.torch_private import (GRAD_SCALER_STATE_ATTRIBUTES, DataDepend
                                        set_grad_fn_sequence_number)
 from graphoffload.ops import grouped_mm as _grouped_mm
 from graphoffload.ops import register_fused_optimizer_meta_kernels
+from graphoffload.ops.fused_optimizer_meta import is_fused_update
 from graphoffload.ops.attention import sdpa_via_attention
 
 
@@ -893,12 +894,8 @@ def _annotate(gm: fx.GraphModule, input_specs: list[InputSpec]) -> None:
     placeholder_param = {n: n.meta["param"][0] for n in gm.graph.nodes
                          if n.op == "placeholder" and spec_of[n.name].kind == "param"}
     for node in gm.graph.nodes:
-        if node.meta.get("phase") == "optimizer" and _is_update_kernel(node):
+        if node.meta.get("phase") == "optimizer" and is_fused_update(node):
             for p, g in zip(node.args[0], node.args[1]):
                 if isinstance(g, fx.Node) and p in placeholder_param:
                     g.meta["param"] = (placeholder_param[p],)
 
-
-def _is_update_kernel(node: fx.Node) -> bool:
-    name = getattr(node.target, "__name__", "")
-    return node.op == "call_function" and name.startswith(("_fused_adam", "_fused_sgd"))

@@ -143,3 +143,20 @@ def test_a_pass_whose_edit_leaves_a_node_without_a_value_is_named_in_the_error()
 
     with pytest.raises(PassError, match="pass 'bad_view' changed the inputs of node view"):
         _run(_graph(build), [Pass(bad_view, "bad_view")])
+
+
+def test_every_fused_update_kernel_of_the_vocabulary_has_exactly_one_update_rule():
+    # capture finds update nodes by FUSED_UPDATE_OPS; the passes move and rewrite them by their
+    # rule: an op in one list and not the other would be captured but never fused, or the reverse
+    from graphoffload.ops.fused_optimizer_meta import FUSED_UPDATE_OPS, is_fused_update
+    from graphoffload.passes.update_kernels import UPDATE_KERNELS, kernel_rule
+
+    assert set(UPDATE_KERNELS) == set(FUSED_UPDATE_OPS)
+    graph = fx.Graph()
+    p, g = graph.placeholder("p"), graph.placeholder("g")
+    for packet in FUSED_UPDATE_OPS:
+        for overload in packet.overloads():
+            node = graph.call_function(getattr(packet, overload), ([p], [g]))
+            assert is_fused_update(node) and kernel_rule(node) is UPDATE_KERNELS[packet]
+    other = graph.call_function(aten._foreach_add_.Scalar, ([p], 1))
+    assert not is_fused_update(other) and kernel_rule(other) is None

@@ -15,8 +15,10 @@ registers the real one with `register_kernel` when it is imported.
                           carry_host_write, wait_device, hand_over, wait_handed_over,
                           host_adam_, host_sgd_
     ring_attention.py     ring_attention, ring_attention_backward, and the sequence layouts
-    fused_optimizer_meta.py  meta kernels for torch's fused optimizer ops (registered into aten
-                          by an explicit call: `register_fused_optimizer_meta_kernels()`)
+    fused_optimizer_meta.py  torch's fused optimizer ops as the IR knows them: the list of update
+                          kernels (`FUSED_UPDATE_OPS`, `is_fused_update`) and their meta kernels
+                          (registered into aten by an explicit call:
+                          `register_fused_optimizer_meta_kernels()`)
 """
 
 from graphoffload.ops import attention, grouped_mm, host_transfer, ring_attention, rng
