@@ -160,3 +160,76 @@ def test_every_fused_update_kernel_of_the_vocabulary_has_exactly_one_update_rule
             assert is_fused_update(node) and kernel_rule(node) is UPDATE_KERNELS[packet]
     other = graph.call_function(aten._foreach_add_.Scalar, ([p], 1))
     assert not is_fused_update(other) and kernel_rule(other) is None
+
+
+def _two_layer_sgd_graph() -> TrainGraph:
+    """loss = sum(x * w1 * w2), its backward written out, and one `_fused_sgd_` over both
+    parameters after backward, as capture lowers `optimizer.step()`."""
+    from graphoffload.ops import register_fused_optimizer_meta_kernels
+
+    register_fused_optimizer_meta_kernels()
+    graph = fx.Graph()
+    mode = FakeTensorMode()
+
+    def placeholder(name):
+        node = graph.placeholder(name)
+        node.meta.update(val=mode.from_tensor(torch.zeros(4)), phase="input", **{"pass": "capture"})
+        if name.startswith("w"):
+            node.meta["param"] = (name,)
+        return node
+
+    def op(phase, target, *args, **kwargs):
+        node = graph.call_function(target, args, kwargs)
+        with mode:
+            node.meta["val"] = target(*fx.map_arg(args, lambda n: n.meta["val"]),
+                                      **fx.map_arg(kwargs, lambda n: n.meta["val"]))
+        node.meta.update(phase=phase, **{"pass": "capture"})
+        return node
+
+    w1, w2, x = placeholder("w1"), placeholder("w2"), placeholder("x")
+    h = op("forward", aten.mul.Tensor, x, w1)
+    loss = op("forward", aten.sum.default, op("forward", aten.mul.Tensor, h, w2))
+    ones = op("backward", aten.ones_like.default, h)
+    grad_w2 = op("backward", aten.mul.Tensor, ones, h)
+    grad_h = op("backward", aten.mul.Tensor, ones, w2)     # reads w2: its update must follow this
+    grad_w1 = op("backward", aten.mul.Tensor, grad_h, x)
+    for grad, name in ((grad_w1, "w1"), (grad_w2, "w2")):
+        grad.meta["param"] = (name,)
+    update = op("optimizer", aten._fused_sgd_.default, [w1, w2], [grad_w1, grad_w2], [], weight_decay=0.0,
+                momentum=0.0, lr=0.5, dampening=0.0, nesterov=False, maximize=False, is_first_step=False)
+    update.meta["param"] = ("w1", "w2")
+    graph.output((loss,))
+    signature = GraphSignature((InputSpec("param", "w1", "w1", mutable=True), InputSpec("param", "w2", "w2", mutable=True),
+                                InputSpec("batch", "x", 0)), (OutputSpec("user", 0),))
+    return TrainGraph(fx.GraphModule(torch.nn.Module(), graph), signature)
+
+
+def test_fuse_optimizer_moves_each_update_right_after_its_gradient_and_the_last_read_of_its_weight():
+    from graphoffload import FuseOptimizer
+    from graphoffload.passes.fuse_optimizer import fuse_optimizer
+
+    captured = _two_layer_sgd_graph()
+    eager_w = [torch.tensor([1.0, 2.0, 3.0, 4.0]), torch.tensor([0.5, -1.0, 2.0, 0.25])]
+    x = torch.tensor([1.0, -2.0, 0.5, 3.0])
+    expected = [w.clone() for w in eager_w]
+    captured.gm(*expected, x)                       # the graph as captured, run on real tensors
+    ctx = PassContext(CompileConfig(fuse_optimizer=FuseOptimizer(bucket_numel=4)), torch.device("cpu"))
+    fused, _ = PassManager([Pass(fuse_optimizer, "fuse_optimizer")], builtin=[]).run(_two_layer_sgd_graph(), ctx)
+
+    order = [n for n in fused.graph.nodes if n.op == "call_function"]
+    updates = [n for n in order if n.target is aten._fused_sgd_.default]
+    assert [u.meta["param"] for u in updates] == [("w2",), ("w1",)]      # one bucket each, w2's gradient first
+    position = {n: i for i, n in enumerate(order)}
+    grad_h = next(n for n in order if n.meta["phase"] == "backward" and n.args[1:] and n.args[1].name == "w2")
+    grad_w1 = next(n for n in order if n.meta.get("param") == ("w1",) and n.meta["phase"] == "backward")
+    assert position[updates[0]] == position[grad_h] + 1     # after the last read of w2, not only its gradient
+    assert position[updates[1]] == position[grad_w1] + 1
+    assert all(u.meta["pass"] == "fuse_optimizer" for u in updates)
+    (summary,) = fused.notes_of("fuse_optimizer", "buckets")
+    assert summary.fields["buckets"] == 2 and summary.fields["in_backward"] == 2
+
+    got = [w.clone() for w in eager_w]
+    fused.gm(*got, x)
+    for a, b in zip(got, expected):
+        assert torch.equal(a, b)                    # moved, split: the same bits
+    assert not torch.equal(got[0], eager_w[0])      # and the update did run
