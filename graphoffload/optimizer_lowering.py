@@ -10,7 +10,7 @@ hyper-parameter is a constant of the graph and part of the trace cache key.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,6 +18,7 @@ import torch
 import torch.fx.traceback as fx_traceback
 from torch import Tensor
 
+from graphoffload.bucketing import greedy_buckets
 from graphoffload.errors import StateError, UnsupportedError
 
 
@@ -205,21 +206,6 @@ def prepare_state(optimizer: torch.optim.Optimizer, where: StatePlacement | None
     return first
 
 
-def split_subgroups(numels: Sequence[int], keys: Sequence[Any], subgroup_numel: int) -> list[list[int]]:
-    """Consecutive runs of indices with equal key and at most `subgroup_numel` elements each
-    (a single larger tensor forms a subgroup of its own: tensors are never split)."""
-    subgroups: list[list[int]] = []
-    size = 0
-    for i, (n, key) in enumerate(zip(numels, keys)):
-        if subgroups and keys[subgroups[-1][0]] == key and size + n <= subgroup_numel:
-            subgroups[-1].append(i)
-            size += n
-        else:
-            subgroups.append([i])
-            size = n
-    return subgroups
-
-
 def lower_step(optimizer: torch.optim.Optimizer, updates: list[TracedUpdate], first_step: set[str],
                subgroup_numel: int, subgroup_base: int) -> int:
     """Emit the update of every param group, one annotated chunk of nodes per subgroup.
@@ -231,7 +217,8 @@ def lower_step(optimizer: torch.optim.Optimizer, updates: list[TracedUpdate], fi
     count = 0
     for u in updates:
         keys = [(p.device, p.dtype, n in first_step) for p, n in zip(u.params, u.names)]
-        for idx in split_subgroups([p.numel() for p in u.params], keys, subgroup_numel):
+        for idx in greedy_buckets(range(len(u.params)), lambda i: u.params[i].numel(), subgroup_numel,
+                                  key=keys.__getitem__):
             part = TracedUpdate(u.group, [u.names[i] for i in idx], [u.params[i] for i in idx],
                                 [u.grads[i] for i in idx],
                                 lambda j, key, idx=idx, u=u: u.state(idx[j], key), u.lr, u.grad_scale, u.found_inf)

@@ -33,7 +33,7 @@ from torch import fx
 from graphoffload.aliasing import StorageMap, written_args
 from graphoffload.diagnostics import user_line_of_stack_trace
 from graphoffload.graph import TrainGraph
-from graphoffload.passes.bucketing import greedy_buckets
+from graphoffload.bucketing import greedy_buckets
 from graphoffload.passes.update_kernels import UpdateKernel, update_kernels_to_rewrite
 
 if TYPE_CHECKING:

@@ -40,7 +40,7 @@ from graphoffload.aliasing import written_args
 from graphoffload.diagnostics import user_line_of_stack_trace
 from graphoffload.errors import UnsupportedError, describe
 from graphoffload.graph import TrainGraph, fake_mode_of
-from graphoffload.passes.bucketing import greedy_buckets
+from graphoffload.bucketing import greedy_buckets
 from graphoffload.passes.update_kernels import kernel_rule
 from graphoffload.ops.attention import ATTENTION, ATTENTION_BACKWARD
 from graphoffload.ops.ring_attention import chunk_ranges

@@ -77,7 +77,7 @@ def test_a_node_a_pass_creates_is_stamped_with_that_pass_even_when_it_copies_met
 
 
 def test_greedy_buckets_close_when_the_next_item_would_not_fit():
-    from graphoffload.passes.bucketing import greedy_buckets
+    from graphoffload.bucketing import greedy_buckets
 
     sizes = [3, 4, 2, 9, 1, 1, 5]
     buckets = greedy_buckets(sizes, lambda n: n, 7)
