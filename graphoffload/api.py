@@ -373,22 +373,29 @@ class CompiledStep:
 
         On a GPU the copy-stream tracks count from when the GPU reached the step's start, the
         CPU tracks from when the CPU did: they line up for a step started on an idle GPU
-        (call `torch.cuda.synchronize()` before the step you want to look at)."""
+        (call `torch.cuda.synchronize()` before the step you want to look at). With a planned
+        schedule, a `recompute` track shows activation checkpointing's recomputed regions at
+        their predicted times (each span's args: region, source line, nodes)."""
         runtime = self.last.executor.offload_runtime
-        return timeline.write_chrome_trace(path, self.last.graph.schedule, runtime.measured_spans() if runtime else [])
+        schedule = self.last.graph.schedule
+        return timeline.write_chrome_trace(path, schedule, runtime.measured_spans() if runtime else [],
+                                           timeline.timed_recompute_spans(self.last.stages, schedule))
 
     def plot(self, path: str = "schedule.png") -> str:
         """Write a PNG of the step's schedule above the device memory over the step: the planned
         schedule when there is one, else the measured spans of the last run (CPU update, copies)
-        above the device memory at each node of the final graph."""
+        above the device memory at each node of the final graph. The memory panel draws the
+        compiled step's predicted memory beside the same step without recompute (every
+        activation kept) and without offload, where the step has them, and shades the
+        recomputed regions."""
         schedule = self.last.graph.schedule
         runtime = self.last.executor.offload_runtime
         measured = runtime.measured_spans() if runtime is not None and schedule is None else []
-        if schedule is None and not measured:
+        if schedule is None and runtime is not None and not measured:
             raise StateError(f"{self._name} has not run yet, and has no planned schedule to draw: call the step "
                              "once before plot() (a schedule is planned with Offload(device_updates='auto' or k) "
                              "on a GPU or with an explicit calibration)")
-        return timeline.plot(path, schedule, measured, analyze_memory(self.last.graph).live, self._name)
+        return timeline.plot(path, schedule, measured, timeline.step_picture(self.last.stages, schedule), self._name)
 
     @property
     def _name(self) -> str:

@@ -80,3 +80,20 @@ def analyze_memory(graph: TrainGraph) -> MemoryProfile:
     peak_i = max(range(end), key=live.__getitem__)
     return MemoryProfile(tuple(n.name for n in nodes), tuple(live), resident, live[peak_i],
                          nodes[peak_i].name)
+
+
+def without_recompute(graph: TrainGraph) -> TrainGraph:
+    """The step as it would run without activation checkpointing, for comparing memory: every
+    recomputed node whose forward twin (`meta["recompute_of"]`) is in the graph is dropped and
+    its readers read the twin, so the forward's values live until backward reads them, as
+    eager keeps them without checkpointing. A recomputed node with no twin left (a detach, an
+    output of a multi-output op that forward did not read) stays where it is, now reading
+    forward values, which keeps them alive just as long."""
+    copy = graph.copy()
+    by_name = {n.name: n for n in copy.graph.nodes}
+    for node in list(copy.graph.nodes):
+        twin = by_name.get(node.meta["recompute_of"]) if "recompute_of" in node.meta else None
+        if twin is not None and "recompute" in node.meta:
+            node.replace_all_uses_with(twin)
+            copy.graph.erase_node(node)
+    return copy

@@ -34,7 +34,7 @@ def test_plot_without_a_planned_schedule_draws_the_measured_run(tmp_path):
     assert open(step.plot(str(tmp_path / "s.png")), "rb").read(8) == PNG
     measured = step.last.executor.offload_runtime.measured_spans()
     live = analyze_memory(step.train_graph).live
-    fig = timeline.schedule_figure(None, measured, live)
+    fig = timeline.schedule_figure(None, measured, timeline.step_picture(step.last.stages, None))
     top, bottom = fig.axes
     # one bar per measured span, on its track: the CPU update, the copies and the step itself
     bars = top.patches
@@ -53,7 +53,7 @@ def _boxes_overlap(a, b) -> bool:
 def test_plot_memory_spans_the_tracks_time_axis_and_the_legend_covers_no_bar(tmp_path):
     step = _ran(offload=Offload(device_updates="auto", calibration=BALANCED))
     schedule = step.train_graph.schedule
-    fig = timeline.schedule_figure(schedule)
+    fig = timeline.schedule_figure(schedule, picture=timeline.step_picture(step.last.stages, schedule))
     top, bottom = fig.axes
     last_event_ms = max(e.end for e in schedule.events) * 1e3
     assert max(bottom.lines[0].get_xdata()) == pytest.approx(last_event_ms)

@@ -1,8 +1,10 @@
-"""Looking at a compiled step: stages, explain(), print_graph(), draw(), dump()."""
+"""Looking at a compiled step: stages, explain(), print_graph(), draw(), dump(), and what timeline()
+and plot() show of activation checkpointing and offload next to the same step without them."""
 
 from __future__ import annotations
 
 import io
+import json
 import os
 import re
 import subprocess
@@ -12,8 +14,11 @@ import pytest
 import torch
 from helpers import run_steps, tiny_gpt, token_batches
 from steps import train_step
+from test_checkpointing import Mlp, adamw, mlp_batches, mlp_step
+from test_offload_planner import BALANCED, SLOW_PCIE
 
 import graphoffload
+from graphoffload import Offload, timeline
 from graphoffload.inspection import PHASE_COLOURS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -134,3 +139,80 @@ def test_dumped_final_module_computes_what_the_compiled_graph_computes(step, tmp
     for i, (g, w) in enumerate(zip(got, want)):
         assert not g.is_floating_point() or not g.isnan().any(), i
         assert torch.equal(g, w), i
+
+
+# ---------------------------------------------------------------- recompute and memory, with and without the plan
+
+def _checkpointed(offload: Offload | None = None, checkpointed: bool = True):
+    """A compiled (not run) step of residual MLP blocks, each under torch.utils.checkpoint."""
+    torch.manual_seed(0)
+    model = Mlp(width=64, depth=4, checkpointed=checkpointed)
+    step = graphoffload.offload_compile(mlp_step, offload=offload)
+    step.compile(model, adamw(model), mlp_batches(1, rows=512, width=64)[0])
+    return step
+
+
+def test_timeline_has_recompute_spans_covering_exactly_the_recomputed_nodes(tmp_path):
+    step = _checkpointed(Offload(device_updates=2, calibration=BALANCED))
+    final = step.last.stages["final"]
+    recomputed = {n.name: n.meta["recompute"] for n in final.graph.nodes if "recompute" in n.meta}
+    assert len(set(recomputed.values())) == 4
+    trace = json.loads(open(step.timeline(str(tmp_path / "t.json"))).read())["traceEvents"]
+    (tid,) = [e["tid"] for e in trace if e["ph"] == "M" and e["pid"] == 1 and e["args"]["name"] == "recompute"]
+    spans = [e for e in trace if e["ph"] == "X" and e["pid"] == 1 and e["tid"] == tid]
+    covered = [name for span in spans for name in span["args"]["nodes"]]
+    assert sorted(covered) == sorted(recomputed)          # every recomputed node, once, nothing else
+    for span in spans:
+        assert {recomputed[name] for name in span["args"]["nodes"]} == {span["args"]["region"]}
+        assert span["name"] == f"recompute {span['args']['region']}" and "test_checkpointing.py" in span["args"]["where"]
+    # each span is one contiguous run of the final graph, at the nodes' predicted times, in backward
+    order = [n.name for n in final.graph.nodes]
+    times = timeline.node_times(final, step.last.stages["fuse_optimizer"], step.train_graph.schedule)
+    backward = [n.name for n in final.graph.nodes if n.meta.get("phase") == "backward"]
+    for span in spans:
+        first, last = (order.index(span["args"]["nodes"][i]) for i in (0, -1))
+        assert order[first:last + 1] == span["args"]["nodes"]
+        assert span["ts"] == pytest.approx(times[order[first]] * 1e6)
+        assert span["ts"] + span["dur"] == pytest.approx(times[order[last + 1]] * 1e6)
+        assert times[backward[0]] <= times[order[first]]
+    assert [s["ts"] for s in spans] == sorted(s["ts"] for s in spans)
+
+
+def test_plot_draws_the_memory_with_and_without_recompute_and_their_peaks(tmp_path):
+    step = _checkpointed()
+    keep_everything = _checkpointed(checkpointed=False)
+    picture = timeline.step_picture(step.last.stages, None)
+    fig = timeline.schedule_figure(None, (), picture)
+    top, bottom = fig.axes
+    with_plan, without = bottom.lines
+    # the compiled step's curve is the liveness analysis of its final graph; the one without the
+    # plan peaks where the same model compiled without checkpointing does
+    assert max(with_plan.get_ydata()) * 2**20 == step.memory().peak == picture.curves[0].peak
+    assert max(without.get_ydata()) * 2**20 == keep_everything.memory().peak == picture.curves[1].peak
+    assert step.memory().peak < keep_everything.memory().peak - 4 * 512 * 256 * 4 // 2
+    assert "without recompute" in bottom.get_legend().get_texts()[1].get_text()
+    # one shaded region per recompute span (matplotlib draws axvspan as a patch)
+    assert len(bottom.patches) == len(picture.recompute) >= 4
+    assert open(step.plot(str(tmp_path / "m.png")), "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_time_axis_includes_the_wait_of_a_device_path_update_for_its_prefetch():
+    # PCIe slow enough that the device-path update waits for its state long after its gradients
+    step = _checkpointed(Offload(device_updates=2, calibration=SLOW_PCIE))
+    schedule = step.train_graph.schedule
+    final = step.last.stages["final"]
+    times = timeline.node_times(final, step.last.stages["fuse_optimizer"], schedule)
+    (update,) = [e for e in schedule.events if e.track == "compute" and e.bucket is not None]
+    nodes = [n for n in final.graph.nodes if n.op != "output"]
+    (wait,) = [i for i, n in enumerate(nodes) if n.target is torch.ops.graphoffload.wait_device.default
+               and n.meta.get("bucket") == schedule.assignment.index("device")]
+    after = next(n.name for n in nodes[wait + 1:] if n.name in times and n.meta.get("phase") != "optimizer"
+                 and n.meta.get("pass") != "offload_optimizer")
+    waited = update.start - times[nodes[wait - 1].name]
+    assert waited > 10 * (update.end - update.start)      # the update mostly waits for its prefetch
+    assert times[nodes[wait].name] == update.start and times[after] >= update.end
+    assert [times[n.name] for n in nodes] == sorted(times[n.name] for n in nodes)
+    picture = timeline.step_picture(step.last.stages, schedule)
+    assert picture.curves[0].peak == step.memory().peak
+    assert picture.curves[-1].label.startswith("without offload")
+    assert picture.curves[-1].peak == step.memory("fuse_optimizer").peak > step.memory().peak
