@@ -20,7 +20,7 @@ from graphoffload import inspection, timeline
 from graphoffload.capture import Accumulation, Capture, StepBindings, capture_step, find_bindings
 from graphoffload.checkpoint import load_optimizer_state_exactly
 from graphoffload.config import CompileConfig, Offload
-from graphoffload.errors import PartialUpdateError, StateError, UnsupportedError
+from graphoffload.errors import PartialUpdateError, StateError
 from graphoffload.graph import TrainGraph
 from graphoffload.interruption import InterruptionGuard, Snapshot
 from graphoffload.optimizer_lowering import first_step_params

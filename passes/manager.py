@@ -132,7 +132,14 @@ class PassManager:
             graph = result
             _stamp_provenance(graph, created, p.name)
             fill_missing_meta(graph, p.name)
-            refresh_vals(graph, p.name, before)
+            try:
+                refresh_vals(graph, p.name, before)
+            except PassError:
+                # an edit whose value cannot be inferred broke the graph: verify's error (when on)
+                # names what is wrong with it more precisely than the failed inference
+                if ctx.config.verify:
+                    verify_train_graph(graph, p.name)
+                raise
             graph.gm.recompile()
             if ctx.config.verify:
                 verify_train_graph(graph, p.name)
