@@ -37,13 +37,12 @@ import torch
 from torch import fx
 
 from graphoffload.aliasing import written_args
-from graphoffload.diagnostics import user_line_of_stack_trace
 from graphoffload.errors import UnsupportedError, describe
 from graphoffload.graph import TrainGraph, fake_mode_of
 from graphoffload.ops.attention import ATTENTION
 from graphoffload.ops.ring_attention import chunk_ranges
 from graphoffload.passes.bucketing import greedy_buckets
-from graphoffload.passes.ring_attention_rules import PARTIAL, REPLICATED, Rule, Shard, Spec, rule_for
+from graphoffload.passes.ring_attention_rules import PARTIAL, REPLICATED, Rule, Shard, Spec, rule_for, user_line
 from graphoffload.passes.update_kernels import kernel_rule
 
 if TYPE_CHECKING:
@@ -203,26 +202,26 @@ class _Sharder:
 
     def visit(self, node: fx.Node) -> None:
         if node.target is operator.getitem:
-            source, index = node.args
+            source, position = node.args
             if source in self.output_specs:
-                self.specs[node] = self.output_specs[source][index]
-                node.meta["val"] = source.meta["val"][index]
+                self.specs[node] = self.output_specs[source][position]
+                node.meta["val"] = source.meta["val"][position]
             return
         rule = rule_for(node.target)
-        index = node.args[rule.seed_index] if rule.seed_index is not None and len(node.args) > rule.seed_index \
+        ids = node.args[rule.seed_index] if rule.seed_index is not None and len(node.args) > rule.seed_index \
             else None
-        seed = index in self.from_batch and self.spec(index) == REPLICATED \
-            and self.seq in index.meta["val"].shape
+        seed = ids in self.from_batch and self.spec(ids) == REPLICATED and self.seq in ids.meta["val"].shape
+        # a node with several outputs that the walk has specs for counts as touched by the split
         if not seed and all(self.spec(n) == REPLICATED and n not in self.output_specs
                             for n in node.all_input_nodes):
             return
         if seed:
-            shape = index.meta["val"].shape
+            shape = ids.meta["val"].shape
             # the batch's sequence dimension as the user declared it; else the last of that length
             # (token ids are (batch, seq): with batch == seq, the later one)
             dim = self.sp.seq_dim if self.sp.seq_dim < len(shape) and shape[self.sp.seq_dim] == self.seq \
                 else max(i for i, n in enumerate(shape) if n == self.seq)
-            node.update_arg(rule.seed_index, self.shard_of(index, Shard(dim)))
+            node.update_arg(rule.seed_index, self.shard_of(ids, Shard(dim)))
             self.counts["seeds"] += 1
         if rule.rewrite is not None:
             return rule.rewrite(self, node)
@@ -244,11 +243,11 @@ class _Sharder:
         if partial and not linear:
             if any(n in self.grad_sums for n in written_args(node)):
                 # reducing the running sum first would leave the write in a copy and the sum as it was
-                where = user_line_of_stack_trace(node.meta.get("stack_trace")) or "an unknown line"
                 raise UnsupportedError(
-                    f"sequence parallelism with accumulation_steps: {node.name} ({target}) at {where} writes into "
-                    "a running gradient sum, which holds each rank's partial sum until the update, with a value "
-                    "that is not a partial sum; accumulate inside the step instead (a loop over micro-batches)")
+                    f"sequence parallelism with accumulation_steps: {node.name} ({target}) at {user_line(node)} "
+                    "writes into a running gradient sum, which holds each rank's partial sum until the update, with "
+                    "a value that is not a partial sum; accumulate inside the step instead (a loop over "
+                    "micro-batches)")
             for n in partial:
                 node.replace_input_with(n, self.reduce(n))
             specs = {n: self.spec(n) for n in node.all_input_nodes}
@@ -261,9 +260,8 @@ class _Sharder:
             with self.fake_mode:
                 val = target(*args, **kwargs)
         except Exception as exc:  # noqa: BLE001 - reported with the op and the user's line
-            where = user_line_of_stack_trace(node.meta.get("stack_trace")) or "an unknown line"
             raise UnsupportedError(
-                f"sequence parallelism cannot split {node.name} ({target}) at {where}: "
+                f"sequence parallelism cannot split {node.name} ({target}) at {user_line(node)}: "
                 f"{describe(exc)}") from exc
         node.meta["val"] = val
         full = self.full_values.get(node)
@@ -315,9 +313,8 @@ class _Sharder:
         if not isinstance(shard, Shard):
             return None
         if rule.mixes_positions(node, shard.dim):
-            where = user_line_of_stack_trace(node.meta.get("stack_trace")) or "an unknown line"
-            raise UnsupportedError(f"sequence parallelism: {node.name} ({node.target}) at {where} combines positions "
-                                   "along the split sequence dimension; only attention may do that")
+            raise UnsupportedError(f"sequence parallelism: {node.name} ({node.target}) at {user_line(node)} "
+                                   "combines positions along the split sequence dimension; only attention may do that")
         return rule.sizes(self, node, shard)
 
     # ------------------------------------------------------------------ gradients and outputs

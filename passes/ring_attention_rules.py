@@ -103,18 +103,19 @@ class Sharding(Protocol):
     def propagate(self, node: fx.Node) -> None: ...
 
 
-Align = Callable[[Sharding, fx.Node, dict[fx.Node, Any], list[tuple[fx.Node, Shard]]], None]
+Align = Callable[[Sharding, fx.Node, dict[fx.Node, Spec], list[tuple[fx.Node, Shard]]], None]
 Sizes = Callable[[Sharding, fx.Node, Shard], Shard | None]
 
 
-def _where(node: fx.Node) -> str:
+def user_line(node: fx.Node) -> str:
+    """The user's source line that made `node`, for error messages."""
     return user_line_of_stack_trace(node.meta.get("stack_trace")) or "an unknown line"
 
 
 # ---------------------------------------------------------------------- align: full inputs meet a shard
 
 
-def align_broadcast(sharding: Sharding, node: fx.Node, specs: dict[fx.Node, Any],
+def align_broadcast(sharding: Sharding, node: fx.Node, specs: dict[fx.Node, Spec],
                     sharded: list[tuple[fx.Node, Shard]]) -> None:
     """Elementwise ops: a full input whose broadcast dimension lines up with the sharded
     input's sequence dimension (and has its full size) is sharded the same way."""
@@ -135,7 +136,7 @@ def align_broadcast(sharding: Sharding, node: fx.Node, specs: dict[fx.Node, Any]
             node.replace_input_with(n, sharding.shard_of(n, Shard(dim, ref.outer, ref.inner)))
 
 
-def align_matmul(sharding: Sharding, node: fx.Node, specs: dict[fx.Node, Any],
+def align_matmul(sharding: Sharding, node: fx.Node, specs: dict[fx.Node, Spec],
                  sharded: list[tuple[fx.Node, Shard]]) -> None:
     """mm/bmm/addmm contracting the sequence: the full operand is sharded along its side of
     the contraction (the product is then a partial sum)."""
@@ -150,7 +151,7 @@ def align_matmul(sharding: Sharding, node: fx.Node, specs: dict[fx.Node, Any],
 def align_indexed(index_pos: int, data_pos: int) -> Align:
     """Ops whose index tensor is left-aligned with their data (an embedding gradient's ids, a
     loss's targets): full indices spanning the data's split dimension are sharded alike."""
-    def align(sharding: Sharding, node: fx.Node, specs: dict[fx.Node, Any],
+    def align(sharding: Sharding, node: fx.Node, specs: dict[fx.Node, Spec],
               sharded: list[tuple[fx.Node, Shard]]) -> None:
         idx, data = node.args[index_pos], node.args[data_pos]
         data_spec = specs.get(data, REPLICATED)
@@ -280,7 +281,7 @@ def ring_attention_rewrite(sharding: Sharding, node: fx.Node) -> None:
                                "attention supports is_causal=True or no mask")
     q_len, k_len = (_global_length(sharding, t, t.meta["val"].dim() - 2) for t in (q, k))
     if q_len != k_len:
-        raise UnsupportedError(f"sequence parallelism: attention {node.name} at {_where(node)} attends {q_len} "
+        raise UnsupportedError(f"sequence parallelism: attention {node.name} at {user_line(node)} attends {q_len} "
                                f"queries to {k_len} keys; ring attention splits self-attention over the "
                                "sequence (queries and keys of the same length) only")
     local = []
@@ -364,23 +365,20 @@ class Rule:
     rewrite: Callable[[Sharding, fx.Node], None] | None = None
 
 
-# the elementwise rule, for every op without one of its own
+# the elementwise rule, for every op without one of its own: partial inputs all-reduced, full
+# inputs aligned by broadcasting if torch tags the op pointwise, sizes untouched, a full-shaped
+# output of a sharded input refused
 FALLBACK = Rule()
-
-_LINEAR = Rule(partials="one")
-_SUMS = Rule(over_sequence="sum")
-_MIXES = Rule(mixes_positions=mixes_along_dim)
-_WHOLE_SEQUENCE = Rule(sizes=whole_sequence_only(1))
-VIEW_OPS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
 
 RULES: dict[Any, Rule] = {
     # linear in a single partial input (the others replicated); views rewrite their sizes
-    **dict.fromkeys(VIEW_OPS, Rule(partials="one", sizes=view_sizes)),
+    **dict.fromkeys((aten.view.default, aten._unsafe_view.default, aten.reshape.default),
+                    Rule(partials="one", sizes=view_sizes)),
     **dict.fromkeys((aten.t.default, aten.transpose.int, aten.permute.default, aten.detach.default,
                      aten.clone.default, aten.alias.default, aten.neg.default, aten._to_copy.default,
                      aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.default, aten.mul.Tensor,
                      aten.mul.Scalar, aten.div.Tensor, aten.div.Scalar,
-                     aten.zero_.default), _LINEAR),   # zero: every rank's zeros sum to zero
+                     aten.zero_.default), Rule(partials="one")),   # zero: every rank's zeros sum to zero
     aten.expand.default: Rule(partials="one", sizes=expand_sizes),
     # summing over the sequence gives a partial sum, as does summing partial sums
     aten.sum.dim_IntList: Rule(partials="one", over_sequence="sum"),
@@ -391,7 +389,7 @@ RULES: dict[Any, Rule] = {
     **dict.fromkeys((aten.mm.default, aten.bmm.default, aten.addmm.default),
                     Rule(over_sequence="sum", align=align_matmul)),
     aten.embedding_dense_backward.default: Rule(over_sequence="sum", align=align_indexed(1, 0)),
-    aten.native_layer_norm_backward.default: _SUMS,
+    aten.native_layer_norm_backward.default: Rule(over_sequence="sum"),
     **dict.fromkeys((aten.mean.dim, aten.mean.default), Rule(over_sequence="mean")),
     # the token embedding starts the split; the loss is averaged over all ranks' tokens
     aten.embedding.default: Rule(seed_index=1),
@@ -401,12 +399,13 @@ RULES: dict[Any, Rule] = {
     # sizes that name the sequence, slices that may not cut it
     **dict.fromkeys((aten.slice_backward.default, aten.select_backward.default), Rule(sizes=slice_backward_sizes)),
     **dict.fromkeys((aten.slice.Tensor, aten.narrow.default, aten.select.int, aten.index_select.default),
-                    _WHOLE_SEQUENCE),
+                    Rule(sizes=whole_sequence_only(1))),
     **dict.fromkeys((aten.split.Tensor, aten.split_with_sizes.default), Rule(sizes=whole_sequence_only(2))),
     # combining positions along the sequence: refused
     **dict.fromkeys((aten.cumsum.default, aten.cumprod.default, aten.logcumsumexp.default, aten.cummax.default,
                      aten.cummin.default, aten._softmax.default, aten._log_softmax.default, aten.sort.default,
-                     aten.sort.stable, aten.roll.default, aten.flip.default, aten.gather.default), _MIXES),
+                     aten.sort.stable, aten.roll.default, aten.flip.default, aten.gather.default),
+                    Rule(mixes_positions=mixes_along_dim)),
     aten.convolution.default: Rule(mixes_positions=mixes_convolution),
 }
 
