@@ -19,6 +19,12 @@ from torch import Tensor
 from graphoffload.errors import StateError
 
 
+def _shape_error(name: str, t: Tensor, param: Tensor) -> StateError:
+    return StateError(f"the running gradient sum of {name} has shape {tuple(t.shape)} but the parameter "
+                      f"{tuple(param.shape)}: was the accumulation window loaded from another model's "
+                      "checkpoint? Load a matching one")
+
+
 class GradSums:
     """Parameter name -> its gradient's running sum over the current accumulation window."""
 
@@ -34,9 +40,7 @@ class GradSums:
         if t is None:
             t = self._sums[name] = torch.zeros_like(param, memory_format=torch.contiguous_format)
         elif t.shape != param.shape:
-            raise StateError(f"the running gradient sum of {name} has shape {tuple(t.shape)} but the parameter "
-                             f"{tuple(param.shape)}: was the accumulation window loaded from another model's "
-                             "checkpoint? Load a matching one")
+            raise _shape_error(name, t, param)
         elif t.device != param.device or t.dtype != param.dtype:   # e.g. loaded from a CPU checkpoint
             t = self._sums[name] = t.to(param.device, param.dtype, memory_format=torch.contiguous_format)
         return t
@@ -44,9 +48,7 @@ class GradSums:
     def _host_tensor(self, name: str, param: Tensor, t: Tensor | None) -> Tensor:
         pin = param.device.type == "cuda"
         if t is not None and t.shape != param.shape:
-            raise StateError(f"the running gradient sum of {name} has shape {tuple(t.shape)} but the parameter "
-                             f"{tuple(param.shape)}: was the accumulation window loaded from another model's "
-                             "checkpoint? Load a matching one")
+            raise _shape_error(name, t, param)
         if t is None or t.device.type != "cpu" or t.dtype != torch.float32 or (pin and not t.is_pinned()):
             placed = torch.zeros(param.shape, dtype=torch.float32, pin_memory=pin)
             if t is not None:   # loaded from a checkpoint, or was on the device
