@@ -87,6 +87,24 @@ def test_host_sums_train_like_eager_accumulation(opt):
     assert torch.ops.aten.add_.Tensor not in targets
 
 
+def test_host_sums_with_uploads_handed_over_to_the_next_call_train_like_eager():
+    eager = mlp()
+    model = copy.deepcopy(eager)
+    opt_e, opt_c = OPTIMIZERS["adamw"](eager), OPTIMIZERS["adamw"](model)
+    step = graphoffload.offload_compile(step_fn, accumulation_steps=K, offload=graphoffload.Offload(
+        accumulate_on="host", overlap_next_step=True), config=graphoffload.CompileConfig(
+            fuse_optimizer=graphoffload.FuseOptimizer(bucket_numel=3000)))
+    for i, (x, y) in enumerate(batches(3 * K)):
+        (torch.nn.functional.mse_loss(eager(x), y) / K).backward()
+        if i % K == K - 1:
+            opt_e.step()
+            opt_e.zero_grad()
+        step(model, opt_c, x, y)
+    step.synchronize()
+    for (name, pe), pc in zip(eager.named_parameters(), model.parameters()):
+        torch.testing.assert_close(pc.detach(), pe.detach(), rtol=1e-5, atol=1e-7, msg=name)
+
+
 def test_host_sums_lower_the_predicted_peak_by_about_the_gradients():
     peaks = {}
     for where in ("device", "host"):
