@@ -418,7 +418,7 @@ class Accumulation:
 
     steps: int
     update: bool
-    sums: Callable[[str, Tensor], Tensor]
+    sums: Callable[..., Tensor]   # (name, param, on_host=False) -> the buffer
     discard: Callable[[set[str]], None] = lambda names: None   # frees sums no graph reads
 
 
@@ -599,11 +599,12 @@ def capture_step(fn: Callable, args: tuple, kwargs: dict, config: CompileConfig,
         raise
     capture.created_state = _drop_unread_state(capture, fresh)
     if accumulation is not None:
-        _drop_unused_grad_sums(capture, accumulation)
+        _drop_unused_grad_sums(capture, accumulation, config.offload is not None
+                               and config.offload.accumulate_on == "host")
     return capture
 
 
-def _drop_unused_grad_sums(capture: Capture, accumulation: Accumulation) -> None:
+def _drop_unused_grad_sums(capture: Capture, accumulation: Accumulation, on_host: bool) -> None:
     """A parameter that gets no gradient needs no running sum: drop its placeholder and buffer."""
     capture.accumulation = accumulation
     graph = capture.graph
@@ -616,10 +617,11 @@ def _drop_unused_grad_sums(capture: Capture, accumulation: Accumulation) -> None
         accumulation.discard({s.target for s in graph.signature.inputs if s.name in unused})
         capture.graph = graph.with_signature(inputs=tuple(s for s in graph.signature.inputs if s.name not in unused))
     sums = [placeholders[s.name].meta["val"] for s in capture.graph.signature.inputs if s.kind == "grad_sum"]
+    nbytes = sum(v.numel() * (4 if on_host else v.element_size()) for v in sums)   # host sums are fp32
     capture.graph.note("capture", f"accumulation_steps={accumulation.steps}: this variant "
                        f"{'adds the last micro-batch of a window and updates' if accumulation.update else 'adds a micro-batch'}; "
-                       f"{len(sums)} running gradient sums, {sum(v.numel() * v.element_size() for v in sums):,} bytes "
-                       "on the device, kept between calls")
+                       f"{len(sums)} running gradient sums, {nbytes:,} bytes "
+                       + ("in host memory (fp32), kept between calls" if on_host else "on the device, kept between calls"))
 
 
 def _drop_unread_state(capture: Capture, fresh: list[tuple[torch.optim.Optimizer, list[Tensor]]]
@@ -680,7 +682,7 @@ def _capture_step(fn: Callable, args: tuple, kwargs: dict, config: CompileConfig
         + [b.scaler_state(i, key) for i, key in scaler_keys]
         + [leaves[i].detach() for i in batch_positions])
     sum_names = [n for n, p in b.params.items() if p.requires_grad] if accumulation is not None else []
-    real_inputs += [accumulation.sums(n, b.params[n]) for n in sum_names]
+    real_inputs += [_traced_sum(accumulation, n, b.params[n], fake_mode) for n in sum_names]
     n_p, n_b, n_s, n_lr = len(param_names), len(buffer_names), len(b.state_keys), len(b.lr_groups)
     n_sc = len(scaler_keys)
     events = _StepEvents()
@@ -785,6 +787,15 @@ def _traced_state(b: StepBindings, param_name: str, key: str, fake_mode: FakeTen
         return b.state(param_name, key)
     with fake_mode:
         return optimizer_lowering.state_like(b.params[param_name], key)
+
+
+def _traced_sum(accumulation: Accumulation, name: str, param: Tensor, fake_mode: FakeTensorMode | None) -> Tensor:
+    # with offload a running sum may live on the host (Offload.accumulate_on): it is traced as
+    # if it were on the device, like offloaded state, and the offload pass moves it
+    if fake_mode is None:
+        return accumulation.sums(name, param)
+    with fake_mode:
+        return torch.zeros(param.shape, dtype=param.dtype, device=param.device)
 
 
 def _zeroed(events: _StepEvents, order: list[str]) -> frozenset[str]:

@@ -101,6 +101,17 @@ class Offload:
             median drifts from the prediction by more than `replan_threshold` (a fraction),
             profile the next step node by node and plan again from the measured times (at most
             three times). 0 turns this off.
+        accumulate_on: where the running gradient sums of `accumulation_steps=k` live.
+            "device" (default): on the device, in the gradients' dtype (one gradient set of
+            device memory for the whole window). "host": in pinned host memory, in fp32: on an
+            accumulating call each gradient is copied to the host as soon as it is final and
+            added there on the CPU worker, so the device frees it at once and holds no sums (the
+            predicted peak falls by about a gradient set); the updating call copies the last
+            micro-batch's gradients as usual and the host adds the sums before its update. Every
+            bucket then takes the CPU path, and the step must not read the accumulated gradient
+            on the device besides its update (`clip_grad_norm_`, a GradScaler's inf checks):
+            such a step is refused when it compiles its updating call; use "device" there.
+            Ignored without `accumulation_steps`.
     """
 
     gpu_memory_budget: int | str | None = None
@@ -113,9 +124,18 @@ class Offload:
     plan_cache: bool = True
     replan_after: int = 3
     replan_threshold: float = 0.25
+    accumulate_on: Literal["device", "host"] = "device"
 
     def __post_init__(self) -> None:
         self.budget_bytes()   # validate early
+        if self.accumulate_on not in ("device", "host"):
+            raise ValueError(f"accumulate_on must be 'device' or 'host', got {self.accumulate_on!r}"
+                             + (" (a choice per bucket from the memory budget is not implemented yet: pick one)"
+                                if self.accumulate_on == "auto" else ""))
+        if self.accumulate_on == "host" and self.device_updates not in ("auto", "never"):
+            raise ValueError(f"accumulate_on='host' runs every update on the CPU, which device_updates="
+                             f"{self.device_updates!r} contradicts: leave device_updates at 'auto' (or 'never'), "
+                             "or accumulate on the device")
         if self.cpu_workers < 1:
             raise ValueError("cpu_workers must be at least 1")
         if self.cpu_threads is not None and self.cpu_threads < 1:

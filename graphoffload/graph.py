@@ -43,7 +43,8 @@ class InputSpec:
     among the flattened tensor arguments of the step for batch inputs, and ``(param name,
     purpose)`` for host scratch buffers the runtime allocates once (e.g. a gradient's pinned
     landing buffer), and the parameter name for ``grad_sum``, a gradient's running sum over an
-    accumulation window (``accumulation_steps``), a device buffer the step keeps between calls. ``host`` marks tensors kept in (pinned) host memory rather than on the
+    accumulation window (``accumulation_steps``), a buffer the step keeps between calls (on the
+    device; in fp32 host memory with ``Offload(accumulate_on="host")``). ``host`` marks tensors kept in (pinned) host memory rather than on the
     model's device; the runtime moves them there once and memory analysis does not count them.
     """
 

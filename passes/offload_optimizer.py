@@ -17,6 +17,11 @@ prefetched into device buffers while backward runs, the original fused kernel up
 its gradients are final (so they never leave the device), and the state goes back to the host.
 explain() lists each bucket's path, predicted start and end, and bytes moved.
 
+With `accumulation_steps` and `Offload(accumulate_on="host")` the running gradient sums live on the
+host too, in fp32 (passes/host_accumulation.py): every bucket takes the CPU path, an accumulating
+call sends each gradient there as soon as it is final, and the updating call adds the sums on the
+host before the update. explain() notes where the sums live (`grad_sums`, and `grad_sum` per bucket).
+
 The device then holds parameters, activations, gradients and prefetched state in flight only. The pass checks
 the predicted device peak against `Offload.gpu_memory_budget` and fails at compile time, with
 the minimum the step needs, when the budget cannot be met.
@@ -41,7 +46,8 @@ from graphoffload.passes.offload_cost_model import node_seconds
 from graphoffload.passes.offload_planner import SWEEPS, BucketCost, Prediction, StepCosts, plan, predict
 from graphoffload.passes.offload_plan_cache import load_plan, plan_key, plan_path, store_plan
 from graphoffload.ops.host_transfer import assign_streams
-from graphoffload.passes.update_kernels import UpdateKernel, update_kernels_to_rewrite
+from graphoffload.passes.host_accumulation import accumulate_on_host, drain_host_sums, move_sums_to_host
+from graphoffload.passes.update_kernels import UpdateKernel, find_update_kernels, update_kernels_to_rewrite
 
 if TYPE_CHECKING:
     from graphoffload.passes.manager import PassContext
@@ -192,7 +198,7 @@ def _why_after_backward(storages: StorageMap, k: UpdateKernel, found: _EarlyGrad
 def _emit_cpu_path(g: fx.Graph, k: UpdateKernel, masters: list[fx.Node], host_grads: list[fx.Node],
                    staging: list[fx.Node], scaling: dict[str, tuple[fx.Node, fx.Node]], meta: dict,
                    early: _EarlyGradients | None, hand_over: tuple[str, fx.Node] | None,
-                   read_after: fx.Node | None) -> None:
+                   read_after: fx.Node | None, host_sums: list[fx.Node]) -> None:
     """`scaling`: "grad_scale"/"found_inf"/"grad_multiplier" -> (device, host) nodes of a
     GradScaler's tensors and of the scalar in `early`, copied with the gradients so the host
     update can unscale, skip and scale.
@@ -208,7 +214,11 @@ def _emit_cpu_path(g: fx.Graph, k: UpdateKernel, masters: list[fx.Node], host_gr
 
     With `read_after` (the first node that reads the bucket's parameters after the update: a
     weight norm logged after optimizer.step()), the step waits for the upload right before
-    that node and never hands it over."""
+    that node and never hands it over.
+
+    With `host_sums` (Offload.accumulate_on="host", the updating call): the running sums of the
+    bucket's gradients, which the worker adds into their host copies (and zeroes) before the
+    update."""
     parked = []
     if early is not None:
         for source, final_at, host in zip(early.sources, early.final_at, host_grads):
@@ -219,7 +229,9 @@ def _emit_cpu_path(g: fx.Graph, k: UpdateKernel, masters: list[fx.Node], host_gr
         to_host = g.call_function(ops.copy_to_host.default, (
             grads + [d for d, _ in scaling.values()], ([] if early is not None else host_grads) +
             [h for _, h in scaling.values()]))
-        update = k.emit_host_update(g, to_host, masters, host_grads, _host_lr,
+        summed = [g.call_function(ops.host_accumulate_.default, (to_host, host_sums, host_grads, True))] \
+            if host_sums else []
+        update = k.emit_host_update(g, summed[0] if summed else to_host, masters, host_grads, _host_lr,
                                     tuple(scaling[key][1] if key in scaling else None
                                           for key in ("grad_scale", "found_inf", "grad_multiplier")))
         to_device = g.call_function(ops.copy_to_device.default, (update, masters, staging, k.params))
@@ -233,7 +245,7 @@ def _emit_cpu_path(g: fx.Graph, k: UpdateKernel, masters: list[fx.Node], host_gr
             with g.inserting_before(first_reader):
                 waits.append(g.call_function(ops.wait_handed_over.default, (k.params, key)))
     _tag([*parked, to_host, to_device, *waits], meta, "transfer")
-    _tag([update], meta, "optimizer")
+    _tag([*summed, update], meta, "optimizer")
 
 
 def _emit_device_path(g: fx.Graph, k: UpdateKernel, masters: list[fx.Node], prefetch_after: fx.Node,
@@ -301,11 +313,15 @@ def _first_reader(k: UpdateKernel, position: dict[fx.Node, int]) -> fx.Node:
 
 
 def _choose_paths(graph: TrainGraph, kernels: list[UpdateKernel], ctx: PassContext, state_bytes_on_device: int,
-                  early: list[_EarlyGradients | None]) -> tuple[list[str], dict[int, int]]:
+                  early: list[_EarlyGradients | None], host_sums: bool) -> tuple[list[str], dict[int, int]]:
     """CPU or device path per bucket, and where device-path prefetches start (node index)."""
     offload = ctx.config.offload
     n = len(kernels)
     mode = offload.device_updates
+    if host_sums:
+        graph.note("offload_optimizer", "running gradient sums on the host: every bucket takes the CPU path",
+                   "no_plan", reason="accumulate_on host")
+        return ["cpu"] * n, {}
     if mode == "never" or (mode == "auto" and offload.calibration is None and ctx.device.type != "cuda"):
         if mode == "auto":
             graph.note("offload_optimizer", "no accelerator: every bucket takes the CPU path", "no_plan",
@@ -388,20 +404,51 @@ def _moved(event, bucket: BucketCost) -> int:
     return 0
 
 
+def _note_grad_sums(graph: TrainGraph, sums: dict[str, fx.Node], where: str, buckets: dict[str, list[str]]) -> None:
+    """explain()'s record of where each bucket's running gradient sums live (accumulation_steps)."""
+    if not sums:
+        return
+    nbytes = sum(s.meta["val"].numel() * s.meta["val"].element_size() for s in sums.values())
+    graph.note("offload_optimizer", f"{len(sums)} running gradient sums on the {where} "
+               f"({format_bytes(nbytes)}{', fp32' if where == 'host' else ''})", "grad_sums",
+               where=where, sums=len(sums), bytes=nbytes)
+    for bucket, names in buckets.items():
+        graph.note("offload_optimizer", f"bucket {bucket}: running gradient sums on the {where}", "grad_sum",
+                   bucket=bucket, where=where, params=tuple(names))
+
+
 def offload_optimizer(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
+    offload = ctx.config.offload
+    kernels = find_update_kernels(graph.graph)
+    host_sums: dict[str, fx.Node] = {}
+    specs = list(graph.signature.inputs)
+    placeholders = graph.placeholders()
+    device_sums = {s.target: placeholders[s.name] for s in specs if s.kind == "grad_sum"}
+    if offload.accumulate_on == "host" and device_sums:
+        host_sums, device_sums = move_sums_to_host(graph, specs), {}
+    if not kernels and (host_sums or device_sums):   # an accumulating call
+        _note_grad_sums(graph, host_sums or device_sums, "host" if host_sums else "device", {})
+        if not host_sums:
+            return graph
+        accumulate_on_host(graph, specs, host_sums)   # its gradients go to the host sums
+        assign_streams(graph.graph)
+        graph = graph.with_signature(inputs=tuple(specs))
+        fill_missing_meta(graph, "offload_optimizer")
+        return graph
     kernels = update_kernels_to_rewrite(graph, "offload_optimizer", "offload")
     if not kernels:
         return graph
-    offload = ctx.config.offload
     g = graph.graph
-    specs = list(graph.signature.inputs)
     spec_of = {s.name: i for i, s in enumerate(specs)}
+    names_of = [[specs[spec_of[p.name]].target for p in k.params] for k in kernels]
+    bucket_params = {str(k.node.meta.get("bucket", b)): names for b, (k, names) in enumerate(zip(kernels, names_of))}
+    sums_of = [drain_host_sums(k, names, host_sums) if host_sums else [] for k, names in zip(kernels, names_of)]
     state_bytes = sum(st.meta["val"].numel() * st.meta["val"].element_size()
                       for k in kernels for st in k.state_placeholders())
     storages = StorageMap(g)
     backward = [storages.position[nd] for nd in g.nodes if nd.meta.get("phase") == "backward"]
     early = [_find_early_gradients(storages, k, max(backward)) if backward else None for k in kernels]
-    paths, prefetch_at = _choose_paths(graph, kernels, ctx, state_bytes, early)
+    paths, prefetch_at = _choose_paths(graph, kernels, ctx, state_bytes, early, bool(host_sums))
     early = [found if path == "cpu" else None for found, path in zip(early, paths)]
     read_after = [_first_read_after_update(k, storages) for k in kernels]
     causes = {b: _why_after_backward(storages, k, found) for b, (k, found) in enumerate(zip(kernels, early))
@@ -446,7 +493,7 @@ def offload_optimizer(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
                                 ("grad_multiplier", multiplier)) if d is not None}
             _emit_cpu_path(g, k, masters, host_grads, staging, scaling, meta, early[b],
                            (f"bucket {b}", _first_reader(k, position)) if offload.overlap_next_step else None,
-                           read_after[b])
+                           read_after[b], sums_of[b])
         else:
             _emit_device_path(g, k, masters, prefetch_anchor(prefetch_at[b]), ctx.device, meta,
                               carry=offload.overlap_next_step)
@@ -455,6 +502,8 @@ def offload_optimizer(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
             waits_past_backward.setdefault(causes[b], []).append(str(k.node.meta.get("bucket", b)))
             for node in early[b].scalings:
                 g.erase_node(node)
+    if host_sums or device_sums:
+        _note_grad_sums(graph, host_sums or device_sums, "host" if host_sums else "device", bucket_params)
     read_in_step = [b for b, path in enumerate(paths) if path == "cpu" and read_after[b] is not None]
     if read_in_step:
         graph.note("offload_optimizer", f"{len(read_in_step)} CPU-path buckets' parameters are read after the "

@@ -6,6 +6,9 @@ the step's two compiled variants (accumulate; accumulate and update), so they ar
 by the step, and enter each graph as `grad_sum` placeholders the graph mutates in place.
 Each is allocated once, on the parameter's device, zero-filled, the first time a graph needs it:
 the update variant leaves it zeroed again for the next window, so it is never reallocated.
+With `Offload(accumulate_on="host")` a sum lives in host memory in fp32 instead (pinned when the
+parameter is on a GPU, so the copies into it are asynchronous): the graphs mark those
+placeholders `host`, and the buffer is made there once.
 """
 
 from __future__ import annotations
@@ -16,23 +19,41 @@ from torch import Tensor
 from graphoffload.errors import StateError
 
 
+def _shape_error(name: str, t: Tensor, param: Tensor) -> StateError:
+    return StateError(f"the running gradient sum of {name} has shape {tuple(t.shape)} but the parameter "
+                      f"{tuple(param.shape)}: was the accumulation window loaded from another model's "
+                      "checkpoint? Load a matching one")
+
+
 class GradSums:
     """Parameter name -> its gradient's running sum over the current accumulation window."""
 
     def __init__(self) -> None:
         self._sums: dict[str, Tensor] = {}
 
-    def tensor(self, name: str, param: Tensor) -> Tensor:
-        """The buffer of `name` (allocated as zeros like `param` on first use)."""
+    def tensor(self, name: str, param: Tensor, on_host: bool = False) -> Tensor:
+        """The buffer of `name` (allocated as zeros like `param` on first use; `on_host`: as
+        fp32 zeros in host memory, pinned when `param` is on a GPU)."""
         t = self._sums.get(name)
+        if on_host:
+            return self._host_tensor(name, param, t)
         if t is None:
             t = self._sums[name] = torch.zeros_like(param, memory_format=torch.contiguous_format)
         elif t.shape != param.shape:
-            raise StateError(f"the running gradient sum of {name} has shape {tuple(t.shape)} but the parameter "
-                             f"{tuple(param.shape)}: was the accumulation window loaded from another model's "
-                             "checkpoint? Load a matching one")
+            raise _shape_error(name, t, param)
         elif t.device != param.device or t.dtype != param.dtype:   # e.g. loaded from a CPU checkpoint
             t = self._sums[name] = t.to(param.device, param.dtype, memory_format=torch.contiguous_format)
+        return t
+
+    def _host_tensor(self, name: str, param: Tensor, t: Tensor | None) -> Tensor:
+        pin = param.device.type == "cuda"
+        if t is not None and t.shape != param.shape:
+            raise _shape_error(name, t, param)
+        if t is None or t.device.type != "cpu" or t.dtype != torch.float32 or (pin and not t.is_pinned()):
+            placed = torch.zeros(param.shape, dtype=torch.float32, pin_memory=pin)
+            if t is not None:   # loaded from a checkpoint, or was on the device
+                placed.copy_(t)
+            t = self._sums[name] = placed
         return t
 
     def discard(self, names: set[str]) -> None:

@@ -70,9 +70,12 @@ class Executor:
         values: list[Tensor] = []
         in_flight = set(self.params_in_flight())
         if self.host_state is not None:
-            self.host_state.reserve([(s, self.vals[s.name]) for s in self.graph.signature.inputs if s.host])
+            self.host_state.reserve([(s, self.vals[s.name]) for s in self.graph.signature.inputs
+                                     if s.host and s.kind != "grad_sum"])
         for spec in self.graph.signature.inputs:
-            if spec.host:
+            if spec.kind == "grad_sum":   # on the device, or in host memory (Offload.accumulate_on)
+                values.append(self.capture.accumulation.sums(spec.target, b.params[spec.target], spec.host))
+            elif spec.host:
                 values.append(self.host_state.tensor(spec, self.vals[spec.name], in_flight))
             elif spec.kind == "param":
                 values.append(b.params[spec.target].detach())
@@ -84,8 +87,6 @@ class Executor:
                 values.append(torch.tensor(b.lr(*spec.target), dtype=torch.float64))
             elif spec.kind == "scaler":
                 values.append(b.scaler_state(*spec.target))
-            elif spec.kind == "grad_sum":
-                values.append(self.capture.accumulation.sums(spec.target, b.params[spec.target]))
             else:
                 values.append(batch[spec.target].detach())
         return values

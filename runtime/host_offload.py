@@ -219,7 +219,7 @@ class OffloadRuntime:
             if event is not None:
                 event.synchronize()
 
-    def run_on_host(self, after: Tensor, work) -> Tensor:
+    def run_on_host(self, after: Tensor, work, name: str = "update") -> Tensor:
         dependency = self.redeem(after)
         # a host update may read host memory a carried write-back is still filling (only after a
         # re-plan moved a bucket between paths; the write-back landed long ago otherwise)
@@ -232,7 +232,7 @@ class OffloadRuntime:
                 event.synchronize()
             start = time.perf_counter()
             result = work()
-            self._span("cpu", "update", start)
+            self._span("cpu", name, start)   # the measured timeline's span on the CPU track
             return result
         if self.sanitizer is not None:
             return self.issue(self.sanitizer.launch("cpu", [], [], task))
@@ -422,6 +422,17 @@ def host_sgd_(after: Tensor, params: list[Tensor], grads: list[Tensor], momentum
                           momentum=momentum, lr=lr, dampening=dampening, nesterov=nesterov, maximize=maximize,
                           is_first_step=is_first_step, grad_scale=grad_scale, found_inf=found_inf)
     return runtime.run_on_host(after, work)
+
+
+@host_transfer.host_accumulate_.register_kernel(None)
+def host_accumulate_(after: Tensor, sums: list[Tensor], grads: list[Tensor], drain: bool) -> Tensor:
+    def work():
+        if drain:   # g + sum, as the device form's last add: fp32 addition commutes bit for bit
+            torch._foreach_add_(grads, sums)
+            torch._foreach_zero_(sums)
+        else:
+            torch._foreach_add_(sums, grads)
+    return active_runtime().run_on_host(after, work, "accumulate")
 
 
 @host_transfer.copy_to_device.register_kernel(None)

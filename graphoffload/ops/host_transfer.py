@@ -95,6 +95,21 @@ def _host_sgd_fake(after, params, grads, momentum_buffers, lr, weight_decay, mom
     return _ticket_fake()
 
 
+@torch.library.custom_op("graphoffload::host_accumulate_", mutates_args=("sums", "grads"))
+def host_accumulate_(after: Tensor, sums: list[Tensor], grads: list[Tensor], drain: bool) -> Tensor:
+    """Running gradient sums kept on the host (`Offload.accumulate_on="host"`), on the worker,
+    once `after` (the copy that landed `grads` on the host) is done; returns a ticket.
+    `drain=False` (a call that accumulates): `sums += grads`. `drain=True` (the call that
+    updates): `grads += sums`, then `sums` are zeroed for the next window, so the update that
+    follows reads the window's whole gradient from `grads`."""
+    raise _no_kernel("graphoffload::host_accumulate_")
+
+
+@host_accumulate_.register_fake
+def _host_accumulate_fake(after, sums, grads, drain):
+    return _ticket_fake()
+
+
 @torch.library.custom_op("graphoffload::copy_to_device", mutates_args=("staging",))
 def copy_to_device(after: Tensor, master: list[Tensor], staging: list[Tensor], params: list[Tensor]) -> Tensor:
     """Once `after` is done, copy host master weights (through low-precision staging buffers
