@@ -524,7 +524,8 @@ def plan(costs: StepCosts, cal: Calibration, budget: int | None = None,
 
     A first-improvement local search (flip one bucket's path, keep it if faster) from the best
     fixed schedule. The step model is built once; a flip's simulation stops as soon as the
-    step it predicts can no longer beat the best so far, which is where most flips end."""
+    step it predicts can no longer beat the best so far, which is where most flips end, and a
+    flip already rejected against the same plan (no flip kept since) is not tried again."""
     began = time.perf_counter()
     model = StepModel(costs, cal)
     n = len(costs.buckets)
@@ -539,16 +540,22 @@ def plan(costs: StepCosts, cal: Calibration, budget: int | None = None,
     best, best_seconds = list(candidates[best_name]), feasible[best_name]
     model.step_seconds(best, budget)
     model.rebase()
+    kept = 0                 # flips kept so far: the plan a flip is tried against
+    rejected_at = [-1] * n   # the plan (by `kept`) each bucket's flip was last rejected against
     for _ in range(max_sweeps):
         improved = False
         for b in range(n):
+            if rejected_at[b] == kept:
+                continue     # nothing was kept since this very flip was tried: it loses again
             best[b] = "cpu" if best[b] == "device" else "device"
             seconds = model.step_seconds(best, budget, above=best_seconds - 1e-12)
             if seconds is not None and seconds < best_seconds - 1e-12:
                 best_seconds, improved = seconds, True
+                kept += 1
                 model.rebase()
             else:
                 best[b] = "cpu" if best[b] == "device" else "device"
+                rejected_at[b] = kept
         if not improved:
             break
     chosen = model.predict(best, budget)
