@@ -204,22 +204,22 @@ class _Link:
         self.owners.insert(i, owner)
 
 
-State = tuple[float, float, float, float, float]   # delay, h2d free, d2h free, CPU free, latest late upload
+_State = tuple[float, float, float, float, float]   # delay, h2d free, d2h free, CPU free, latest late upload
 
 
 @dataclass
 class _Trace:
     """What one pass over the buckets leaves for a later pass to resume from: the state before
     every position of the ready order, its copies, and (second pass) how far into the step the
-    contention look-ups of the positions up to each one reached."""
+    contention look-ups of the positions up to each one reached. Filled in as the pass runs."""
 
-    states: list[State] = field(default_factory=list)
+    states: list[_State] = field(default_factory=list)
     links: dict[str, _Link] = field(default_factory=dict)
     reach: list[float] = field(default_factory=list)
     earliest: float = math.inf      # the earliest start of a copy this pass placed itself
 
 
-@dataclass
+@dataclass(frozen=True)
 class _Resume:
     """Where a pass may start: its position in ready order and the trace it continues."""
 
@@ -230,7 +230,8 @@ class _Resume:
 @dataclass
 class _Base:
     """An evaluated assignment that later evaluations resume from: both passes' traces and, per
-    position, the earliest start of a first-pass copy of that position or a later one."""
+    position, the earliest start of a first-pass copy of that position or a later one (filled in
+    by `rebase`, only for the evaluations kept)."""
 
     assignment: tuple[str, ...]
     prefetch: dict[int, int]
