@@ -17,15 +17,43 @@ import torch
 from torch import fx
 
 
-def _arg_values(node: fx.Node) -> Iterator[tuple[torch._C.Argument, object]]:
-    schema = getattr(node.target, "_schema", None)
+_MISSING = object()
+
+
+@dataclass(frozen=True)
+class _OpFacts:
+    """What an op's schema says of its arguments, read once per op rather than once per node:
+    the (position, name) of each argument it writes into (`Tensor(a!)`), and per return the
+    arguments it may alias, in schema order (the first one a node passes is the one aliased)."""
+
+    writes: tuple[tuple[int, str], ...]
+    aliases: tuple[tuple[tuple[int, str], ...], ...]
+
+
+def _op_facts(target: object) -> _OpFacts | None:
+    schema = getattr(target, "_schema", None)
     if schema is None:
-        return
-    for i, arg in enumerate(schema.arguments):
-        if i < len(node.args):
-            yield arg, node.args[i]
-        elif arg.name in node.kwargs:
-            yield arg, node.kwargs[arg.name]
+        return None
+    args = [(i, arg) for i, arg in enumerate(schema.arguments) if arg.alias_info is not None]
+    writes = tuple((i, arg.name) for i, arg in args if arg.alias_info.is_write)
+    aliases = []
+    for ret in schema.returns:
+        info = ret.alias_info
+        # `Tensor(a -> *) self ... -> Tensor(a)[]` (split, unbind, chunk): the list's elements alias
+        # `self`, but the bindings give the element's alias set only on the argument's side, as
+        # the wildcard it becomes; without this every element counted as a storage of its own
+        aliases.append(() if info is None else tuple(
+            (i, arg.name) for i, arg in args
+            if set(arg.alias_info.before_set) & set(info.before_set)
+            or (not info.before_set and "*" in arg.alias_info.after_set)))
+    return _OpFacts(writes, tuple(aliases))
+
+
+def _value(node: fx.Node, position: int, name: str) -> object:
+    """What a node passes for a schema argument (positionally or by name), or _MISSING."""
+    if position < len(node.args):
+        return node.args[position]
+    return node.kwargs.get(name, _MISSING)
 
 
 def _nodes_in(value: object) -> list[fx.Node]:
@@ -36,12 +64,15 @@ def _nodes_in(value: object) -> list[fx.Node]:
     return []
 
 
+def _written(node: fx.Node, facts: _OpFacts | None) -> list[fx.Node]:
+    if node.op != "call_function" or facts is None:
+        return []
+    return [n for position, name in facts.writes for n in _nodes_in(_value(node, position, name))]
+
+
 def written_args(node: fx.Node) -> list[fx.Node]:
     """The argument nodes an op writes into, per its schema (`Tensor(a!)`)."""
-    if node.op != "call_function":
-        return []
-    return [n for arg, value in _arg_values(node)
-            if arg.alias_info is not None and arg.alias_info.is_write for n in _nodes_in(value)]
+    return _written(node, _op_facts(node.target) if node.op == "call_function" else None)
 
 
 # `_unsafe_view` returns a view of its input, but its schema declares a fresh tensor (so that
@@ -49,25 +80,15 @@ def written_args(node: fx.Node) -> list[fx.Node]:
 _UNDECLARED_VIEWS = {torch.ops.aten._unsafe_view.default}
 
 
-def _aliased_arg(node: fx.Node, ret_index: int) -> object:
+def _aliased_arg(node: fx.Node, ret_index: int, facts: _OpFacts | None) -> object:
     """The argument (node or list of nodes) output `ret_index` of `node` aliases, if any."""
     if node.target in _UNDECLARED_VIEWS:
         return node.args[0]
-    schema = getattr(node.target, "_schema", None)
-    if schema is None or ret_index >= len(schema.returns):
+    if facts is None or ret_index >= len(facts.aliases):
         return None
-    ret = schema.returns[ret_index].alias_info
-    if ret is None:
-        return None
-    for arg, value in _arg_values(node):
-        if arg.alias_info is None:
-            continue
-        if set(arg.alias_info.before_set) & set(ret.before_set):
-            return value
-        # `Tensor(a -> *) self ... -> Tensor(a)[]` (split, unbind, chunk): the list's elements alias
-        # `self`, but the bindings give the element's alias set only on the argument's side, as
-        # the wildcard it becomes; without this every element counted as a storage of its own
-        if not ret.before_set and "*" in arg.alias_info.after_set:
+    for position, name in facts.aliases[ret_index]:
+        value = _value(node, position, name)
+        if value is not _MISSING:
             return value
     return None
 
@@ -87,16 +108,26 @@ class StorageMap:
         self.position = {n: i for i, n in enumerate(self.nodes)}
         self.ids: dict[fx.Node, list[int | None]] = {}
         self.creator: list[fx.Node] = []
+        self._facts: dict[object, _OpFacts | None] = {}   # per op: a graph repeats a few ops many times
         for node in self.nodes:
             self.ids[node] = self._storages_of(node)
         self.accesses: dict[int, list[Access]] = defaultdict(list)
         for i, node in enumerate(self.nodes):
-            written = {s for w in written_args(node) for s in self.of(w)}
+            written = {s for w in _written(node, self._facts_of(node.target)) for s in self.of(w)}
             created = {s for s in self.ids[node] if s is not None and self.creator[s] is node}
             read = {s for inp in node.all_input_nodes for s in self.of(inp)}
             for s in read | written | created:
                 self.accesses[s].append(Access(i, node, s in written or s in created))
         self.output_reads = {s for inp in graph.output_node().all_input_nodes for s in self.of(inp)}
+
+    def _facts_of(self, target: object) -> _OpFacts | None:
+        try:
+            return self._facts[target]
+        except KeyError:
+            facts = self._facts[target] = _op_facts(target)
+            return facts
+        except TypeError:   # an unhashable target
+            return _op_facts(target)
 
     def _new(self, node: fx.Node) -> int:
         self.creator.append(node)
@@ -111,14 +142,14 @@ class StorageMap:
             src_ids = self.ids.get(src, [])
             return [src_ids[j] if isinstance(j, int) and j < len(src_ids) else None]
         outs = val if isinstance(val, (list, tuple)) else [val]
-        schema = getattr(node.target, "_schema", None)
-        single_return = schema is not None and len(schema.returns) == 1
+        facts = self._facts_of(node.target)
+        single_return = facts is not None and len(facts.aliases) == 1
         ids: list[int | None] = []
         for j, out in enumerate(outs):
             if not isinstance(out, torch.Tensor):
                 ids.append(None)
                 continue
-            alias = _aliased_arg(node, 0 if single_return else j)
+            alias = _aliased_arg(node, 0 if single_return else j, facts)
             if isinstance(alias, (list, tuple)):
                 alias = alias[j] if j < len(alias) else None
             src = self.ids.get(alias) if isinstance(alias, fx.Node) else None

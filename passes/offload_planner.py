@@ -18,6 +18,10 @@ A plan evaluates hundreds of assignments of the same step, so what does not depe
 assignment (node times, ready order, device bytes per node) is built once in `StepModel`, and
 each evaluation bisects instead of scanning: the search used to re-derive everything per
 candidate, which made planning cubic in buckets and the largest cost of compiling deep models.
+A flip of one bucket re-simulates only from where it can change anything: both passes resume
+from the traces the last kept assignment left (the first pass at the flipped bucket, the second
+where its contention look-ups first reach a copy the flip moved), and without a budget each
+prefetch point is known up front instead of placed in the memory tree.
 """
 
 from __future__ import annotations
@@ -160,44 +164,80 @@ class _Link:
 
     def overlap(self, a0: float, a1: float) -> float:
         """Total time [a0, a1) shares with the transfers (only intervals that overlap are summed:
-        a sum of the same terms in the same order as over all of them)."""
+        a sum of the same terms in the same order as over all of them; a term of zero is left
+        out, which leaves the sum as it is)."""
         total = 0
         spans = self.spans
         for i in range(bisect_right(self.ends, a0), len(spans)):
             b0, b1 = spans[i]
             if b0 >= a1:
                 break
-            total += max(0.0, min(a1, b1) - max(a0, b0))
+            shared = (a1 if a1 < b1 else b1) - (a0 if a0 > b0 else b0)
+            if shared > 0.0:
+                total += shared
         return total
 
     def first_gap(self, start: float, seconds: float) -> float:
         """Earliest time >= start at which `seconds` fit between the transfers; transfers that
         end by `start` cannot move it, so the search begins after them."""
-        spans = self.spans
-        for i in range(bisect_right(self.ends, start), len(spans)):
+        spans, ends = self.spans, self.ends
+        if not ends or start >= ends[-1]:   # the link is idle from `start` on (usually)
+            return start
+        for i in range(bisect_right(ends, start), len(spans)):
             b0, b1 = spans[i]
             if start + seconds <= b0:
                 break
-            start = max(start, b1)
+            if b1 > start:
+                start = b1
         return start
 
     def insert(self, start: float, end: float, owner: int) -> None:
-        i = bisect_right(self.spans, (start, end))
-        self.spans.insert(i, (start, end))
+        span = (start, end)
+        if not self.spans or self.spans[-1] <= span:   # after every other copy (usually)
+            self.spans.append(span)
+            self.ends.append(end)
+            self.owners.append(owner)
+            return
+        i = bisect_right(self.spans, span)
+        self.spans.insert(i, span)
         self.ends.insert(i, end)
         self.owners.insert(i, owner)
 
 
+_State = tuple[float, float, float, float, float]   # delay, h2d free, d2h free, CPU free, latest late upload
+
+
 @dataclass
+class _Trace:
+    """What one pass over the buckets leaves for a later pass to resume from: the state before
+    every position of the ready order, its copies, and (second pass) how far into the step the
+    contention look-ups of the positions up to each one reached. Filled in as the pass runs."""
+
+    states: list[_State] = field(default_factory=list)
+    links: dict[str, _Link] = field(default_factory=dict)
+    reach: list[float] = field(default_factory=list)
+    earliest: float = math.inf      # the earliest start of a copy this pass placed itself
+
+
+@dataclass(frozen=True)
 class _Resume:
-    """Where a first pass may start: its position in ready order, the states before every
-    position and the links of the assignment it was recorded for."""
+    """Where a pass may start: its position in ready order and the trace it continues."""
 
     position: int
-    states: list[tuple[float, float]]
-    links: dict[str, _Link]
-    assignment: tuple[str, ...] = ()
-    prefetch: dict[int, int] = field(default_factory=dict)
+    trace: _Trace
+
+
+@dataclass
+class _Base:
+    """An evaluated assignment that later evaluations resume from: both passes' traces and, per
+    position, the earliest start of a first-pass copy of that position or a later one (filled in
+    by `rebase`, only for the evaluations kept)."""
+
+    assignment: tuple[str, ...]
+    prefetch: dict[int, int]
+    first: _Trace
+    second: _Trace | None           # None when the second pass stopped early
+    starts_from: list[float] = field(default_factory=list)
 
 
 class StepModel:
@@ -215,28 +255,35 @@ class StepModel:
             times.append(times[-1] + t)
         self.times = times
         self.order = sorted(range(len(costs.buckets)), key=lambda b: costs.buckets[b].ready_node)
+        self.position = [0] * len(costs.buckets)
+        for p, b in enumerate(self.order):
+            self.position[b] = p
         self.tree = _SuffixMaxTree(costs.live_bytes)
         self.device_seconds = [b.numel / cal.device_update_params_per_s for b in costs.buckets]
         fastest_cpu = max(cal.cpu_update_params_per_s, cal.cpu_update_params_per_s_under_copy)
         self.cpu_min_seconds = [b.numel / fastest_cpu for b in costs.buckets]
+        # without a budget a prefetch starts where it lands just in time, whatever else is placed
+        self.unbudgeted_prefetch = [self._just_in_time(bucket) for bucket in costs.buckets]
         self.simulated = self.evaluated = 0
-        self.base: _Resume | None = None
-        self.last: _Resume | None = None
+        self.base: _Base | None = None
+        self.last: _Base | None = None
+
+    def _just_in_time(self, bucket: BucketCost) -> int:
+        target = self.times[bucket.ready_node] - bucket.state_bytes / self.cal.h2d_bytes_per_s
+        start = bisect_left(self.times, target, 0, bucket.ready_node + 1)
+        return bucket.ready_node if start > bucket.ready_node else start
 
     def prefetch_nodes(self, assignment: Sequence[str], budget: int | None) -> tuple[dict[int, int], int] | None:
         """Where each device-path bucket's prefetch starts, as early as needed to land by its
         ready point and no earlier than memory allows (buffers live from the prefetch to the end
         of the step, written back after the update); None if a bucket cannot fit at all. Leaves
         the tree with the placed buffers added: the caller reads it, then calls `_unplace`."""
-        costs, times, tree = self.costs, self.times, self.tree
+        costs, tree = self.costs, self.tree
         prefetch: dict[int, int] = {}
         for b, bucket in enumerate(costs.buckets):
             if assignment[b] != "device":
                 continue
-            target = times[bucket.ready_node] - bucket.state_bytes / self.cal.h2d_bytes_per_s
-            start = bisect_left(times, target, 0, bucket.ready_node + 1)
-            if start > bucket.ready_node:
-                start = bucket.ready_node
+            start = self.unbudgeted_prefetch[b]
             if budget is not None:
                 start = max(start, tree.last_above(budget - bucket.state_bytes) + 1)
                 if start > bucket.ready_node:
@@ -262,133 +309,185 @@ class StepModel:
 
     def _simulate(self, assignment: Sequence[str], prefetch: dict[int, int], contended: dict[str, _Link] | None,
                   events: list[Event] | None, above: float, resume: _Resume | None = None,
-                  states: list[tuple[float, float]] | None = None) -> tuple[float, dict[str, _Link]] | None:
+                  trace: _Trace | None = None) -> tuple[float, dict[str, _Link]] | None:
         """One pass over the buckets in ready order: copies on two links (slowed where they
         overlap the other link's copies of the previous pass, `contended`), the CPU worker
         (slowed while copies run), device updates delaying later compute. None as soon as the
         step is known to take at least `above` seconds (every term of it only grows).
 
-        Without contention a bucket's copies depend only on the buckets before it: `resume`
-        starts at a position from a previous pass's state there, and `states` receives the
-        (delay, CPU free) state before every position, for a later pass to resume from."""
-        costs, cal, times = self.costs, self.cal, self.times
+        A bucket's simulation depends only on the state the buckets before it left and on the
+        contention look-ups it makes: `resume` starts at a position from an earlier pass's trace
+        there, and `trace` receives this pass's, for a later pass to resume from."""
+        costs, cal, times, order, buckets = self.costs, self.cal, self.times, self.order, self.costs.buckets
         h2d_bw, d2h_bw = cal.h2d_bytes_per_s, cal.d2h_bytes_per_s
         duplex = cal.duplex_bytes_per_s / 2
-        links = {"h2d": _Link(), "d2h": _Link()}
-        free = {"h2d": 0.0, "d2h": 0.0, "cpu": 0.0}
-        delay = 0.0     # device updates on the compute stream push later compute back
-        first = 0
-        if resume is not None:
-            first = resume.position
-            delay, free["cpu"] = resume.states[first]
-            links = {name: link.before(first) for name, link in resume.links.items()}
+        h2d_shared, d2h_shared = min(h2d_bw, duplex), min(d2h_bw, duplex)
+        device_rate = cal.device_update_params_per_s
+        cpu_rate, cpu_copy_rate = cal.cpu_update_params_per_s, cal.cpu_update_params_per_s_under_copy
+        other_h2d, other_d2h = (None, None) if contended is None else (contended["h2d"], contended["d2h"])
+        states = reaches = None
+        if trace is not None:
+            states, reaches = trace.states, (trace.reach if contended is not None else None)
+        first, reach = 0, -math.inf
+        if resume is None:
+            h2d, d2h = _Link(), _Link()
+            delay = free_h2d = free_d2h = free_cpu = 0.0     # delay: device updates push later compute back
+            late = -math.inf
+        else:
+            first, old = resume.position, resume.trace
+            delay, free_h2d, free_d2h, free_cpu, late = old.states[first]
+            h2d, d2h = old.links["h2d"].before(first), old.links["d2h"].before(first)
             if states is not None:
-                states[:] = resume.states[:first]
-        late = -math.inf
+                states[:] = old.states[:first]
+            if reaches is not None:
+                reaches[:] = old.reach[:first]
+                reach = reaches[-1] if reaches else -math.inf
+        earliest = math.inf
         overlap_next = costs.overlap_next_step
 
-        def transfer(link: str, name: str, start: float, nbytes: int, b: int) -> float:
+        def transfer(to_device: bool, what: str, start: float, nbytes: int, b: int) -> float:
             # a copy stream runs copies in the order they are issued; issued earlier in time
             # means placed earlier, even when this loop reaches it later
-            rate = h2d_bw if link == "h2d" else d2h_bw
+            nonlocal earliest, reach
+            rate = h2d_bw if to_device else d2h_bw
             one_way = nbytes / rate
             if contended is None:
-                shared = 0.0
+                seconds = one_way     # what the formula below gives when nothing is shared
             else:
-                shared = contended["d2h" if link == "h2d" else "h2d"].overlap(start, start + one_way) / one_way \
-                    if one_way else 0.0
-            seconds = nbytes / rate * (1 - shared) + nbytes / min(rate, duplex) * shared
-            start = links[link].first_gap(start, seconds)
+                if start + one_way > reach:
+                    reach = start + one_way
+                other = other_d2h if to_device else other_h2d
+                shared = other.overlap(start, start + one_way) / one_way if one_way else 0.0
+                seconds = nbytes / rate * (1 - shared) + nbytes / (h2d_shared if to_device else d2h_shared) * shared
+            link = h2d if to_device else d2h
+            start = link.first_gap(start, seconds)
+            if start < earliest:
+                earliest = start
             if events is not None:
-                events.append(Event(link, name, start, start + seconds, b))
-            links[link].insert(start, start + seconds, position)
-            free[link] = max(free[link], start + seconds)
+                events.append(Event("h2d" if to_device else "d2h", f"{what} {buckets[b].name}", start, start + seconds, b))
+            link.insert(start, start + seconds, position)
             return start + seconds
 
         if above < math.inf:
             device_left, cpu_left = self._work_left(assignment)
-        for position in range(first, len(self.order)):
-            b = self.order[position]
+        for position in range(first, len(order)):
+            b = order[position]
             if states is not None:
-                states.append((delay, free["cpu"]))
+                states.append((delay, free_h2d, free_d2h, free_cpu, late))
             self.simulated += 1
-            bucket = costs.buckets[b]
+            bucket = buckets[b]
             ready = times[bucket.ready_node + 1] + delay
             if assignment[b] == "device":
-                landed = transfer("h2d", f"prefetch {bucket.name}", times[prefetch[b]] + delay, bucket.state_bytes, b)
-                start = max(ready, landed)
-                seconds = bucket.numel / cal.device_update_params_per_s
+                landed = transfer(True, "prefetch", times[prefetch[b]] + delay, bucket.state_bytes, b)
+                if landed > free_h2d:
+                    free_h2d = landed
+                start = landed if landed > ready else ready
+                seconds = bucket.numel / device_rate
                 if events is not None:
                     events.append(Event("compute", f"update {bucket.name}", start, start + seconds, b))
                 delay += start + seconds - ready
-                transfer("d2h", f"write back {bucket.name}", start + seconds, bucket.state_bytes, b)
+                written = transfer(False, "write back", start + seconds, bucket.state_bytes, b)
+                if written > free_d2h:
+                    free_d2h = written
             else:
                 final = ready if bucket.grads_final_node is None else times[bucket.grads_final_node + 1] + delay
-                arrived = transfer("d2h", f"grads {bucket.name}", min(final, ready), bucket.grad_bytes, b)
-                start = max(arrived, ready, free["cpu"])
-                alone = bucket.numel / cal.cpu_update_params_per_s
-                if not alone:
-                    copying = 0
-                elif contended is None:
-                    copying = 0 / alone
+                arrived = transfer(False, "grads", final if final < ready else ready, bucket.grad_bytes, b)
+                if arrived > free_d2h:
+                    free_d2h = arrived
+                start = max(arrived, ready, free_cpu)
+                alone = bucket.numel / cpu_rate
+                if contended is None or not alone:
+                    seconds = alone   # what the formula below gives when nothing is copied meanwhile
                 else:
-                    copying = (contended["h2d"].overlap(start, start + alone)
-                               + contended["d2h"].overlap(start, start + alone)) / alone
-                seconds = alone * (1 - min(copying, 1.0)) + bucket.numel / cal.cpu_update_params_per_s_under_copy * min(copying, 1.0)
+                    if start + alone > reach:
+                        reach = start + alone
+                    copying = (other_h2d.overlap(start, start + alone) + other_d2h.overlap(start, start + alone)) / alone
+                    copying = copying if copying < 1.0 else 1.0
+                    seconds = alone * (1 - copying) + bucket.numel / cpu_copy_rate * copying
                 if events is not None:
                     events.append(Event("cpu", f"update {bucket.name}", start, start + seconds, b))
-                free["cpu"] = start + seconds
-                uploaded = transfer("h2d", f"upload {bucket.name}", start + seconds, bucket.upload_bytes, b)
-                if overlap_next:
-                    late = max(late, uploaded - times[bucket.first_use_node])
+                free_cpu = start + seconds
+                uploaded = transfer(True, "upload", start + seconds, bucket.upload_bytes, b)
+                if uploaded > free_h2d:
+                    free_h2d = uploaded
+                if overlap_next and uploaded - times[bucket.first_use_node] > late:
+                    late = uploaded - times[bucket.first_use_node]
+            if reaches is not None:
+                reaches.append(reach)
             if above < math.inf:
                 # every later device update delays compute by at least its own time, and every
                 # later CPU update starts after this one ends and takes at least its time alone
                 # or under copy, whichever is shorter
                 i = position + 1
                 compute_end = times[-1] + delay + device_left[i]
-                bound = max(compute_end, free["d2h"], late) if overlap_next else \
-                    max(compute_end, free["h2d"], free["d2h"], free["cpu"] + cpu_left[i])
+                bound = max(compute_end, free_d2h, late) if overlap_next else \
+                    max(compute_end, free_h2d, free_d2h, free_cpu + cpu_left[i])
                 if bound >= above:
                     return None
-        if states is not None:
-            states.append((delay, free["cpu"]))
+        links = {"h2d": h2d, "d2h": d2h}
+        if trace is not None:
+            states.append((delay, free_h2d, free_d2h, free_cpu, late))
+            trace.links, trace.earliest = links, earliest
         compute_end = times[-1] + delay
         if overlap_next:
             # steady state: the next step starts when this one's compute ends, and an upload
             # delays it only by how far it lands after the bucket's first reader there
-            step = max(compute_end, free["d2h"], late)
+            step = max(compute_end, free_d2h, late)
         else:
-            step = max([compute_end, *free.values()])
+            step = max(compute_end, free_h2d, free_d2h, free_cpu)
         if events is not None:
             events.insert(0, Event("compute", "forward + backward", 0.0, compute_end))
         return step, links
 
     def step_seconds(self, assignment: Sequence[str], budget: int | None = None, above: float = math.inf) -> float | None:
         """The predicted step time of an assignment, or None when it does not fit the budget or
-        takes at least `above` seconds (then it is not simulated to the end)."""
+        takes at least `above` seconds (then it is not simulated to the end).
+
+        After `rebase`, both passes resume from the base assignment's traces: the first pass at
+        the first position whose bucket changed path or prefetch (a bucket's uncontended copies
+        depend only on the buckets before it), the second one no later than that and no later
+        than the first position whose contention look-ups reach the earliest copy the first
+        pass placed differently (look-ups that end before it see the same copies as the base's)."""
         self.evaluated += 1
-        placed = self.prefetch_nodes(assignment, budget)
-        if placed is None:
-            return None
-        prefetch, _ = placed
-        self._unplace(prefetch)
-        resume, base = None, self.base
+        if budget is None:
+            prefetch = {b: self.unbudgeted_prefetch[b] for b, path in enumerate(assignment) if path == "device"}
+        else:
+            placed = self.prefetch_nodes(assignment, budget)
+            if placed is None:
+                return None
+            prefetch, _ = placed
+            self._unplace(prefetch)
+        base, order = self.base, self.order
+        first = second = None
         if base is not None:
-            # the first position whose bucket changed path or prefetch: the first pass is the
-            # base's up to there
-            changed = [p for p, b in enumerate(self.order) if assignment[b] != base.assignment[b]
-                       or prefetch.get(b) != base.prefetch.get(b)]
-            resume = _Resume(min(changed, default=len(self.order)), base.states, base.links)
-        states: list[tuple[float, float]] = []
-        first = self._simulate(assignment, prefetch, None, None, math.inf, resume, states)
-        self.last = _Resume(0, states, first[1], tuple(assignment), prefetch)
-        second = self._simulate(assignment, prefetch, first[1], None, above)   # rates slowed by contention
-        return None if second is None else second[0]
+            old, position = base.assignment, self.position
+            changed = min((position[b] for b in range(len(order)) if assignment[b] != old[b]
+                           or prefetch.get(b) != base.prefetch.get(b)), default=len(order))
+            first = _Resume(changed, base.first)
+        passed = _Trace()
+        self._simulate(assignment, prefetch, None, None, math.inf, first, passed)
+        if base is not None and base.second is not None:
+            differs = min(passed.earliest, base.starts_from[first.position])
+            second = _Resume(min(first.position, bisect_right(base.second.reach, differs)), base.second)
+        contended = _Trace()
+        result = self._simulate(assignment, prefetch, passed.links, None, above, second, contended)   # rates slowed by contention
+        self.last = _Base(tuple(assignment), prefetch, passed, None if result is None else contended)
+        return None if result is None else result[0]
 
     def rebase(self) -> None:
-        """Later evaluations resume their first pass from the last assignment evaluated."""
-        self.base = self.last
+        """Later evaluations resume from the last assignment evaluated."""
+        base = self.last
+        if base is not None and not base.starts_from:
+            starts = [math.inf] * (len(self.order) + 1)
+            for link in base.first.links.values():
+                for (start, _), owner in zip(link.spans, link.owners):
+                    if start < starts[owner]:
+                        starts[owner] = start
+            for p in range(len(self.order) - 1, -1, -1):
+                if starts[p + 1] < starts[p]:
+                    starts[p] = starts[p + 1]
+            base.starts_from = starts
+        self.base = base
 
     def predict(self, assignment: Sequence[str], budget: int | None = None) -> Prediction | None:
         self.evaluated += 1
@@ -426,7 +525,8 @@ def plan(costs: StepCosts, cal: Calibration, budget: int | None = None,
 
     A first-improvement local search (flip one bucket's path, keep it if faster) from the best
     fixed schedule. The step model is built once; a flip's simulation stops as soon as the
-    step it predicts can no longer beat the best so far, which is where most flips end."""
+    step it predicts can no longer beat the best so far, which is where most flips end, and a
+    flip already rejected against the same plan (no flip kept since) is not tried again."""
     began = time.perf_counter()
     model = StepModel(costs, cal)
     n = len(costs.buckets)
@@ -441,16 +541,22 @@ def plan(costs: StepCosts, cal: Calibration, budget: int | None = None,
     best, best_seconds = list(candidates[best_name]), feasible[best_name]
     model.step_seconds(best, budget)
     model.rebase()
+    kept = 0                 # flips kept so far: the plan a flip is tried against
+    rejected_at = [-1] * n   # the plan (by `kept`) each bucket's flip was last rejected against
     for _ in range(max_sweeps):
         improved = False
         for b in range(n):
+            if rejected_at[b] == kept:
+                continue     # nothing was kept since this very flip was tried: it loses again
             best[b] = "cpu" if best[b] == "device" else "device"
             seconds = model.step_seconds(best, budget, above=best_seconds - 1e-12)
             if seconds is not None and seconds < best_seconds - 1e-12:
                 best_seconds, improved = seconds, True
+                kept += 1
                 model.rebase()
             else:
                 best[b] = "cpu" if best[b] == "device" else "device"
+                rejected_at[b] = kept
         if not improved:
             break
     chosen = model.predict(best, budget)
