@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import operator
 from collections import defaultdict
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
