@@ -9,7 +9,7 @@ import statistics
 import time
 import warnings
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, overload
 
@@ -43,7 +43,7 @@ class CompiledVariant:
 
     capture: Capture
     graph: TrainGraph
-    stages: dict[str, TrainGraph]
+    stages: Mapping[str, TrainGraph]   # each stage built when first read (graph.Stages)
     executor: Executor
     timings: dict[str, float]
     step_seconds: list[float] = dataclasses.field(default_factory=list)   # timed steps since the last plan

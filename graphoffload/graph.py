@@ -14,7 +14,7 @@ Graph conventions (see passes/README.md for the full list of invariants):
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Any, Literal
@@ -131,13 +131,22 @@ class TrainGraph:
 
     def copy(self) -> TrainGraph:
         """A structurally independent copy (node meta dicts are copied, values shared)."""
+        return self.deferred_copy()()
+
+    def deferred_copy(self) -> Callable[[], TrainGraph]:
+        """A copy of the graph as it is now, whose GraphModule is built when first asked for.
+
+        The nodes, their meta, the notes and the tensor constants the graph reads are taken now;
+        generating and compiling the module's Python code (most of a copy's cost) waits. The pass
+        manager keeps a snapshot of every stage this way, and a compile reads only the last."""
         graph = fx.Graph()
         out = graph.graph_copy(self.graph, {})
         graph.output(out)
         for old, new in zip(self.graph.nodes, graph.nodes):
             new.meta = dict(old.meta)
-        gm = fx.GraphModule(self.gm, graph)
-        return TrainGraph(gm, self.signature, {k: list(v) for k, v in self.notes.items()}, self.schedule)
+        constants = {n.target: _attribute(self.gm, n.target) for n in graph.nodes if n.op == "get_attr"}
+        signature, notes, schedule = self.signature, {k: list(v) for k, v in self.notes.items()}, self.schedule
+        return lambda: TrainGraph(fx.GraphModule(constants, graph), signature, notes, schedule)
 
     def with_signature(self, **changes: Any) -> TrainGraph:
         return TrainGraph(self.gm, replace(self.signature, **changes), self.notes, self.schedule)
@@ -170,6 +179,48 @@ class TrainGraph:
     def notes_of(self, pass_name: str, kind: str) -> list[Note]:
         """The notes of one kind a pass recorded (e.g. `notes_of("offload_optimizer", "plan")`)."""
         return [n for n in self.notes.get(pass_name, []) if getattr(n, "kind", "") == kind]
+
+
+def _attribute(module: torch.nn.Module, target: str) -> Any:
+    for part in target.split("."):
+        module = getattr(module, part)
+    return module
+
+
+class Stages(Mapping):
+    """The graph after each stage of a compile (`"captured"`, each pass's name, `"final"`), in
+    order. A stage is recorded as a deferred copy (`TrainGraph.deferred_copy`) and built the
+    first time it is read, so keeping a snapshot per pass costs a compile little."""
+
+    def __init__(self) -> None:
+        self._built: dict[str, TrainGraph] = {}
+        self._pending: dict[str, Callable[[], TrainGraph]] = {}
+        self._order: list[str] = []
+        self._same_as: dict[str, str] = {}
+
+    def record(self, name: str, graph: TrainGraph) -> None:
+        """Snapshot `graph` as stage `name`."""
+        self._order.append(name)
+        self._pending[name] = graph.deferred_copy()
+
+    def alias(self, name: str, existing: str) -> None:
+        """Stage `name` is the same graph object as stage `existing` (`"final"`)."""
+        self._order.append(name)
+        self._same_as[name] = existing
+
+    def __getitem__(self, name: str) -> TrainGraph:
+        name = self._same_as.get(name, name)
+        if name not in self._built:
+            if name not in self._pending:
+                raise KeyError(name)
+            self._built[name] = self._pending.pop(name)()
+        return self._built[name]
+
+    def __iter__(self):
+        return iter(self._order)
+
+    def __len__(self) -> int:
+        return len(self._order)
 
 
 def placeholder_name(prefix: str, name: str) -> str:

@@ -12,6 +12,7 @@ import shutil
 import subprocess
 import sys
 import warnings
+from collections.abc import Mapping
 from typing import Any
 
 from torch import fx
@@ -30,7 +31,7 @@ def _emit(text: str, file: Any) -> str:
     return text
 
 
-def explain_rows(stages: dict[str, TrainGraph]) -> list[dict[str, Any]]:
+def explain_rows(stages: Mapping[str, TrainGraph]) -> list[dict[str, Any]]:
     rows, previous = [], None
     for name, g in stages.items():
         names = {n.name for n in g.graph.nodes}
@@ -47,7 +48,7 @@ def explain_rows(stages: dict[str, TrainGraph]) -> list[dict[str, Any]]:
     return rows
 
 
-def explain(stages: dict[str, TrainGraph], timings: dict[str, float], file: Any = None) -> str:
+def explain(stages: Mapping[str, TrainGraph], timings: dict[str, float], file: Any = None) -> str:
     rows = explain_rows(stages)
     phases = [p for p in PHASES if p not in ("input", "output")]
     header = ["stage", "nodes", *phases, "added", "removed", "predicted peak", "pass time"]
@@ -227,7 +228,7 @@ def _tensor_spec(v: Any) -> tuple[tuple[int, ...], str, str]:
     return tuple(v.shape), str(v.dtype).replace("torch.", ""), v.device.type
 
 
-def dump(stages: dict[str, TrainGraph], directory: str) -> list[str]:
+def dump(stages: Mapping[str, TrainGraph], directory: str) -> list[str]:
     os.makedirs(directory, exist_ok=True)
     written = []
     for i, (stage, graph) in enumerate(stages.items()):

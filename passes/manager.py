@@ -27,7 +27,7 @@ from torch import fx
 
 from graphoffload.config import CompileConfig
 from graphoffload.errors import GraphOffloadError, PassError
-from graphoffload.graph import TrainGraph, fill_missing_meta, refresh_vals, snapshot_inputs
+from graphoffload.graph import Stages, TrainGraph, fill_missing_meta, refresh_vals, snapshot_inputs
 from graphoffload.passes.verify import verify_train_graph
 from graphoffload.torch_private import recording_created_nodes
 
@@ -112,11 +112,12 @@ class PassManager:
         self.passes = [p for p in builtin if p.name not in disable] + [Pass.of(p) for p in user_passes]
         validate_schedule(self.passes, registry.known_capabilities())
 
-    def run(self, graph: TrainGraph, ctx: PassContext) -> tuple[TrainGraph, dict[str, TrainGraph]]:
+    def run(self, graph: TrainGraph, ctx: PassContext) -> tuple[TrainGraph, Stages]:
         """Run every pass; return the final graph and a snapshot after each stage."""
         if ctx.config.verify:
             verify_train_graph(graph, "capture")
-        stages = {"captured": graph.copy()}
+        stages = Stages()
+        stages.record("captured", graph)
         for p in self.passes:
             start = time.perf_counter()
             before = snapshot_inputs(graph)
@@ -145,6 +146,6 @@ class PassManager:
                 verify_train_graph(graph, p.name)
             ctx.timings[p.name] = time.perf_counter() - start
             log.info("pass %s: %.2f s, %d nodes", p.name, ctx.timings[p.name], len(graph.graph.nodes))
-            stages[p.name] = graph.copy()
-        stages["final"] = stages[self.passes[-1].name] if self.passes else stages["captured"]
+            stages.record(p.name, graph)
+        stages.alias("final", self.passes[-1].name if self.passes else "captured")
         return graph, stages
