@@ -38,11 +38,11 @@ def _expand_kv(t: Tensor, heads: int) -> Tensor:
     return t if groups == 1 or t.device.type == "cpu" else t.repeat_interleave(groups, dim=-3)
 
 
-def _reduce_kv_grad(g: Tensor, kv_heads: int) -> Tensor:
-    groups = g.shape[-3] // kv_heads
+def _reduce_kv_grad(grad: Tensor, kv_heads: int) -> Tensor:
+    groups = grad.shape[-3] // kv_heads
     if groups == 1:
-        return g
-    return g.unflatten(-3, (kv_heads, groups)).sum(-3)
+        return grad
+    return grad.unflatten(-3, (kv_heads, groups)).sum(-3)
 
 
 def _additive_mask(mask: Tensor | None, dtype: torch.dtype) -> Tensor | None:
