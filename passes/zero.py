@@ -182,8 +182,10 @@ def _reduce_gradients(emit: _Emitter, bucket: _Bucket, stage: int, rank: int, wo
     red = emit(c10d.reduce_scatter_tensor.default, (flat, "sum", world, group), last)
     mine = emit(aten.div.Scalar, (emit(c10d.wait_tensor.default, (red,), last), world), last)
     for it in bucket.items:
-        if it.owner == rank:
-            averaged[it.grad] = _piece(emit, mine, it.offset, it)
+        if it.owner == rank:   # a tensor of its own: fusion treats the update's gradients as written,
+            # so views of one buffer would chain every update of the bucket after the one before
+            averaged[it.grad] = emit(aten.clone.default, (_piece(emit, mine, it.offset, it),), it.grad,
+                                     param=(it.name,))
     return averaged
 
 

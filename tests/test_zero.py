@@ -57,8 +57,10 @@ def _train_and_compare(rank, world, stage, optimizer, step_fn=gpt_step):
     eager = _gpt()
     model = copy.deepcopy(eager)
     opt_e, opt = _optimizer(optimizer, eager), _optimizer(optimizer, model)
-    step = graphoffload.offload_compile(step_fn, data_parallel=graphoffload.ZeRO(stage=stage, bucket_numel=4096,
-                                                                                   timeout_s=60))
+    # small fusion buckets: the updates whose gradients' collective ends inside backward run there
+    config = graphoffload.CompileConfig(fuse_optimizer=graphoffload.FuseOptimizer(bucket_numel=2048))
+    step = graphoffload.offload_compile(step_fn, config=config,
+                                        data_parallel=graphoffload.ZeRO(stage=stage, bucket_numel=4096, timeout_s=60))
     for batch in _batches(world):
         rows = batch["input_ids"].shape[0] // world
         mine = {k: v[rank * rows:(rank + 1) * rows] for k, v in batch.items()}
@@ -96,6 +98,10 @@ def _train_and_compare(rank, world, stage, optimizer, step_fn=gpt_step):
     assert targets.count(c10d.all_reduce_coalesced.default) == (buckets if stage == 1 else 0)
     assert targets.count(c10d.reduce_scatter_tensor.default) == (buckets if stage == 2 else 0)
     assert targets.count(c10d.wait_tensor.default) == buckets + (shards["params"] if stage == 1 else buckets)
+    fused = [n.fields for n in graph.notes_of("fuse_optimizer", "bucket")]
+    assert any(f["in_backward"] for f in fused), fused
+    collective = "all-reduce" if stage == 1 else "reduce-scatter"
+    assert {f.get("waits_for") for f in fused if not f["in_backward"]} <= {collective}, fused
     return mine / total
 
 
