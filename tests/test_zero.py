@@ -46,6 +46,13 @@ def _batches(world: int, rows: int = 2) -> list[dict]:
 def _optimizer(name, model):
     if name == "sgd":
         return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    if name == "adamw groups":   # no weight decay on biases and norms; one parameter alone, so one rank
+        # owns none of its update kernel, which that rank drops
+        params = [p for p in model.parameters() if p is not model.ln_f.bias]
+        return torch.optim.AdamW([{"params": [p for p in params if p.dim() > 1]},
+                                  {"params": [p for p in params if p.dim() <= 1], "weight_decay": 0.0, "lr": 2e-2},
+                                  {"params": [model.ln_f.bias], "lr": 3e-2}],
+                                 lr=1e-2, weight_decay=0.1)
     return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
 
 
@@ -82,6 +89,12 @@ def _train_and_compare(rank, world, stage, optimizer, step_fn=gpt_step):
     owned = set(shards["owned_params"])
     names = {p: n for n, p in model.named_parameters()}
     assert {names[p] for p in opt.state} == owned
+    # the update kernels cover this rank's parameters, each once, and no other (a kernel of
+    # others' parameters alone is dropped)
+    kernels = [n for n in step.graphs["zero"].graph.nodes if getattr(n.target, "overloadpacket", None)
+               in (torch.ops.aten._fused_adamw_, torch.ops.aten._fused_sgd_)]
+    updated = [name for n in kernels for name in n.meta["param"]]
+    assert sorted(updated) == sorted(owned)
     mine, total = _state_numel(opt), _state_numel(opt_e)
     fractions = [torch.zeros(()) for _ in range(world)]
     dist.all_gather(fractions, torch.tensor(mine / total, dtype=torch.float32))
@@ -134,6 +147,7 @@ def _world2(rank, world):
     fractions = [_train_and_compare(rank, world, stage, optimizer)
                  for stage, optimizer in ((1, "adamw"), (2, "adamw"), (1, "sgd"), (2, "sgd"))]
     _train_and_compare(rank, world, 1, "adamw", zero_first_step)
+    _train_and_compare(rank, world, 2, "adamw groups")
     print(f"rank {rank}: optimizer state fraction {fractions[0]:.3f}")
 
 
