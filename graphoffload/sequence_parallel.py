@@ -126,14 +126,15 @@ class RankAgreement:
         self._group: dist.ProcessGroup | None = None
 
     def group(self) -> dist.ProcessGroup:
-        if self._group is None:
-            group = self.sp.process_group()
-            if "gloo" in str(dist.get_backend(group)):
-                self._group = group
-            else:   # only the group's own ranks take part in creating it
-                self._group = dist.new_group(dist.get_process_group_ranks(group), backend="gloo",
-                                             timeout=datetime.timedelta(seconds=self.sp.timeout_s),
-                                             use_local_synchronization=True)
+        group = self.sp.process_group()
+        if "gloo" in str(dist.get_backend(group)):
+            # not kept: a step that outlives destroy_process_group() must not keep the group alive
+            # until interpreter exit, where gloo's threads abort the process as it is torn down
+            return group
+        if self._group is None:   # only the group's own ranks take part in creating it
+            self._group = dist.new_group(dist.get_process_group_ranks(group), backend="gloo",
+                                         timeout=datetime.timedelta(seconds=self.sp.timeout_s),
+                                         use_local_synchronization=True)
         return self._group
 
     def check(self, args: tuple, kwargs: dict) -> None:

@@ -5,6 +5,7 @@ whole run a deadline, so a dead or stuck rank fails the test instead of hanging 
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 import tempfile
 import time
@@ -24,6 +25,7 @@ def _entry(rank: int, fn, world: int, store: str, args: tuple) -> None:
                             timeout=datetime.timedelta(seconds=60))
     try:
         fn(rank, world, *args)
+        gc.collect()   # compiled steps in reference cycles go now, not at interpreter exit
         # no rank tears its process group down while a peer may still have sends in flight
         # (a gloo pair destroyed under a pending operation aborts the process)
         # (a peer that already failed or left on purpose is not this rank's error)
