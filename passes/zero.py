@@ -273,6 +273,7 @@ def zero(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
 
     own = [it for it in items if it.owner == rank]
     total, mine = sum(it.numel for it in items), sum(it.numel for it in own)
+    padded = sum(b.part for b in buckets) * world
     collective = "all-reduce" if dp.stage == 1 else "reduce-scatter"
     graph.note("zero", f"ZeRO stage {dp.stage}, rank {rank} of {world}: owns {len(own)} of {len(items)} parameters "
                f"({mine:,} of {total:,} elements); {len(buckets)} gradient buckets, one {collective} and one "
@@ -280,6 +281,10 @@ def zero(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
                f"{len(unread)} tensors dropped", "shards", stage=dp.stage, rank=rank, world=world,
                buckets=len(buckets), gradient_collective=collective, owned_params=tuple(it.name for it in own),
                params=len(items), owned_numel=mine, numel=total, dropped_state_inputs=len(unread),
-               bucket_parts=tuple(b.part for b in buckets))
+               bucket_parts=tuple(b.part for b in buckets), padded_numel=padded)
+    if padded > 1.25 * total:
+        graph.note("zero", f"the padded buffers hold {padded:,} elements for {total:,} parameter elements: whole "
+                   "parameters are owned, and a bucket with few of them cannot be split evenly; larger "
+                   "ZeRO(bucket_numel=...) buckets balance better", "padding", padded_numel=padded, numel=total)
     return graph
 

@@ -3,11 +3,14 @@ training: each of N gloo ranks trains the tiny GPT on its own micro-batch, and a
 its loss is its own micro-batch's and its parameters equal eager's on the whole batch (the mean
 loss); each rank keeps optimizer state for its own parameters only (about 1/N of it); the
 graph holds one gradient collective and one all-gather per bucket; what is not supported yet is
-refused; ranks that disagree on shapes, or never call, make the others raise."""
+refused; ranks that disagree on shapes, or never call, make the others raise. One rank's
+rewrite is also compiled in a single process (`AsRank`), for what needs no other rank: four
+ranks' ownership, the collectives per bucket, padding, and what is refused."""
 
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -118,32 +121,20 @@ def _train_and_compare(rank, world, stage, optimizer, step_fn=gpt_step):
     return mine / total
 
 
-def _refused(rank, world):
+def _mismatched_shapes(rank, world):
     model = _gpt()
     opt = _optimizer("adamw", model)
-    batch = {k: v[:2] for k, v in _batches(world)[0].items()}
-    # stage 2 keeps only a rank's own gradients: clipping's global norm is refused, nothing changed
-    before = [p.detach().clone() for p in model.parameters()]
-    step = graphoffload.offload_compile(clipped_step, data_parallel=graphoffload.ZeRO(stage=2, timeout_s=60))
-    with pytest.raises(graphoffload.UnsupportedError, match="changed by .* between backward and optimizer.step.*not supported yet"):
-        step(model, opt, batch)
-    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
-    assert not opt.state
-    # nor can stage 2 leave .grad set after the step
-    step = graphoffload.offload_compile(zero_first_step, data_parallel=graphoffload.ZeRO(stage=2, timeout_s=60))
-    with pytest.raises(graphoffload.UnsupportedError, match=r"stage 2 keeps only this rank's own gradients, but "
-                                                            r"the step leaves .*\.grad set"):
-        step(model, opt, batch)
-    # ranks passing micro-batches of different shapes: named on every rank
+    # ranks passing micro-batches of different shapes: named on every rank, nothing changed
     step = graphoffload.offload_compile(gpt_step, data_parallel=graphoffload.ZeRO(stage=1, timeout_s=60))
     rows = 2 if rank == 0 else 3
     with pytest.raises(graphoffload.StateError, match=r"ZeRO data parallelism: the ranks pass step inputs of "
                                                       r"different shapes.*rank 0: \(2, 16\).*rank 1: \(3, 16\)"):
         step(model, opt, {k: v[:rows] for k, v in _batches(world, rows=3)[0].items()})
+    assert not opt.state
 
 
 def _world2(rank, world):
-    _refused(rank, world)
+    _mismatched_shapes(rank, world)
     fractions = [_train_and_compare(rank, world, stage, optimizer)
                  for stage, optimizer in ((1, "adamw"), (2, "adamw"), (1, "sgd"), (2, "sgd"))]
     _train_and_compare(rank, world, 1, "adamw", zero_first_step)
@@ -218,3 +209,82 @@ def test_ownership_is_balanced_per_bucket_and_overall():
     loads = [sum(s for b, o in zip(sizes, owners) for s, r in zip(b, o) if r == rank) for rank in (0, 1)]
     assert abs(loads[0] - loads[1]) <= max(max(b) for b in sizes)
     assert bucket_owners([[5, 5, 5, 5]], 4) == [[0, 1, 2, 3]]
+
+
+# ---------------------------------------------------------------- single process: the rewrite of one rank
+
+
+@dataclass(frozen=True)
+class AsRank(graphoffload.ZeRO):
+    """ZeRO as rank `as_rank` of `as_world` sees it, without a process group: enough to compile
+    (`step.compile`) and look at one rank's graph; running it would need the other ranks."""
+
+    as_rank: int = 0
+    as_world: int = 2
+
+    @property
+    def rank(self) -> int:
+        return self.as_rank
+
+    @property
+    def world_size(self) -> int:
+        return self.as_world
+
+    @property
+    def group_name(self) -> str:
+        return "0"
+
+
+def _compile_as(rank, world, stage, step_fn=gpt_step, optimizer="adamw", bucket_numel=4096, **config):
+    model = _gpt().float()
+    opt = _optimizer(optimizer, model)
+    zero = AsRank(stage=stage, bucket_numel=bucket_numel, as_rank=rank, as_world=world)
+    step = graphoffload.offload_compile(step_fn, data_parallel=zero, config=graphoffload.CompileConfig(**config))
+    return step.compile(model, opt, {k: v[:2] for k, v in _batches(1)[0].items()}), model, opt
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_every_parameter_is_owned_by_one_rank_of_four_and_its_state_lives_there(stage):
+    owned = []
+    for rank in range(4):
+        graph, model, opt = _compile_as(rank, 4, stage)
+        shards = graph.notes_of("zero", "shards")[0].fields
+        names = {p: n for n, p in model.named_parameters()}
+        assert {names[p] for p in opt.state} == set(shards["owned_params"])   # created for its own alone
+        owned.append(set(shards["owned_params"]))
+        targets = [n.target for n in graph.gm.graph.nodes]
+        gradient = c10d.all_reduce_coalesced.default if stage == 1 else c10d.reduce_scatter_tensor.default
+        assert targets.count(gradient) == targets.count(c10d.all_gather_into_tensor.default) == shards["buckets"]
+    assert set().union(*owned) == {n for n, _ in _gpt().named_parameters()}
+    assert sum(map(len, owned)) == len(set().union(*owned))   # no parameter on two ranks
+
+
+def test_larger_buckets_pad_less():
+    small = _compile_as(0, 4, 2, bucket_numel=4096)[0]
+    large = _compile_as(0, 4, 2, bucket_numel=1 << 20)[0]
+    fields = [g.notes_of("zero", "shards")[0].fields for g in (small, large)]
+    assert fields[1]["buckets"] == 1 and fields[1]["padded_numel"] < 1.1 * fields[1]["numel"]
+    assert fields[0]["padded_numel"] > 1.25 * fields[0]["numel"]
+    assert small.notes_of("zero", "padding") and not large.notes_of("zero", "padding")
+
+
+def test_clipping_is_refused_and_nothing_is_left_behind():
+    model = _gpt()
+    opt = _optimizer("adamw", model)
+    step = graphoffload.offload_compile(clipped_step, data_parallel=AsRank(stage=1))
+    with pytest.raises(graphoffload.UnsupportedError,
+                       match="changed by .* between backward and optimizer.step.*not supported yet"):
+        step.compile(model, opt, {k: v[:2] for k, v in _batches(1)[0].items()})
+    assert not opt.state
+
+
+def test_stage_2_refuses_a_step_that_leaves_grad_set():
+    with pytest.raises(graphoffload.UnsupportedError, match=r"stage 2 keeps only this rank's own gradients, but "
+                                                            r"the step leaves .*\.grad set.*ZeRO\(stage=1\)"):
+        _compile_as(0, 2, 2, step_fn=zero_first_step)
+    _compile_as(0, 2, 1, step_fn=zero_first_step)   # stage 1 leaves the averaged gradients, as DDP
+
+
+def test_skip_nonfinite_is_refused():
+    with pytest.raises(graphoffload.UnsupportedError, match="GradScaler or skip_nonfinite=True is not supported yet"):
+        _compile_as(0, 2, 1, skip_nonfinite=True)
