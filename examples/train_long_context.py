@@ -12,7 +12,6 @@ whole batch here (`batch="full"`); with ``--sharded-batch`` each rank passes onl
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import sys
 import time
@@ -21,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from distributed_job import join_job  # noqa: E402
 from gpt import GPT, GPTConfig  # noqa: E402
 
 import graphoffload  # noqa: E402
@@ -48,13 +48,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     args = ap.parse_args()
 
-    backend = "nccl" if args.device == "cuda" else "gloo"
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=120))
-    rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device(args.device, int(os.environ.get("LOCAL_RANK", 0))) if args.device == "cuda" else \
-        torch.device("cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
+    rank, world, device = join_job(args.device)
 
     torch.manual_seed(0)   # same initial weights on every rank
     cfg = GPTConfig(vocab_size=256, seq_len=args.seq_len, n_layer=args.layers, n_head=args.heads,

@@ -88,15 +88,13 @@ class CompiledStep:
 
     def __init__(self, fn: Callable, passes: Sequence[Pass | PassFn] = (), config: CompileConfig | None = None,
                  offload: Offload | None = None, sequence_parallel: Any = None,
-                 accumulation_steps: int | None = None):
+                 accumulation_steps: int | None = None, data_parallel: Any = None):
         self.fn = fn
-        self.config = config or CompileConfig()
-        if offload is not None:
-            self.config = dataclasses.replace(self.config, offload=offload)
-        if sequence_parallel is not None:
-            self.config = dataclasses.replace(self.config, sequence_parallel=sequence_parallel)
-        if accumulation_steps is not None:
-            self.config = dataclasses.replace(self.config, accumulation_steps=accumulation_steps)
+        shorthands = {"offload": offload, "sequence_parallel": sequence_parallel,
+                      "accumulation_steps": accumulation_steps, "data_parallel": data_parallel}
+        # one replace, so the config checks the combination once, as given
+        self.config = dataclasses.replace(config or CompileConfig(),
+                                          **{k: v for k, v in shorthands.items() if v is not None})
         k = self.config.accumulation_steps
         self._grad_sums = GradSums()
         # the two variants of an accumulating step: add into the running sums; add and update
@@ -117,7 +115,8 @@ class CompiledStep:
         # one offload runtime (worker pool, copy streams) per device for every variant, shut down
         # when this step is garbage-collected: a runtime per variant leaked a thread per re-trace
         self._runtimes = SharedRuntimes(self, self.config.offload, self.config.sanitize)
-        self._rank_agreement: RankAgreement | None = None   # made on the first call with sequence_parallel
+        # made on the first call of a step over a process group (sequence or data parallel)
+        self._rank_agreement: RankAgreement | None = None
         self.trace_count = 0
         self._skipped: Tensor | None = None   # sum of the skip flags (skip_nonfinite), on the device
         self._interruption = InterruptionGuard()
@@ -169,6 +168,8 @@ class CompiledStep:
         ctx = PassContext(self.config, capture.bindings.device)
         try:
             graph, stages = self.pass_manager.run(capture.graph, ctx)
+            if self.config.data_parallel is not None:   # state only for what this rank owns
+                capture.create_deferred_state(graph)
         except BaseException:
             capture.discard_created_state()
             raise
@@ -275,11 +276,12 @@ class CompiledStep:
         self._interruption.clear()
 
     def _call(self, args: tuple, kwargs: dict, bindings: StepBindings) -> Any:
-        if self.config.sequence_parallel is not None:
+        parallel = self.config.sequence_parallel or self.config.data_parallel
+        if parallel is not None:
             if self._rank_agreement is None:
-                self._rank_agreement = RankAgreement(self.config.sequence_parallel)
+                self._rank_agreement = RankAgreement(parallel)
             self._rank_agreement.check(args, kwargs)
-            # per-rank batch shards -> full sequence
+        if self.config.sequence_parallel is not None:   # per-rank batch shards -> full sequence
             args, kwargs = self.config.sequence_parallel.prepare_inputs(args, kwargs)
         key, variant = self._variant(args, kwargs, bindings)
         if self._ran is not variant.executor:
@@ -441,18 +443,21 @@ class CompiledStep:
 @overload
 def offload_compile(fn: Callable, *, passes: Sequence[Pass | PassFn] = ...,
                     config: CompileConfig | None = ..., offload: Offload | None = ...,
-                    sequence_parallel: Any = ..., accumulation_steps: int | None = ...) -> CompiledStep: ...
+                    sequence_parallel: Any = ..., accumulation_steps: int | None = ...,
+                    data_parallel: Any = ...) -> CompiledStep: ...
 @overload
 def offload_compile(fn: None = ..., *, passes: Sequence[Pass | PassFn] = ...,
                     config: CompileConfig | None = ...,
                     offload: Offload | None = ...,
                     sequence_parallel: Any = ...,
-                    accumulation_steps: int | None = ...) -> Callable[[Callable], CompiledStep]: ...
+                    accumulation_steps: int | None = ...,
+                    data_parallel: Any = ...) -> Callable[[Callable], CompiledStep]: ...
 
 
 def offload_compile(fn: Callable | None = None, *, passes: Sequence[Pass | PassFn] = (),
                     config: CompileConfig | None = None, offload: Offload | None = None,
-                    sequence_parallel: Any = None, accumulation_steps: int | None = None):
+                    sequence_parallel: Any = None, accumulation_steps: int | None = None,
+                    data_parallel: Any = None):
     """Compile a train step (forward, ``loss.backward()``, ``optimizer.step()``) into one graph.
 
     Use as ``@offload_compile`` or ``offload_compile(train_step, passes=[...], config=...)``.
@@ -468,7 +473,9 @@ def offload_compile(fn: Callable | None = None, *, passes: Sequence[Pass | PassF
             (`graphoffload.SequenceParallel`); shorthand for ``config.sequence_parallel``.
         accumulation_steps: k > 1 makes each call one micro-batch; every k-th call updates with
             the mean of the k gradients; shorthand for ``config.accumulation_steps``.
+        data_parallel: ZeRO data parallelism over a process group (`graphoffload.ZeRO`): each
+            rank passes its own micro-batch; shorthand for ``config.data_parallel``.
     """
     if fn is None:
-        return lambda f: CompiledStep(f, passes, config, offload, sequence_parallel, accumulation_steps)
-    return CompiledStep(fn, passes, config, offload, sequence_parallel, accumulation_steps)
+        return lambda f: CompiledStep(f, passes, config, offload, sequence_parallel, accumulation_steps, data_parallel)
+    return CompiledStep(fn, passes, config, offload, sequence_parallel, accumulation_steps, data_parallel)

@@ -576,6 +576,23 @@ class Capture:
         left behind, it would make the next step skip SGD's first-step momentum initialisation."""
         _discard_state(self.created_state)
 
+    def create_deferred_state(self, graph: TrainGraph) -> None:
+        """Create the optimizer state the final `graph` reads, which capture deferred (ZeRO:
+        `config.data_parallel`), so a rank never allocates state for parameters another rank
+        owns; state it holds for those (from a full state_dict loaded before) is dropped, as
+        this rank neither reads nor updates it. Recorded as created, like capture's own."""
+        b = self.bindings
+        read = {s.target[0] for s in graph.signature.inputs if s.kind == "state"}
+        traced = {name for name, _ in b.state_keys}
+        for i in self.stepped_optimizers:
+            opt = b.optimizers[i]
+            params = [p for g in opt.param_groups for p in g["params"]]
+            _discard_state([(opt, [p for p in params if b.param_names[id(p)] in traced - read])])
+            mine = [p for p in params if b.param_names[id(p)] in read]
+            fresh = [p for p in mine if not opt.state.get(p)]
+            optimizer_lowering.prepare_state(opt, only=mine)
+            self.created_state.append((opt, fresh))
+
 
 def _discard_state(created: list[tuple[torch.optim.Optimizer, list[Tensor]]]) -> None:
     for opt, params in created:
@@ -660,7 +677,12 @@ def _capture_step(fn: Callable, args: tuple, kwargs: dict, config: CompileConfig
     offloaded = config.offload is not None and b.device.type != "meta"   # a meta model plans, never runs
     # (not pinned here: the host state moves it into its pinned arena, one allocation for all)
     where = optimizer_lowering.StatePlacement(torch.device("cpu"), False) if offloaded else None
-    first_steps = [{b.param_names[id(p)] for p in optimizer_lowering.prepare_state(opt, where)} for opt in b.optimizers]
+    # with ZeRO, state is made after the passes, for this rank's own parameters only
+    # (`Capture.create_deferred_state`): traced as fake tensors shaped as torch.optim keeps it
+    deferred = config.data_parallel is not None
+    first_steps = [{b.param_names[id(p)] for p in (optimizer_lowering.first_step_params(opt) if deferred
+                                                   else optimizer_lowering.prepare_state(opt, where))}
+                   for opt in b.optimizers]
     leaves, in_spec = pytree.tree_flatten((args, kwargs))
     batch_positions = [i for i, x in enumerate(leaves) if isinstance(x, Tensor)]
     param_names = list(b.params)
@@ -673,7 +695,7 @@ def _capture_step(fn: Callable, args: tuple, kwargs: dict, config: CompileConfig
             scaler.scale(torch.zeros((), device=device))
     scaler_keys = [(i, key) for i in range(len(b.scalers)) for key in ("scale", "growth_tracker")]
 
-    fake_mode = _fake_mode() if offloaded else None
+    fake_mode = _fake_mode() if offloaded or deferred else None
     real_inputs: list[Tensor] = (
         [p.detach().requires_grad_(p.requires_grad) for p in b.params.values()]
         + [b.buffer(n) for n in buffer_names]

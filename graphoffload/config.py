@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from graphoffload.calibration import Calibration
+from graphoffload.errors import UnsupportedError
 
 
 @dataclass(frozen=True)
@@ -165,6 +166,9 @@ class CompileConfig:
             shapes, dtypes, train/eval mode or optimizer settings each cause a re-trace).
         sequence_parallel: a `graphoffload.SequenceParallel`: split the sequence across the
             ranks of a process group (the `ring_attention` pass); None (default): no split.
+        data_parallel: a `graphoffload.ZeRO`: each rank of a process group trains on its own
+            micro-batch, gradients averaged, optimizer state (and with stage 2 gradients)
+            sharded over the group (the `zero` pass); None (default): one process.
         accumulation_steps: k > 1 makes each call one micro-batch: its gradients (of the loss
             divided by k) are added into running sums kept on the device, and every k-th call
             updates from the sums (DeepSpeed's gradient_accumulation_steps). 1: every call updates.
@@ -187,6 +191,7 @@ class CompileConfig:
     verify: bool = True
     retrace_warning_after: int = 8
     sequence_parallel: Any = None
+    data_parallel: Any = None
     accumulation_steps: int = 1
     sanitize: bool = False
     skip_nonfinite: bool = False
@@ -197,3 +202,11 @@ class CompileConfig:
         if self.subgroup_numel <= 0:
             raise ValueError(f"subgroup_numel must be positive, got {self.subgroup_numel}")
         object.__setattr__(self, "disable_passes", tuple(self.disable_passes))
+        if self.data_parallel is not None:
+            not_yet = [what for what, given in (
+                ("offload=", self.offload is not None), ("sequence_parallel=", self.sequence_parallel is not None),
+                ("accumulation_steps > 1", self.accumulation_steps > 1)) if given]
+            if not_yet:
+                raise UnsupportedError(f"ZeRO data parallelism with {' and '.join(not_yet)} is not supported yet: "
+                                       "ZeRO stages 1 and 2 run on their own for now; drop "
+                                       f"{' and '.join(not_yet)} or data_parallel=")

@@ -36,7 +36,12 @@ class PartialUpdateError(StateError):
     optimizer are part-way through an update. The message names what was updated."""
 
 
-class RingTimeoutError(GraphOffloadError, RuntimeError):
+class RankTimeoutError(GraphOffloadError, RuntimeError):
+    """A rank of a parallel step's group did not answer in time: it failed, or never reached the
+    step. Raised on the ranks that waited, instead of a hang."""
+
+
+class RingTimeoutError(RankTimeoutError):
     """Under sequence parallelism, a rank did not answer in time: it failed, or never reached
     the step or one of its ring exchanges. Raised on the ranks that waited, instead of a hang."""
 

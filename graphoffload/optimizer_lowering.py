@@ -182,11 +182,13 @@ def first_step_params(optimizer: torch.optim.Optimizer) -> list[Tensor]:
             if p.requires_grad and not optimizer.state.get(p)]
 
 
-def prepare_state(optimizer: torch.optim.Optimizer, where: StatePlacement | None = None) -> list[Tensor]:
+def prepare_state(optimizer: torch.optim.Optimizer, where: StatePlacement | None = None,
+                  only: list[Tensor] | None = None) -> list[Tensor]:
     """Create any missing optimizer state the way torch.optim would on its first step. Frozen
     parameters (requires_grad=False) get none, as in torch.optim, which creates state only for
     parameters with a gradient. `where`: create it there instead of on each parameter's device
-    (offloaded state is made in host memory: it may not fit on the device even once).
+    (offloaded state is made in host memory: it may not fit on the device even once). `only`:
+    create it for these parameters alone (ZeRO: a rank's own).
 
     Returns `first_step_params(optimizer)` as it was before the state was created."""
     rule = rule_for(optimizer)
@@ -194,7 +196,7 @@ def prepare_state(optimizer: torch.optim.Optimizer, where: StatePlacement | None
     for group in optimizer.param_groups:
         keys = rule.state_keys(group)
         for p in group["params"]:
-            if not (keys and p.requires_grad):
+            if not (keys and p.requires_grad) or (only is not None and not any(p is q for q in only)):
                 continue
             state = optimizer.state[p]
             missing = [k for k in keys if k not in state]

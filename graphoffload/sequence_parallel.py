@@ -26,18 +26,19 @@ from __future__ import annotations
 import datetime
 import zlib
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 import torch.distributed as dist
 
-from graphoffload.errors import RingTimeoutError, StateError, UnsupportedError, describe
+from graphoffload.errors import RingTimeoutError, StateError, describe
+from graphoffload.groups import OverGroup
 from graphoffload.ops.ring_attention import LAYOUTS, shard, unshard
 from graphoffload.torch_private import pytree
 
 
 @dataclass(frozen=True)
-class SequenceParallel:
+class SequenceParallel(OverGroup):
     """Sequence parallelism over a process group (the `ring_attention` pass).
 
     Attributes:
@@ -60,6 +61,11 @@ class SequenceParallel:
     timeout_s: float = 300.0
     bucket_numel: int = 4 * 1024 * 1024
 
+    parallelism: ClassVar[str] = "sequence parallelism"
+    timeout_error: ClassVar[type[Exception]] = RingTimeoutError
+    same_shapes_hint: ClassVar[str] = ("Every rank must pass the same shapes: with batch='full' the whole batch, "
+                                       "with batch='sharded' sp.shard(batch) of equal-shaped batches.")
+
     def __post_init__(self) -> None:
         if self.layout not in LAYOUTS:
             raise ValueError(f"layout must be {' or '.join(map(repr, LAYOUTS))}, got {self.layout!r}")
@@ -69,26 +75,6 @@ class SequenceParallel:
             raise ValueError("bucket_numel must be positive")
         if self.timeout_s <= 0:
             raise ValueError("timeout_s must be positive")
-
-    # ------------------------------------------------------------------ the group
-
-    def process_group(self) -> dist.ProcessGroup:
-        if not dist.is_available() or not dist.is_initialized():
-            raise UnsupportedError("sequence parallelism needs torch.distributed: call "
-                                   "torch.distributed.init_process_group() first (e.g. under torchrun)")
-        return self.group if self.group is not None else dist.group.WORLD
-
-    @property
-    def group_name(self) -> str:
-        return self.process_group().group_name
-
-    @property
-    def rank(self) -> int:
-        return dist.get_rank(self.process_group())
-
-    @property
-    def world_size(self) -> int:
-        return dist.get_world_size(self.process_group())
 
     # ------------------------------------------------------------------ batches
 
@@ -118,51 +104,56 @@ class SequenceParallel:
 
 
 class RankAgreement:
-    """Checks before every call that all ranks pass tensors of the same shapes and dtypes, and
-    on the first call with ``batch="full"`` that they pass the same batch.
+    """Checks before every call that all ranks of a parallel step's group pass tensors of the
+    same shapes and dtypes, and, under sequence parallelism with ``batch="full"``, on the first
+    call that they pass the same batch.
 
-    Ring attention exchanges equal blocks: a rank with another sequence length would fail
-    inside a collective (gloo aborts the process) or wait forever, and a rank whose new shape
-    alone makes it re-trace would talk to ranks that did not. Ranks given different full
-    batches (a data loader sharded over the sequence-parallel ranks) would train on a mix of
-    sequences without any error. The check is one small all-gather a call over gloo (the group
-    itself, or a gloo group beside an NCCL one), so it never waits for the GPU, except on the
-    first call, which reads the batch once; it names what differs on every rank, or times out.
+    Ring attention exchanges equal blocks and ZeRO reduces equal buckets: a rank with another
+    shape would fail inside a collective (gloo aborts the process) or wait forever, and a rank
+    whose new shape alone makes it re-trace would talk to ranks that did not. Ranks given
+    different full batches under sequence parallelism (a data loader sharded over those ranks)
+    would train on a mix of sequences without any error. The check is one small all-gather a
+    call over gloo (the group itself, or a gloo group beside an NCCL one), so it never waits for
+    the GPU, except on the first call with ``batch="full"``, which reads the batch once; it names
+    what differs on every rank, or raises the config's `timeout_error` after its `timeout_s`.
+
+    `parallel`: a `SequenceParallel` or a `ZeRO` (anything `OverGroup` with `timeout_s`).
     """
 
-    def __init__(self, sp: SequenceParallel):
-        self.sp = sp
+    def __init__(self, parallel: Any):
+        self.sp = parallel
         self.calls = 0
         self._group: dist.ProcessGroup | None = None
 
     def group(self) -> dist.ProcessGroup:
-        if self._group is None:
-            group = self.sp.process_group()
-            if "gloo" in str(dist.get_backend(group)):
-                self._group = group
-            else:   # only the group's own ranks take part in creating it
-                self._group = dist.new_group(dist.get_process_group_ranks(group), backend="gloo",
-                                             timeout=datetime.timedelta(seconds=self.sp.timeout_s),
-                                             use_local_synchronization=True)
+        group = self.sp.process_group()
+        if "gloo" in str(dist.get_backend(group)):
+            # not kept: a step that outlives destroy_process_group() must not keep the group alive
+            # until interpreter exit, where gloo's threads abort the process as it is torn down
+            return group
+        if self._group is None:   # only the group's own ranks take part in creating it
+            self._group = dist.new_group(dist.get_process_group_ranks(group), backend="gloo",
+                                         timeout=datetime.timedelta(seconds=self.sp.timeout_s),
+                                         use_local_synchronization=True)
         return self._group
 
     def check(self, args: tuple, kwargs: dict) -> None:
         tensors = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
         inputs = [f"{tuple(x.shape)} {x.dtype}".replace("torch.", "") for x in tensors]
-        contents = self.sp.batch == "full" and self.calls == 0
+        contents = getattr(self.sp, "batch", None) == "full" and self.calls == 0
         mine = torch.tensor([zlib.crc32(repr(inputs).encode()),
                              _contents_digest(tensors) if contents else 0], dtype=torch.int64)
         every = self._gather(mine)
+        what = self.sp.parallelism
         if any(d[0] != mine[0] for d in every):
             described: list[Any] = [None] * len(every)
             dist.all_gather_object(described, inputs, group=self.group())
             listed = "; ".join(f"rank {r}: {', '.join(i) or 'no tensors'}" for r, i in enumerate(described))
-            raise StateError(f"sequence parallelism: the ranks pass step inputs of different shapes or dtypes "
-                             f"({listed}). Every rank must pass the same shapes: with batch='full' the whole "
-                             "batch, with batch='sharded' sp.shard(batch) of equal-shaped batches.")
+            raise StateError(f"{what}: the ranks pass step inputs of different shapes or dtypes "
+                             f"({listed}). {self.sp.same_shapes_hint}")
         differ = [r for r, d in enumerate(every) if d[1] != mine[1]]
         if differ:
-            raise StateError(f"sequence parallelism: rank {self.sp.rank} was given another batch than rank(s) "
+            raise StateError(f"{what}: rank {self.sp.rank} was given another batch than rank(s) "
                              f"{differ}. With batch='full' every rank of the group passes the same whole batch "
                              "and keeps its part of the sequence; do not shard the data loader over these "
                              "ranks (shard it over data-parallel replicas only).")
@@ -179,8 +170,9 @@ class RankAgreement:
         else:
             cause = ""
         if ok is False:
-            raise RingTimeoutError(f"sequence parallelism: rank {self.sp.rank} of {world} waited {self.sp.timeout_s:g} s "
-                                   f"for the other ranks to start the step: a rank failed or never called it{cause}")
+            raise self.sp.timeout_error(
+                f"{self.sp.parallelism}: rank {self.sp.rank} of {world} waited {self.sp.timeout_s:g} s "
+                f"for the other ranks to start the step: a rank failed or never called it{cause}")
         return every
 
 

@@ -148,6 +148,24 @@ def _describe(node: fx.Node) -> str:
     return f"{node.name} [{node.meta.get('phase')}]" + (f" at {where}" if where else "")
 
 
+_COLLECTIVES = {"all_reduce": "all-reduce", "all_reduce_coalesced": "all-reduce",
+                "reduce_scatter_tensor": "reduce-scatter"}
+
+
+def _collective_before(node: fx.Node) -> str | None:
+    """Which gradient collective `node` ends ("all-reduce", "reduce-scatter"), when it is the
+    collective's wait or what the pass that emitted it computes from it (an average, a slice)."""
+    while node.meta.get("phase") == "comm":
+        name = getattr(node.target, "__name__", "").split(".")[0]
+        if name in _COLLECTIVES:
+            return _COLLECTIVES[name]
+        inputs = node.all_input_nodes
+        if not inputs:
+            return None
+        node = inputs[0]
+    return None
+
+
 def _is_pure(node: fx.Node) -> bool:
     tags = getattr(node.target, "tags", ())
     return node.op == "call_function" and not written_args(node) and torch.Tag.nondeterministic_seeded not in tags
@@ -318,12 +336,13 @@ def fuse_optimizer(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
                 graph.note("fuse_optimizer", f"{label} ({numel:,} elements) runs in backward after {_describe(anchor)}",
                            "bucket", bucket=number, params=tuple(names), numel=numel, in_backward=True,
                            after=anchor.name)
-            elif anchor.target is torch.ops._c10d_functional.wait_tensor.default:
+            elif (collective := _collective_before(anchor)) is not None:
                 graph.note("fuse_optimizer", f"{label} ({numel:,} elements) stays after backward: it must follow "
-                           f"{_describe(anchor)}, the end of its gradients' all-reduce, whose bucket closes "
-                           "after the last backward op (smaller SequenceParallel(bucket_numel=...) buckets "
-                           "close earlier)", "bucket", bucket=number, params=tuple(names), numel=numel,
-                           in_backward=False, after=anchor.name, waits_for="all-reduce")
+                           f"{_describe(anchor)}, the end of its gradients' {collective}, whose bucket closes "
+                           "after the last backward op (smaller SequenceParallel(bucket_numel=...) or "
+                           "ZeRO(bucket_numel=...) buckets close earlier)", "bucket", bucket=number,
+                           params=tuple(names), numel=numel, in_backward=False, after=anchor.name,
+                           waits_for=collective)
             else:
                 graph.note("fuse_optimizer", f"{label} ({numel:,} elements) stays after backward: it must follow "
                            f"{_describe(anchor)}, which writes or reads its gradients, parameters or state "

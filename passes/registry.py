@@ -21,6 +21,7 @@ from graphoffload.passes.manager import Pass, PassFn
 from graphoffload.passes.offload_optimizer import offload_optimizer
 from graphoffload.passes.park_gradients import park_gradients
 from graphoffload.passes.ring_attention import ring_attention
+from graphoffload.passes.zero import zero
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,9 @@ BUILTIN_PASS_SPECS: tuple[PassSpec, ...] = (
     PassSpec("ring_attention", ring_attention, lambda c: c.sequence_parallel is not None,
              provides=("sequence_split",),
              why="split the sequence first: later passes see local shapes"),
+    PassSpec("zero", zero, lambda c: c.data_parallel is not None,
+             provides=("sharded_updates",),
+             why="shard updates and gradients before fusion moves the (fewer) updates into backward"),
     PassSpec("fuse_optimizer", fuse_optimizer, _always,
              provides=("buckets",),
              why="updates move into backward, grouped in buckets; offload's transfers then start during backward"),

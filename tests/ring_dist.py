@@ -5,10 +5,13 @@ whole run a deadline, so a dead or stuck rank fails the test instead of hanging 
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 import tempfile
 import time
 
+import pytest
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -22,6 +25,7 @@ def _entry(rank: int, fn, world: int, store: str, args: tuple) -> None:
                             timeout=datetime.timedelta(seconds=60))
     try:
         fn(rank, world, *args)
+        gc.collect()   # compiled steps in reference cycles go now, not at interpreter exit
         # no rank tears its process group down while a peer may still have sends in flight
         # (a gloo pair destroyed under a pending operation aborts the process)
         # (a peer that already failed or left on purpose is not this rank's error)
@@ -47,3 +51,17 @@ def run_ranks(fn, world: int, *args, deadline_s: float = 120.0) -> None:
             for p in ctx.processes:
                 if p.is_alive():
                     p.kill()
+
+
+def silent_rank(rank: int, world: int, call, error: type[Exception], match: str) -> None:
+    """Rank 1 never calls the step: on rank 0 `call()` must raise `error` (matching `match`)
+    from the check every parallel step makes first; once it has, rank 1 answers that check
+    (two int64 per rank: shapes digest, batch digest), so the group is torn down cleanly."""
+    gave_up = torch.zeros(1)
+    if rank == 1:
+        dist.recv(gave_up, 0, tag=7)
+        dist.all_gather([torch.empty(2, dtype=torch.int64) for _ in range(world)], torch.zeros(2, dtype=torch.int64))
+        return
+    with pytest.raises(error, match=match):
+        call()
+    dist.send(gave_up, 1, tag=7)
