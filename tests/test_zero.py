@@ -259,6 +259,19 @@ def test_every_parameter_is_owned_by_one_rank_of_four_and_its_state_lives_there(
     assert sum(map(len, owned)) == len(set().union(*owned))   # no parameter on two ranks
 
 
+@pytest.mark.parametrize("stage", [1, 2])
+def test_the_zero_pass_stamps_exactly_the_nodes_it_created(stage):
+    from test_provenance import assert_every_node_names_its_maker
+
+    model = _gpt().float()
+    opt = _optimizer("adamw", model)
+    step = graphoffload.offload_compile(gpt_step, data_parallel=AsRank(stage=stage, bucket_numel=4096))
+    step.compile(model, opt, {k: v[:2] for k, v in _batches(1)[0].items()})
+    assert "zero" in assert_every_node_names_its_maker(step.graphs)
+    made = [n for n in step.graphs["zero"].graph.nodes if n.meta["pass"] == "zero"]
+    assert any(n.target is c10d.all_gather_into_tensor.default for n in made)
+
+
 def test_larger_buckets_pad_less():
     small = _compile_as(0, 4, 2, bucket_numel=4096)[0]
     large = _compile_as(0, 4, 2, bucket_numel=1 << 20)[0]
