@@ -135,20 +135,20 @@ class CompiledStep:
 
     def _key(self, args: tuple, kwargs: dict, bindings: StepBindings | None = None) -> Any:
         # the models and optimizers are found once per call (`__call__` passes what it found)
-        b = bindings if bindings is not None else find_bindings(self.fn, args, kwargs)
+        bindings = bindings if bindings is not None else find_bindings(self.fn, args, kwargs)
         accumulation = self._next_accumulation()
         # a variant that does not update depends on neither the optimizers' settings nor first steps
-        optimizers = tuple(id(o) for o in b.optimizers) if accumulation is not None and not accumulation.update \
-            else tuple(_optimizer_key(o) for o in b.optimizers)
+        optimizers = tuple(id(o) for o in bindings.optimizers) if accumulation is not None and not accumulation.update \
+            else tuple(_optimizer_key(o) for o in bindings.optimizers)
         return (
             None if accumulation is None else accumulation.update,
             tuple(_leaf_key(x) for x in pytree.tree_leaves((args, kwargs))),
-            tuple((n, tuple(p.shape), p.dtype, p.device, p.requires_grad, id(p)) for n, p in b.params.items()),
-            tuple((n, tuple(t.shape), t.dtype, t.device) for n in b.buffers for t in [b.buffer(n)]),
-            tuple(m.training for model in b.modules for m in model.modules()),
+            tuple((n, tuple(p.shape), p.dtype, p.device, p.requires_grad, id(p)) for n, p in bindings.params.items()),
+            tuple((n, tuple(t.shape), t.dtype, t.device) for n in bindings.buffers for t in [bindings.buffer(n)]),
+            tuple(m.training for model in bindings.modules for m in model.modules()),
             optimizers,
             tuple((id(sc), sc.get_growth_factor(), sc.get_backoff_factor(), sc.get_growth_interval())
-                  for sc in b.scalers),
+                  for sc in bindings.scalers),
             torch.is_grad_enabled(),
             torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda"),
             torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"),
@@ -175,8 +175,8 @@ class CompiledStep:
             raise
         # every variant over the same parameters and optimizers shares one host state, so the
         # versions it records after each run stay right whichever variant ran last
-        b = capture.bindings
-        owner = (tuple(id(p) for p in b.params.values()), tuple(id(o) for o in b.optimizers))
+        bindings = capture.bindings
+        owner = (tuple(id(p) for p in bindings.params.values()), tuple(id(o) for o in bindings.optimizers))
         executor = Executor(graph, capture, self.config.offload, host_state=self._host_states.get(owner),
                             sanitize=self.config.sanitize, runtime_for=self._runtimes.get)
         if executor.host_state is not None:

@@ -132,8 +132,8 @@ def find_bindings(fn: Callable, args: tuple, kwargs: dict) -> StepBindings:
                 params[prefix(i) + name] = p
                 param_names[id(p)] = prefix(i) + name
         for mod_name, mod in model.named_modules():
-            for attr, b in mod._buffers.items():
-                if b is not None:
+            for attr, buf in mod._buffers.items():
+                if buf is not None:
                     buffers[prefix(i) + (f"{mod_name}.{attr}" if mod_name else attr)] = (mod, attr)
     state_keys, lr_groups = _optimizer_bindings(optimizers, param_names)
     return StepBindings(modules, optimizers, params, buffers, state_keys, lr_groups, param_names, scalers)
@@ -166,19 +166,19 @@ def _optimizer_bindings(optimizers: list[torch.optim.Optimizer], param_names: di
 # --------------------------------------------------------------------------- tracing helpers
 
 @contextlib.contextmanager
-def _swapped_module_tensors(b: StepBindings, params: dict[str, Tensor],
+def _swapped_module_tensors(bindings: StepBindings, params: dict[str, Tensor],
                             buffers: dict[str, Tensor]) -> Iterator[None]:
     """Point every module's parameters and buffers at traced tensors (tied weights stay tied)."""
-    by_id = {id(p): params[name] for name, p in b.params.items()}
+    by_id = {id(p): params[name] for name, p in bindings.params.items()}
     saved: list[tuple[dict, str, Any]] = []
     try:
-        for model in b.modules:
+        for model in bindings.modules:
             for mod in model.modules():
                 for attr, p in list(mod._parameters.items()):
                     if p is not None and id(p) in by_id:
                         saved.append((mod._parameters, attr, p))
                         mod._parameters[attr] = by_id[id(p)]
-        for name, (mod, attr) in b.buffers.items():
+        for name, (mod, attr) in bindings.buffers.items():
             saved.append((mod._buffers, attr, mod._buffers[attr]))
             mod._buffers[attr] = buffers[name]
         yield
@@ -207,7 +207,7 @@ def _set_for_trace(stack: contextlib.ExitStack, obj: Any, attr: str, value: Any)
 
 
 @contextlib.contextmanager
-def _lowered_optimizers(b: StepBindings, leaves: dict[str, Tensor], states: dict[tuple[str, str], Tensor],
+def _lowered_optimizers(bindings: StepBindings, leaves: dict[str, Tensor], states: dict[tuple[str, str], Tensor],
                         lrs: dict[tuple[int, int], Tensor], first_steps: list[set[str]],
                         config: CompileConfig, events: _StepEvents) -> Iterator[None]:
     """Swap each optimizer's step()/zero_grad() for graphoffload's traced lowering, and its
@@ -254,25 +254,25 @@ def _lowered_optimizers(b: StepBindings, leaves: dict[str, Tensor], states: dict
         return zero_grad
 
     with contextlib.ExitStack() as stack:
-        for oi, opt in enumerate(b.optimizers):
+        for oi, opt in enumerate(bindings.optimizers):
             _set_for_trace(stack, opt, "step", make_step(oi, opt))
             _set_for_trace(stack, opt, "zero_grad", make_zero_grad(opt))
             # the lowering's fused kernels unscale and skip on inf themselves
             _set_for_trace(stack, opt, "_step_supports_amp_scaling", True)
             for group in opt.param_groups:
                 real = group["params"]
-                group["params"] = [leaves[b.param_names[id(p)]] for p in real]
+                group["params"] = [leaves[bindings.param_names[id(p)]] for p in real]
                 stack.callback(group.__setitem__, "params", real)
         yield
 
 
 @contextlib.contextmanager
-def _recorded_module_zero_grad(b: StepBindings, events: _StepEvents) -> Iterator[None]:
+def _recorded_module_zero_grad(bindings: StepBindings, events: _StepEvents) -> Iterator[None]:
     """`model.zero_grad()` in the step clears gradients as `optimizer.zero_grad()` does: record
     it alike, so the executor knows gradients left by an earlier call are discarded."""
     with contextlib.ExitStack() as stack:
-        for module in b.modules:
-            names = frozenset(b.param_names[id(p)] for p in module.parameters())
+        for module in bindings.modules:
+            names = frozenset(bindings.param_names[id(p)] for p in module.parameters())
 
             def zero_grad(set_to_none: bool = True, module: nn.Module = module, names: frozenset = names) -> None:
                 events.order.append("zero_grad")
@@ -283,7 +283,7 @@ def _recorded_module_zero_grad(b: StepBindings, events: _StepEvents) -> Iterator
 
 
 @contextlib.contextmanager
-def _swapped_scaler_state(b: StepBindings, traced: dict[tuple[int, str], Tensor],
+def _swapped_scaler_state(bindings: StepBindings, traced: dict[tuple[int, str], Tensor],
                           accumulating: bool = False) -> Iterator[None]:
     """Point each GradScaler at traced copies of its scale and growth tracker (graph inputs it
     updates in place), and give it back its per-step bookkeeping afterwards.
@@ -296,7 +296,7 @@ def _swapped_scaler_state(b: StepBindings, traced: dict[tuple[int, str], Tensor]
         return None
 
     with contextlib.ExitStack() as stack:
-        for i, scaler in enumerate(b.scalers):
+        for i, scaler in enumerate(bindings.scalers):
             for key in ("scale", "growth_tracker"):
                 _set_for_trace(stack, scaler, GRAD_SCALER_STATE_ATTRIBUTES[key], traced[(i, key)])
             # the step's scale/step/update cycle runs on a copy of its per-optimizer bookkeeping
@@ -581,14 +581,14 @@ class Capture:
         `config.data_parallel`), so a rank never allocates state for parameters another rank
         owns; state it holds for those (from a full state_dict loaded before) is dropped, as
         this rank neither reads nor updates it. Recorded as created, like capture's own."""
-        b = self.bindings
+        bindings = self.bindings
         read = {s.target[0] for s in graph.signature.inputs if s.kind == "state"}
-        traced = {name for name, _ in b.state_keys}
+        traced = {name for name, _ in bindings.state_keys}
         for i in self.stepped_optimizers:
-            opt = b.optimizers[i]
+            opt = bindings.optimizers[i]
             params = [p for g in opt.param_groups for p in g["params"]]
-            _discard_state([(opt, [p for p in params if b.param_names[id(p)] in traced - read])])
-            mine = [p for p in params if b.param_names[id(p)] in read]
+            _discard_state([(opt, [p for p in params if bindings.param_names[id(p)] in traced - read])])
+            mine = [p for p in params if bindings.param_names[id(p)] in read]
             fresh = [p for p in mine if not opt.state.get(p)]
             optimizer_lowering.prepare_state(opt, only=mine)
             self.created_state.append((opt, fresh))
@@ -605,12 +605,12 @@ def capture_step(fn: Callable, args: tuple, kwargs: dict, config: CompileConfig,
     """Trace `fn` into a Capture. If tracing fails, the optimizer state it created is dropped
     again: left behind, it would make the next step (compiled or eager) skip SGD's first-step
     momentum initialisation."""
-    b = find_bindings(fn, args, kwargs)
+    bindings = find_bindings(fn, args, kwargs)
     fresh = [(opt, [p for g in opt.param_groups for p in g["params"] if not opt.state.get(p)])
-             for opt in b.optimizers]
+             for opt in bindings.optimizers]
     register_fused_optimizer_meta_kernels()   # tracing the update on fake tensors needs them
     try:
-        capture = _capture_step(fn, args, kwargs, config, b, accumulation)
+        capture = _capture_step(fn, args, kwargs, config, bindings, accumulation)
     except BaseException:
         _discard_state(fresh)
         raise
@@ -647,17 +647,17 @@ def _drop_unread_state(capture: Capture, fresh: list[tuple[torch.optim.Optimizer
     torch.optim creates it only for parameters that had one when `step()` ran: drop what this
     step never reads again (an unused layer's state would otherwise show in `state_dict()` and
     be offloaded for nothing). Returns `fresh` less what was dropped."""
-    b, graph = capture.bindings, capture.graph
+    bindings, graph = capture.bindings, capture.graph
     placeholders = graph.placeholders()
     read = {s.target[0] for s in graph.signature.inputs
             if s.kind == "state" and placeholders[s.name].users}
     kept: list[tuple[torch.optim.Optimizer, list[Tensor]]] = []
     dropped: set[str] = set()
     for opt, params in fresh:
-        unread = [p for p in params if p in opt.state and b.param_names[id(p)] not in read]
+        unread = [p for p in params if p in opt.state and bindings.param_names[id(p)] not in read]
         _discard_state([(opt, unread)])
-        dropped.update(b.param_names[id(p)] for p in unread)
-        kept.append((opt, [p for p in params if b.param_names[id(p)] not in dropped]))
+        dropped.update(bindings.param_names[id(p)] for p in unread)
+        kept.append((opt, [p for p in params if bindings.param_names[id(p)] not in dropped]))
     if dropped:
         inputs = []
         for s in graph.signature.inputs:
@@ -670,52 +670,52 @@ def _drop_unread_state(capture: Capture, fresh: list[tuple[torch.optim.Optimizer
     return kept
 
 
-def _capture_step(fn: Callable, args: tuple, kwargs: dict, config: CompileConfig, b: StepBindings,
+def _capture_step(fn: Callable, args: tuple, kwargs: dict, config: CompileConfig, bindings: StepBindings,
                   accumulation: Accumulation | None = None) -> Capture:
     # offloaded state is made on the host and traced as if it were on the device (as
     # torch.optim keeps it): the offload pass then moves those inputs to the host
-    offloaded = config.offload is not None and b.device.type != "meta"   # a meta model plans, never runs
+    offloaded = config.offload is not None and bindings.device.type != "meta"   # a meta model plans, never runs
     # (not pinned here: the host state moves it into its pinned arena, one allocation for all)
     where = optimizer_lowering.StatePlacement(torch.device("cpu"), False) if offloaded else None
     # with ZeRO, state is made after the passes, for this rank's own parameters only
     # (`Capture.create_deferred_state`): traced as fake tensors shaped as torch.optim keeps it
     deferred = config.data_parallel is not None
-    first_steps = [{b.param_names[id(p)] for p in (optimizer_lowering.first_step_params(opt) if deferred
+    first_steps = [{bindings.param_names[id(p)] for p in (optimizer_lowering.first_step_params(opt) if deferred
                                                    else optimizer_lowering.prepare_state(opt, where))}
-                   for opt in b.optimizers]
+                   for opt in bindings.optimizers]
     leaves, in_spec = pytree.tree_flatten((args, kwargs))
     batch_positions = [i for i, x in enumerate(leaves) if isinstance(x, Tensor)]
-    param_names = list(b.params)
-    buffer_names = list(b.buffers)
-    lr_before = [b.lr(oi, gi) for oi, gi in b.lr_groups]
-    device = b.device
-    for scaler in b.scalers:
+    param_names = list(bindings.params)
+    buffer_names = list(bindings.buffers)
+    lr_before = [bindings.lr(oi, gi) for oi, gi in bindings.lr_groups]
+    device = bindings.device
+    for scaler in bindings.scalers:
         # the scale is created lazily by the first scale(): create it now, outside the trace
         if grad_scaler_state(scaler, "scale") is None:
             scaler.scale(torch.zeros((), device=device))
-    scaler_keys = [(i, key) for i in range(len(b.scalers)) for key in ("scale", "growth_tracker")]
+    scaler_keys = [(i, key) for i in range(len(bindings.scalers)) for key in ("scale", "growth_tracker")]
 
     fake_mode = _fake_mode() if offloaded or deferred else None
     real_inputs: list[Tensor] = (
-        [p.detach().requires_grad_(p.requires_grad) for p in b.params.values()]
-        + [b.buffer(n) for n in buffer_names]
-        + [_traced_state(b, pn, k, fake_mode) for pn, k in b.state_keys]
+        [p.detach().requires_grad_(p.requires_grad) for p in bindings.params.values()]
+        + [bindings.buffer(n) for n in buffer_names]
+        + [_traced_state(bindings, pn, k, fake_mode) for pn, k in bindings.state_keys]
         + [torch.tensor(lr, dtype=torch.float64) for lr in lr_before]
-        + [b.scaler_state(i, key) for i, key in scaler_keys]
+        + [bindings.scaler_state(i, key) for i, key in scaler_keys]
         + [leaves[i].detach() for i in batch_positions])
-    sum_names = [n for n, p in b.params.items() if p.requires_grad] if accumulation is not None else []
-    real_inputs += [_traced_sum(accumulation, n, b.params[n], fake_mode) for n in sum_names]
-    n_p, n_b, n_s, n_lr = len(param_names), len(buffer_names), len(b.state_keys), len(b.lr_groups)
+    sum_names = [n for n, p in bindings.params.items() if p.requires_grad] if accumulation is not None else []
+    real_inputs += [_traced_sum(accumulation, n, bindings.params[n], fake_mode) for n in sum_names]
+    n_p, n_b, n_s, n_lr = len(param_names), len(buffer_names), len(bindings.state_keys), len(bindings.lr_groups)
     n_sc = len(scaler_keys)
     events = _StepEvents()
-    regions = CheckpointRegions.of_modules(b.modules)
+    regions = CheckpointRegions.of_modules(bindings.modules)
     result: dict[str, Any] = {}
 
     def traced(*flat: Tensor) -> list[Tensor]:
         params = dict(zip(param_names, flat[:n_p]))
         buffers = dict(zip(buffer_names, flat[n_p:n_p + n_b]))
-        states = dict(zip(b.state_keys, flat[n_p + n_b:n_p + n_b + n_s]))
-        lrs = dict(zip(b.lr_groups, flat[n_p + n_b + n_s:n_p + n_b + n_s + n_lr]))
+        states = dict(zip(bindings.state_keys, flat[n_p + n_b:n_p + n_b + n_s]))
+        lrs = dict(zip(bindings.lr_groups, flat[n_p + n_b + n_s:n_p + n_b + n_s + n_lr]))
         scaler_state = dict(zip(scaler_keys, flat[n_p + n_b + n_s + n_lr:n_p + n_b + n_s + n_lr + n_sc]))
         step_leaves = list(leaves)
         for pos, t in zip(batch_positions, flat[n_p + n_b + n_s + n_lr + n_sc:]):
@@ -724,14 +724,14 @@ def _capture_step(fn: Callable, args: tuple, kwargs: dict, config: CompileConfig
             if accumulation is not None else None
         step_args, step_kwargs = pytree.tree_unflatten(step_leaves, in_spec)
         # module parameters are named before _swapped_module_tensors puts the traced ones in
-        with _recorded_module_zero_grad(b, events), _swapped_module_tensors(b, params, buffers), \
-                _lowered_optimizers(b, params, states, lrs, first_steps, config, events), \
-                _swapped_scaler_state(b, scaler_state, accumulation is not None and not accumulation.update), \
+        with _recorded_module_zero_grad(bindings, events), _swapped_module_tensors(bindings, params, buffers), \
+                _lowered_optimizers(bindings, params, states, lrs, first_steps, config, events), \
+                _swapped_scaler_state(bindings, scaler_state, accumulation is not None and not accumulation.update), \
                 _StepMode(events, regions, sums):
             out = fn(*step_args, **step_kwargs)
             if sums is not None:
                 sums.finish()
-            rebound = {n: b.buffer(n) for n in buffer_names}
+            rebound = {n: bindings.buffer(n) for n in buffer_names}
         out_leaves, out_spec = pytree.tree_flatten(out)
         result["out_spec"] = out_spec
         result["constants"] = [TENSOR_SLOT if isinstance(x, Tensor) else x for x in out_leaves]
@@ -759,7 +759,7 @@ def _capture_step(fn: Callable, args: tuple, kwargs: dict, config: CompileConfig
     except Exception as exc:  # noqa: BLE001 - every tracing failure becomes a graphoffload error
         raise _translate_trace_error(exc) from exc
     finally:
-        _restore_lrs(b, lr_before)
+        _restore_lrs(bindings, lr_before)
 
     if "backward" not in events.order:
         raise CaptureError("the train step never calls loss.backward(): graphoffload compiles "
@@ -768,8 +768,8 @@ def _capture_step(fn: Callable, args: tuple, kwargs: dict, config: CompileConfig
     input_specs = (
         [InputSpec("param", placeholder_name("p", n), n) for n in param_names]
         + [InputSpec("buffer", placeholder_name("b", n), n) for n in buffer_names]
-        + [InputSpec("state", placeholder_name(f"s_{k}", pn), (pn, k)) for pn, k in b.state_keys]
-        + [InputSpec("lr", f"lr_{oi}_{gi}", (oi, gi)) for oi, gi in b.lr_groups]
+        + [InputSpec("state", placeholder_name(f"s_{k}", pn), (pn, k)) for pn, k in bindings.state_keys]
+        + [InputSpec("lr", f"lr_{oi}_{gi}", (oi, gi)) for oi, gi in bindings.lr_groups]
         + [InputSpec("scaler", f"scaler_{i}_{key}", (i, key)) for i, key in scaler_keys]
         + [InputSpec("batch", f"batch_{j}", j) for j in range(len(batch_positions))]
         + [InputSpec("grad_sum", placeholder_name("g", n), n) for n in sum_names])
@@ -785,13 +785,13 @@ def _capture_step(fn: Callable, args: tuple, kwargs: dict, config: CompileConfig
     signature = GraphSignature(tuple(input_specs), tuple(result["specs"]))
     train_graph = TrainGraph(graph, signature)
     train_graph.note("capture", f"{len(param_names)} parameters, {len(buffer_names)} buffers, "
-                     f"{len(b.state_keys)} optimizer-state tensors, {events.subgroups} update subgroups; "
+                     f"{len(bindings.state_keys)} optimizer-state tensors, {events.subgroups} update subgroups; "
                      f"step calls: {' -> '.join(events.order)}")
     for region in recomputed:
         train_graph.note("capture", f"recomputed in backward (activation checkpointing): {region.name}, "
                          f"{len(region.recomputed)} nodes" + (f", {region.random} random ops replayed" if region.random else ""))
     first_backward = events.order.index("backward")
-    return Capture(train_graph, b, result["out_spec"], result["constants"],
+    return Capture(train_graph, bindings, result["out_spec"], result["constants"],
                    zeroed_before_backward=_zeroed(events, events.order[:first_backward]),
                    zeroed=_zeroed(events, events.order),
                    stepped_optimizers=sorted(events.stepped), batch_positions=batch_positions)
@@ -804,11 +804,11 @@ def _fake_mode() -> FakeTensorMode:
         return FakeTensorMode(allow_fallback_kernels=True, shape_env=ShapeEnv(), static_shapes=True)
 
 
-def _traced_state(b: StepBindings, param_name: str, key: str, fake_mode: FakeTensorMode | None) -> Tensor:
+def _traced_state(bindings: StepBindings, param_name: str, key: str, fake_mode: FakeTensorMode | None) -> Tensor:
     if fake_mode is None:
-        return b.state(param_name, key)
+        return bindings.state(param_name, key)
     with fake_mode:
-        return optimizer_lowering.state_like(b.params[param_name], key)
+        return optimizer_lowering.state_like(bindings.params[param_name], key)
 
 
 def _traced_sum(accumulation: Accumulation, name: str, param: Tensor, fake_mode: FakeTensorMode | None) -> Tensor:
@@ -825,13 +825,13 @@ def _zeroed(events: _StepEvents, order: list[str]) -> frozenset[str]:
     return frozenset().union(*events.zeroed[:calls])
 
 
-def _restore_lrs(b: StepBindings, lr_before: list[float]) -> None:
+def _restore_lrs(bindings: StepBindings, lr_before: list[float]) -> None:
     """Put back every learning rate the step changed at trace time (all of them, before raising)."""
     changed = False
-    for (oi, gi), lr in zip(b.lr_groups, lr_before):
-        if b.lr(oi, gi) != lr:
+    for (oi, gi), lr in zip(bindings.lr_groups, lr_before):
+        if bindings.lr(oi, gi) != lr:
             changed = True
-            group = b.optimizers[oi].param_groups[gi]
+            group = bindings.optimizers[oi].param_groups[gi]
             if isinstance(group["lr"], Tensor):
                 group["lr"].fill_(lr)
             else:
