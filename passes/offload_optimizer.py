@@ -37,6 +37,7 @@ from graphoffload.errors import UnsupportedError
 from graphoffload.graph import InputSpec, TrainGraph, fake_mode_of, fill_missing_meta, placeholder_name
 from graphoffload.memory import analyze_memory, format_bytes
 from graphoffload.calibration import Calibration
+from graphoffload.passes.offload_activations import ActivationPlan, largest_saved_bytes, plan_activations
 from graphoffload.passes.offload_cost_model import node_seconds
 from graphoffload.passes.offload_planner import SWEEPS, BucketCost, Prediction, StepCosts, plan, predict
 from graphoffload.passes.offload_plan_cache import load_plan, plan_key, plan_path, store_plan
@@ -380,6 +381,13 @@ def _plan_or_reuse(graph: TrainGraph, costs: StepCosts, cal: Calibration, budget
     return chosen, candidates
 
 
+def _activations_summary(plan: ActivationPlan) -> str:
+    counts = {c: sum(1 for v in plan.choices.values() if v == c) for c in ("recompute", "offload")}
+    return (f", after activations='auto' recomputed {counts['recompute']} and offloaded {counts['offload']} saved "
+            f"activations (keeping them all needs {format_bytes(plan.keep_peak)}); the peak is at "
+            f"{plan.peak_node}, where no saved activation is left to move")
+
+
 def _moved(event, bucket: BucketCost) -> int:
     if event.track == "d2h":
         return bucket.grad_bytes if event.name.startswith("grads") else bucket.state_bytes
@@ -479,6 +487,15 @@ def offload_optimizer(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
     assign_streams(g)   # node.meta["stream"]: which copy stream each transfer runs on
     graph = graph.with_signature(inputs=tuple(specs))
     fill_missing_meta(graph, "offload_optimizer")   # the prefetched buffers' sizes count below
+    activations = None
+    if offload.activations == "auto":
+        unseen = unseen_device_bytes(g, ctx.device)
+        if ctx.device.type == "cuda":   # an activation's copy out may hold its block a while too
+            unseen["copy_held"] = max(unseen["copy_held"], largest_saved_bytes(graph))
+        cal = offload.calibration or Calibration.load_or_measure(ctx.device, threads=offload.cpu_threads)
+        activations = plan_activations(graph, _planning_budget(ctx, sum(unseen.values())), cal, ctx.device)
+        graph = activations.graph
+        g = graph.graph
     device_peak = analyze_memory(graph).peak
     graph.note("offload_optimizer", f"{len(kernels)} update buckets offloaded: {format_bytes(moved_bytes)} of "
                f"master weights and optimizer state in host memory; predicted device peak "
@@ -497,6 +514,8 @@ def offload_optimizer(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
         raise UnsupportedError(
             f"gpu_memory_budget {offload.gpu_memory_budget} cannot be met: with its optimizer state "
             f"offloaded the step still needs at least {format_bytes(device_peak)} ({device_peak:,} bytes) "
-            f"on the device (parameters, activations and gradients in flight){kept}. Raise the budget, or "
-            "reduce the batch or sequence length.")
+            f"on the device (parameters, activations and gradients in flight){kept}"
+            + (_activations_summary(activations) if activations is not None else
+               "; Offload(activations='auto') may recompute or offload saved activations to fit") +
+            ". Raise the budget, or reduce the batch or sequence length.")
     return graph

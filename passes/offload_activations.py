@@ -1,0 +1,334 @@
+"""Activations under the offload budget: keep, recompute or offload each saved activation.
+
+With `Offload(gpu_memory_budget=..., activations="auto")` the optimizer state is planned first
+(offload_optimizer's buckets), then, while the predicted device peak (graphoffload.memory's
+liveness analysis of the offloaded graph, prefetched state buffers included) is over the
+budget, this module frees saved activations at the peak: forward values that backward reads.
+Each one can
+
+- stay on the device (keep, today's behaviour);
+- be recomputed in backward, right before its first backward reader, when it is a short chain
+  of ops (at most `MAX_RECOMPUTE_NODES`) over values that are on the device at that point
+  anyway and unchanged since forward. The duplicated nodes carry `meta["recompute"]`, and a
+  chain that draws random numbers (dropout's `bernoulli_`) replays the forward's draws with
+  the generator state saved before them (`graphoffload.rng_state` / `swap_rng_state`, as
+  activation checkpointing does), so results stay bit-identical;
+- be copied to pinned host memory right after its last forward read (`copy_to_host`) and
+  brought back (`prefetch_to_device`, waiting for the copy out in stream order) early enough
+  before its first backward reader for the copy to land, as the calibration's host-to-device
+  rate predicts (`wait_device` right before the reader).
+
+The choice is greedy: among the activations live at the current peak, the one that frees the
+most bytes per second of added cost (recompute: the recomputed nodes' compute time from the
+calibration's roofline; offload: its bytes over the link, each way) goes first, and every
+choice is checked on the memory analysis of the rewritten graph. When no activation is live at
+the peak any more, the peak reached is the least this plan can do and the pass fails with it.
+
+Scope of this first version: the costs use the same calibration as the optimizer-state plan,
+but the activation copies are not simulated on its timeline (`graph.schedule`), so their
+sharing of the link with the state transfers is not modelled yet; the memory is shared
+exactly, as both are planned against the same liveness analysis.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+
+import torch
+from torch import fx
+
+from graphoffload.aliasing import StorageMap, written_args
+from graphoffload.calibration import Calibration
+from graphoffload.graph import InputSpec, TrainGraph, fill_missing_meta, placeholder_name, tensor_vals
+from graphoffload.memory import analyze_memory, format_bytes
+from graphoffload.ops.host_transfer import assign_streams
+from graphoffload.passes.offload_cost_model import estimate_seconds
+
+aten = torch.ops.aten
+ops = torch.ops.graphoffload
+
+# longest chain of nodes a recompute replays (past that, offloading or keeping is the choice)
+MAX_RECOMPUTE_NODES = 4
+_PASS = "offload_optimizer"
+
+
+@dataclass(frozen=True)
+class SavedActivation:
+    """A forward value backward reads, and what keeping it off the device would take."""
+
+    name: str                  # the node backward reads it from
+    nbytes: int                # its storage, in the allocator's blocks
+    last_forward: int          # position of its last access before backward
+    first_backward: int        # position of its first reader in backward
+    recompute: tuple[str, ...] | None    # the forward nodes to replay, in order; None: not recomputable
+    recompute_seconds: float
+    prefetch_at: int           # position before which its prefetch would be issued
+    offload_seconds: float     # its bytes over the link, out and back
+
+
+@dataclass(frozen=True)
+class ActivationPlan:
+    """What the planner chose: the rewritten graph, the peaks, each activation's choice."""
+
+    graph: TrainGraph
+    keep_peak: int
+    peak: int
+    peak_node: str
+    choices: dict[str, str]    # every saved activation considered -> "keep" | "recompute" | "offload"
+
+
+def _is_random(node: fx.Node) -> bool:
+    return torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ())
+
+
+def _replayable(node: fx.Node) -> bool:
+    """An ATen op whose result depends on its arguments only (random ops: on the generator's
+    state too, which the recompute replays); graphoffload's ops (the generator's state, the
+    transfers) and collectives are never replayed."""
+    return isinstance(node.target, torch._ops.OpOverload) and node.target.namespace == "aten"
+
+
+# the generator's states a replayed random op reads: host values, not the device's activations
+_NOT_ACTIVATIONS = (ops.rng_state.default, ops.swap_rng_state.default)
+
+
+def _storage_bytes(val: torch.Tensor) -> int:
+    n = val.untyped_storage().nbytes()
+    return -(-n // 512) * 512
+
+
+def _whole_storage(val: object) -> bool:
+    return (isinstance(val, torch.Tensor) and val.is_contiguous() and val.storage_offset() == 0
+            and val.untyped_storage().nbytes() == val.numel() * val.element_size()
+            and all(isinstance(s, int) for s in val.shape))
+
+
+class _Step:
+    """The graph's storages, where backward begins, and what is available where."""
+
+    def __init__(self, graph: TrainGraph):
+        self.storages = StorageMap(graph.graph)
+        self.position = self.storages.position
+        backward = [self.position[n] for n in self.storages.nodes if n.meta.get("phase") == "backward"]
+        self.backward_start = min(backward) if backward else None
+
+    def available(self, node: fx.Node, at: int) -> bool:
+        """Whether `node`'s value is on the device, unchanged, at position `at` anyway."""
+        if node.op == "get_attr":
+            return True
+        sids = self.storages.of(node)
+        if not sids or node.meta.get("val") is None:
+            return False
+        here = self.position[node]
+        for sid in sids:
+            accesses = self.storages.accesses[sid]
+            if any(a.writes and here < a.position < at for a in accesses):
+                return False
+            if node.op != "placeholder" and sid not in self.storages.output_reads and \
+                    max(a.position for a in accesses) < at:
+                return False
+        return True
+
+    def recompute_chain(self, sid: int, value: fx.Node, at: int) -> list[fx.Node] | None:
+        """The forward nodes that make `value` again at `at` from available values, in graph order."""
+        chain: list[fx.Node] = []
+
+        def storage_chain(s: int) -> list[fx.Node] | None:
+            accesses = self.storages.accesses[s]
+            creator = self.storages.creator[s]
+            if creator.op != "call_function" or len(tensor_vals(creator)) != 1:
+                return None
+            writers = [a.node for a in accesses if a.writes]
+            if writers[0] is not creator or any(self.position[w] >= self.backward_start for w in writers):
+                return None
+            for w in writers:   # ATen ops only, writing nothing but this storage: replaying them is pure
+                if not _replayable(w) or any(o not in (s,) for a in written_args(w) for o in self.storages.of(a)):
+                    return None
+            return writers
+
+        def expand(node: fx.Node) -> bool:
+            """Add the nodes that make `node`'s storage, and what they need, to the chain."""
+            sids = self.storages.of(node)
+            nodes = storage_chain(sids[0]) if node.op == "call_function" and len(sids) == 1 else None
+            if nodes is None or nodes[-1] is not node:
+                return False
+            chain.extend(n for n in nodes if n not in chain)
+            if len(chain) > MAX_RECOMPUTE_NODES:
+                return False
+            for n in nodes:
+                for i in n.all_input_nodes:
+                    if i in chain or (n.target is aten.empty_like.default and i is n.args[0]):
+                        continue   # empty_like only needs the shape: replayed as empty_strided
+                    if not self.available(i, at) and not expand(i):
+                        return False
+            return True
+
+        if not expand(value):
+            return None
+        return sorted(chain, key=self.position.__getitem__)
+
+    def saved(self, cal: Calibration, seconds: dict[fx.Node, float]) -> list[SavedActivation]:
+        """Every activation that could leave the device between forward and backward."""
+        if self.backward_start is None:
+            return []
+        st, found = self.storages, []
+        for sid, creator in enumerate(st.creator):
+            if creator.op != "call_function" or creator.meta.get("phase") != "forward" or sid in st.output_reads \
+                    or creator.target in _NOT_ACTIVATIONS:
+                continue
+            accesses = st.accesses[sid]
+            forward = [a for a in accesses if a.position < self.backward_start]
+            later = [a for a in accesses if a.position >= self.backward_start]
+            if not later or any(a.writes or a.node.meta.get("phase") != "backward" for a in later):
+                continue
+            read_as = {i for a in later for i in a.node.all_input_nodes if sid in st.of(i)}
+            if len(read_as) != 1:
+                continue
+            value = next(iter(read_as))
+            if self.position[value] >= self.backward_start or not _whole_storage(value.meta.get("val")) \
+                    or len(st.of(value)) != 1:
+                continue
+            nbytes = _storage_bytes(value.meta["val"])
+            first = later[0].position
+            chain = self.recompute_chain(sid, value, first) if _replayable(creator) else None
+            # the prefetch is issued as far ahead of the reader as the copy takes, within backward
+            h2d = nbytes / cal.h2d_bytes_per_s
+            prefetch_at, ahead = first, 0.0
+            while prefetch_at > self.backward_start and ahead < h2d:
+                prefetch_at -= 1
+                ahead += seconds.get(st.nodes[prefetch_at], 0.0)
+            found.append(SavedActivation(
+                value.name, nbytes, max(a.position for a in forward), first,
+                None if chain is None else tuple(n.name for n in chain),
+                sum(seconds.get(n, 0.0) for n in chain or ()), prefetch_at,
+                nbytes / cal.d2h_bytes_per_s + h2d))
+        return found
+
+
+def largest_saved_bytes(graph: TrainGraph) -> int:
+    """The largest activation the planner might copy to the host (the copy that record_stream
+    may hold past its last reader on a GPU)."""
+    step = _Step(graph)
+    unit = Calibration(1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0)
+    return max((s.nbytes for s in step.saved(unit, {})), default=0)
+
+
+def _offload(graph: TrainGraph, act: SavedActivation, device: torch.device) -> TrainGraph:
+    trial = graph.copy()
+    g = trial.graph
+    nodes = [n for n in g.nodes if n.op != "output"]
+    by_name = {n.name: n for n in nodes}
+    value = by_name[act.name]
+    val = value.meta["val"]
+    specs = list(trial.signature.inputs)
+    host = trial.add_host_input(specs, InputSpec(
+        "host_scratch", placeholder_name("h_activation", act.name),
+        (act.name, f"activation {tuple(val.shape)} {val.dtype}"), True, True), val.shape, val.dtype, act.name)
+    host.meta["param"] = ()
+    readers = [u for u in value.users if u.meta.get("phase") == "backward"]
+    meta = {"phase": "transfer", "activation": act.name}
+    with g.inserting_after(nodes[act.last_forward]):
+        ticket = g.call_function(ops.copy_to_host.default, ([value], [host]))
+    with g.inserting_before(nodes[act.prefetch_at]):
+        fetched = g.call_function(ops.prefetch_to_device.default, ([host], device, [ticket]))
+        restored = g.call_function(operator.getitem, (fetched, 0))
+        landed = g.call_function(operator.getitem, (fetched, 1))
+    with g.inserting_before(nodes[act.first_backward]):
+        waited = g.call_function(ops.wait_device.default, (landed, [restored]))
+    for node in (ticket, fetched, restored, landed, waited):
+        node.meta.update(meta)
+    for reader in readers:
+        reader.replace_input_with(value, restored)
+    assign_streams(g)
+    trial = trial.with_signature(inputs=tuple(specs))
+    fill_missing_meta(trial, _PASS)
+    return trial
+
+
+def _recompute(graph: TrainGraph, act: SavedActivation) -> TrainGraph:
+    trial = graph.copy()
+    g = trial.graph
+    nodes = [n for n in g.nodes if n.op != "output"]
+    by_name = {n.name: n for n in nodes}
+    chain = [by_name[name] for name in act.recompute]
+    value = by_name[act.name]
+    before = nodes[act.first_backward]
+    region = f"activations ({act.name})"
+    copies: dict[fx.Node, fx.Node] = {}
+    random = [n for n in chain if _is_random(n)]
+    if random:
+        device = tensor_vals(random[0])[0].device
+        with g.inserting_before(random[0]):
+            state = g.call_function(ops.rng_state.default, (device,))
+        state.meta.update({"phase": "forward", "stack_trace": random[0].meta.get("stack_trace")})
+        with g.inserting_before(before):
+            swapped = g.call_function(ops.swap_rng_state.default, (state, device))
+    with g.inserting_before(before):
+        for node in chain:
+            if node.target is aten.empty_like.default:
+                val = node.meta["val"]
+                copy = g.call_function(aten.empty_strided.default, (list(val.shape), list(val.stride())),
+                                       {"dtype": val.dtype, "layout": val.layout, "device": val.device})
+            else:
+                copy = g.node_copy(node, lambda n: copies.get(n, n))
+            copy.meta = {key: node.meta[key] for key in ("val", "stack_trace") if key in node.meta}
+            copies[node] = copy
+        if random:
+            restored = g.call_function(ops.swap_rng_state.default, (swapped, device))
+    for node in [*copies.values(), *([swapped, restored] if random else [])]:
+        node.meta.update({"phase": "backward", "recompute": region})
+    for node, copy in copies.items():
+        copy.meta["recompute_of"] = node.name
+    for reader in [u for u in value.users if u.meta.get("phase") == "backward"]:
+        reader.replace_input_with(value, copies[value])
+    fill_missing_meta(trial, _PASS)
+    return trial
+
+
+def plan_activations(graph: TrainGraph, budget: int, cal: Calibration, device: torch.device) -> ActivationPlan:
+    """Keep, recompute or offload saved activations until the predicted peak fits `budget`
+    (or nothing live at the peak is left to move); the caller checks the result against it."""
+    profile = analyze_memory(graph)
+    keep_peak = profile.peak
+    choices: dict[str, str] = {}
+    tried: set[tuple[str, str]] = set()
+    while profile.peak > budget:
+        step = _Step(graph)
+        seconds = {n: estimate_seconds(n, cal) for n in step.storages.nodes}
+        saved = step.saved(cal, seconds)
+        for act in saved:
+            choices.setdefault(act.name, "keep")
+        at = profile.nodes.index(profile.peak_node)
+        options = []
+        for act in saved:
+            if act.recompute is not None and act.last_forward < at < act.first_backward:
+                options.append((act.nbytes / max(act.recompute_seconds, 1e-12), "recompute", act))
+            if act.last_forward < at < act.prefetch_at:
+                options.append((act.nbytes / max(act.offload_seconds, 1e-12), "offload", act))
+        options = [o for o in options if (o[2].name, o[1]) not in tried]
+        options.sort(key=lambda o: -o[0])
+        for _, how, act in options:
+            tried.add((act.name, how))
+            trial = _recompute(graph, act) if how == "recompute" else _offload(graph, act, device)
+            after = analyze_memory(trial)
+            if after.peak <= profile.peak and after.live_at(profile.peak_node) < profile.peak:
+                graph, profile = trial, after
+                choices[act.name] = how
+                seconds_added = act.recompute_seconds if how == "recompute" else act.offload_seconds
+                graph.note(_PASS, f"activation {act.name} ({format_bytes(act.nbytes)}): {how}"
+                           + (f" ({len(act.recompute)} nodes, {seconds_added * 1e6:.3g} us)" if how == "recompute"
+                              else f" ({seconds_added * 1e6:.3g} us over the link)")
+                           + f"; predicted peak {format_bytes(after.peak)}", "activation",
+                           activation=act.name, choice=how, bytes=act.nbytes, seconds=seconds_added,
+                           recomputed=act.recompute if how == "recompute" else (), peak_after=after.peak)
+                break
+        else:
+            break
+    counts = {c: sum(1 for v in choices.values() if v == c) for c in ("keep", "recompute", "offload")}
+    graph.note(_PASS, f"activations: {counts['keep']} kept, {counts['recompute']} recomputed, "
+               f"{counts['offload']} offloaded; predicted peak {format_bytes(keep_peak)} -> "
+               f"{format_bytes(profile.peak)} (budget {format_bytes(budget)})", "activations",
+               keep_peak_bytes=keep_peak, peak_bytes=profile.peak, budget_bytes=budget, choices=dict(choices),
+               **counts)
+    return ActivationPlan(graph, keep_peak, profile.peak, profile.peak_node, choices)
