@@ -63,7 +63,7 @@ class SavedActivation:
     first_backward: int        # position of its first reader in backward
     recompute: tuple[str, ...] | None    # the forward nodes to replay, in order; None: not recomputable
     recompute_seconds: float
-    prefetch_at: int           # position before which its prefetch would be issued
+    prefetch_at: int           # position before which its prefetch lands in time (within backward)
     offload_seconds: float     # its bytes over the link, out and back
 
 
@@ -214,7 +214,7 @@ def largest_saved_bytes(graph: TrainGraph) -> int:
     return max((s.nbytes for s in step.saved(unit, {})), default=0)
 
 
-def _offload(graph: TrainGraph, act: SavedActivation, device: torch.device) -> TrainGraph:
+def _offload(graph: TrainGraph, act: SavedActivation, prefetch_at: int, device: torch.device) -> TrainGraph:
     trial = graph.copy()
     g = trial.graph
     nodes = [n for n in g.nodes if n.op != "output"]
@@ -230,7 +230,7 @@ def _offload(graph: TrainGraph, act: SavedActivation, device: torch.device) -> T
     meta = {"phase": "transfer", "activation": act.name}
     with g.inserting_after(nodes[act.last_forward]):
         ticket = g.call_function(ops.copy_to_host.default, ([value], [host]))
-    with g.inserting_before(nodes[act.prefetch_at]):
+    with g.inserting_before(nodes[prefetch_at]):
         fetched = g.call_function(ops.prefetch_to_device.default, ([host], device, [ticket]))
         restored = g.call_function(operator.getitem, (fetched, 0))
         landed = g.call_function(operator.getitem, (fetched, 1))
@@ -300,27 +300,35 @@ def plan_activations(graph: TrainGraph, budget: int, cal: Calibration, device: t
         for act in saved:
             choices.setdefault(act.name, "keep")
         at = profile.nodes.index(profile.peak_node)
-        options = []
+        options = []   # (bytes per second of added cost, how, activation, prefetch position, seconds, stall)
         for act in saved:
-            if act.recompute is not None and act.last_forward < at < act.first_backward:
-                options.append((act.nbytes / max(act.recompute_seconds, 1e-12), "recompute", act))
-            if act.last_forward < at < act.prefetch_at:
-                options.append((act.nbytes / max(act.offload_seconds, 1e-12), "offload", act))
-        options = [o for o in options if (o[2].name, o[1]) not in tried]
+            if not act.last_forward < at < act.first_backward:
+                continue   # not live at the peak: moving it would not lower it
+            if act.recompute is not None:
+                options.append((act.nbytes / max(act.recompute_seconds, 1e-12), "recompute", act, None,
+                                act.recompute_seconds, 0.0))
+            # prefetched as early as the copy takes, but after the peak: when backward's compute
+            # from there to the reader is shorter than the copy, the difference is a stall
+            prefetch_at = max(act.prefetch_at, at + 1)
+            hidden = sum(seconds[n] for n in step.storages.nodes[prefetch_at:act.first_backward])
+            stall = max(0.0, act.nbytes / cal.h2d_bytes_per_s - hidden)
+            cost = act.offload_seconds + stall
+            options.append((act.nbytes / max(cost, 1e-12), "offload", act, prefetch_at, cost, stall))
+        options = [o for o in options if (o[2].name, o[1], o[3]) not in tried]
         options.sort(key=lambda o: -o[0])
-        for _, how, act in options:
-            tried.add((act.name, how))
-            trial = _recompute(graph, act) if how == "recompute" else _offload(graph, act, device)
+        for _, how, act, prefetch_at, cost, stall in options:
+            tried.add((act.name, how, prefetch_at))
+            trial = _recompute(graph, act) if how == "recompute" else _offload(graph, act, prefetch_at, device)
             after = analyze_memory(trial)
             if after.peak <= profile.peak and after.live_at(profile.peak_node) < profile.peak:
                 graph, profile = trial, after
                 choices[act.name] = how
-                seconds_added = act.recompute_seconds if how == "recompute" else act.offload_seconds
                 graph.note(_PASS, f"activation {act.name} ({format_bytes(act.nbytes)}): {how}"
-                           + (f" ({len(act.recompute)} nodes, {seconds_added * 1e6:.3g} us)" if how == "recompute"
-                              else f" ({seconds_added * 1e6:.3g} us over the link)")
+                           + (f" ({len(act.recompute)} nodes, {cost * 1e6:.3g} us)" if how == "recompute"
+                              else f" ({act.offload_seconds * 1e6:.3g} us over the link"
+                              + (f", {stall * 1e6:.3g} us stall before its reader" if stall else "") + ")")
                            + f"; predicted peak {format_bytes(after.peak)}", "activation",
-                           activation=act.name, choice=how, bytes=act.nbytes, seconds=seconds_added,
+                           activation=act.name, choice=how, bytes=act.nbytes, seconds=cost, stall_seconds=stall,
                            recomputed=act.recompute if how == "recompute" else (), peak_after=after.peak)
                 break
         else:
