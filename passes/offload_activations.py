@@ -107,8 +107,8 @@ def _whole_storage(val: object) -> bool:
 class _Step:
     """The graph's storages, where backward begins, and what is available where."""
 
-    def __init__(self, graph: TrainGraph):
-        self.storages = StorageMap(graph.graph)
+    def __init__(self, graph: TrainGraph, storages: StorageMap | None = None):
+        self.storages = storages or StorageMap(graph.graph)
         self.position = self.storages.position
         backward = [self.position[n] for n in self.storages.nodes if n.meta.get("phase") == "backward"]
         self.backward_start = min(backward) if backward else None
@@ -214,15 +214,31 @@ def largest_saved_bytes(graph: TrainGraph) -> int:
     return max((s.nbytes for s in step.saved(unit, {})), default=0)
 
 
-def _offload(graph: TrainGraph, act: SavedActivation, prefetch_at: int, device: torch.device) -> TrainGraph:
-    trial = graph.copy()
-    g = trial.graph
+@dataclass
+class _Edit:
+    """What one choice added to the graph, so a choice that does not lower the peak is undone
+    in place (copying the graph per trial made planning a deep model's step take minutes)."""
+
+    created: list[fx.Node]
+    rewired: list[tuple[fx.Node, fx.Node, fx.Node]]    # (reader, value it read, value it reads now)
+    host_input: bool = False
+
+    def undo(self, graph: TrainGraph, specs: list[InputSpec]) -> None:
+        for reader, old, new in self.rewired:
+            reader.replace_input_with(new, old)
+        for node in reversed(self.created):
+            graph.graph.erase_node(node)
+        if self.host_input:
+            specs.pop()
+
+
+def _offload(graph: TrainGraph, specs: list[InputSpec], act: SavedActivation, prefetch_at: int,
+             device: torch.device) -> _Edit:
+    g = graph.graph
     nodes = [n for n in g.nodes if n.op != "output"]
-    by_name = {n.name: n for n in nodes}
-    value = by_name[act.name]
+    value = next(n for n in nodes if n.name == act.name)
     val = value.meta["val"]
-    specs = list(trial.signature.inputs)
-    host = trial.add_host_input(specs, InputSpec(
+    host = graph.add_host_input(specs, InputSpec(
         "host_scratch", placeholder_name("h_activation", act.name),
         (act.name, f"activation {tuple(val.shape)} {val.dtype}"), True, True), val.shape, val.dtype, act.name)
     host.meta["param"] = ()
@@ -241,14 +257,11 @@ def _offload(graph: TrainGraph, act: SavedActivation, prefetch_at: int, device: 
     for reader in readers:
         reader.replace_input_with(value, restored)
     assign_streams(g)
-    trial = trial.with_signature(inputs=tuple(specs))
-    fill_missing_meta(trial, _PASS)
-    return trial
+    return _Edit([host, ticket, fetched, restored, landed, waited], [(r, value, restored) for r in readers], True)
 
 
-def _recompute(graph: TrainGraph, act: SavedActivation) -> TrainGraph:
-    trial = graph.copy()
-    g = trial.graph
+def _recompute(graph: TrainGraph, act: SavedActivation) -> _Edit:
+    g = graph.graph
     nodes = [n for n in g.nodes if n.op != "output"]
     by_name = {n.name: n for n in nodes}
     chain = [by_name[name] for name in act.recompute]
@@ -256,6 +269,7 @@ def _recompute(graph: TrainGraph, act: SavedActivation) -> TrainGraph:
     before = nodes[act.first_backward]
     region = f"activations ({act.name})"
     copies: dict[fx.Node, fx.Node] = {}
+    created: list[fx.Node] = []
     random = [n for n in chain if _is_random(n)]
     if random:
         device = tensor_vals(random[0])[0].device
@@ -264,6 +278,7 @@ def _recompute(graph: TrainGraph, act: SavedActivation) -> TrainGraph:
         state.meta.update({"phase": "forward", "stack_trace": random[0].meta.get("stack_trace")})
         with g.inserting_before(before):
             swapped = g.call_function(ops.swap_rng_state.default, (state, device))
+        created += [state, swapped]
     with g.inserting_before(before):
         for node in chain:
             if node.target is aten.empty_like.default:
@@ -274,16 +289,18 @@ def _recompute(graph: TrainGraph, act: SavedActivation) -> TrainGraph:
                 copy = g.node_copy(node, lambda n: copies.get(n, n))
             copy.meta = {key: node.meta[key] for key in ("val", "stack_trace") if key in node.meta}
             copies[node] = copy
+            created.append(copy)
         if random:
-            restored = g.call_function(ops.swap_rng_state.default, (swapped, device))
-    for node in [*copies.values(), *([swapped, restored] if random else [])]:
-        node.meta.update({"phase": "backward", "recompute": region})
+            created.append(g.call_function(ops.swap_rng_state.default, (swapped, device)))
+    for node in created:
+        if node.meta.get("phase") != "forward":
+            node.meta.update({"phase": "backward", "recompute": region})
     for node, copy in copies.items():
         copy.meta["recompute_of"] = node.name
-    for reader in [u for u in value.users if u.meta.get("phase") == "backward"]:
+    readers = [u for u in value.users if u.meta.get("phase") == "backward" and u not in created]
+    for reader in readers:
         reader.replace_input_with(value, copies[value])
-    fill_missing_meta(trial, _PASS)
-    return trial
+    return _Edit(created, [(r, value, copies[value]) for r in readers])
 
 
 def plan_activations(graph: TrainGraph, budget: int, cal: Calibration, device: torch.device) -> ActivationPlan:
@@ -292,10 +309,15 @@ def plan_activations(graph: TrainGraph, budget: int, cal: Calibration, device: t
     profile = analyze_memory(graph)
     keep_peak = profile.peak
     choices: dict[str, str] = {}
+    specs = list(graph.signature.inputs)
     tried: set[tuple[str, str]] = set()
+    storages = None
+    seconds: dict[fx.Node, float] = {}
     while profile.peak > budget:
-        step = _Step(graph)
-        seconds = {n: estimate_seconds(n, cal) for n in step.storages.nodes}
+        step = _Step(graph, storages)
+        for n in step.storages.nodes:   # the graph is edited in place: its nodes' times stay valid
+            if n not in seconds:
+                seconds[n] = estimate_seconds(n, cal)
         saved = step.saved(cal, seconds)
         for act in saved:
             choices.setdefault(act.name, "keep")
@@ -318,10 +340,17 @@ def plan_activations(graph: TrainGraph, budget: int, cal: Calibration, device: t
         options.sort(key=lambda o: -o[0])
         for _, how, act, prefetch_at, cost, stall in options:
             tried.add((act.name, how, prefetch_at))
-            trial = _recompute(graph, act) if how == "recompute" else _offload(graph, act, prefetch_at, device)
-            after = analyze_memory(trial)
-            if after.peak <= profile.peak and after.live_at(profile.peak_node) < profile.peak:
-                graph, profile = trial, after
+            edit = _recompute(graph, act) if how == "recompute" else _offload(graph, specs, act, prefetch_at, device)
+            graph = graph.with_signature(inputs=tuple(specs))   # new host inputs are not device memory
+            fill_missing_meta(graph, _PASS)
+            storages = StorageMap(graph.graph)
+            after = analyze_memory(graph, storages)
+            if not (after.peak <= profile.peak and after.live_at(profile.peak_node) < profile.peak):
+                edit.undo(graph, specs)
+                graph = graph.with_signature(inputs=tuple(specs))
+                storages = None
+            else:
+                profile = after
                 choices[act.name] = how
                 graph.note(_PASS, f"activation {act.name} ({format_bytes(act.nbytes)}): {how}"
                            + (f" ({len(act.recompute)} nodes, {cost * 1e6:.3g} us)" if how == "recompute"
