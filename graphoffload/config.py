@@ -104,7 +104,9 @@ class Offload:
             recomputed in backward from values on the device anyway (a short chain of ops;
             random ops replay the forward's draws) or copied to pinned host memory after their
             last forward read and prefetched back before their first backward read. Costs come
-            from the same calibration as the optimizer-state plan; explain() lists each choice.
+            from the same calibration as the optimizer-state plan, and with a planned schedule
+            the activation copies take the gaps its transfers leave on each link (one
+            timeline; the bucket plan is made first). explain() lists each choice.
             Results are unchanged. When nothing more can move, compiling fails with the least
             peak reached.
         replan_after: with a planned schedule, time this many steps after each plan; if their

@@ -24,16 +24,21 @@ calibration's roofline; offload: its bytes over the link, each way) goes first, 
 choice is checked on the memory analysis of the rewritten graph. When no activation is live at
 the peak any more, the peak reached is the least this plan can do and the pass fails with it.
 
-Scope of this first version: the costs use the same calibration as the optimizer-state plan,
-but the activation copies are not simulated on its timeline (`graph.schedule`), so their
-sharing of the link with the state transfers is not modelled yet; the memory is shared
-exactly, as both are planned against the same liveness analysis.
+The memory is shared exactly: both plans are checked against the same liveness analysis, the
+prefetched optimizer state included. The link is shared on one timeline, but not jointly
+planned: with a planned schedule (`graph.schedule`), `place_on_schedule` puts each activation
+copy in the gaps the state's transfers leave on its link and lengthens the predicted step by
+the recompute time and by any copy back that lands after its reader should start; the bucket
+plan is made first and keeps its slots, and the greedy choice ranks an offload by its own link
+time rather than by what it delays.
 """
 
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass
+from bisect import insort
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 
 import torch
 from torch import fx
@@ -44,6 +49,7 @@ from graphoffload.graph import InputSpec, TrainGraph, fill_missing_meta, placeho
 from graphoffload.memory import analyze_memory, format_bytes
 from graphoffload.ops.host_transfer import assign_streams
 from graphoffload.passes.offload_cost_model import estimate_seconds
+from graphoffload.passes.offload_planner import Event, Prediction
 
 aten = torch.ops.aten
 ops = torch.ops.graphoffload
@@ -369,3 +375,56 @@ def plan_activations(graph: TrainGraph, budget: int, cal: Calibration, device: t
                keep_peak_bytes=keep_peak, peak_bytes=profile.peak, budget_bytes=budget, choices=dict(choices),
                **counts)
     return ActivationPlan(graph, keep_peak, profile.peak, profile.peak_node, choices)
+
+
+def _first_gap(busy: list[tuple[float, float]], start: float, seconds: float) -> float:
+    """The earliest time from `start` at which `seconds` fit between the busy spans of a link."""
+    for b0, b1 in busy:
+        if b1 <= start:
+            continue
+        if start + seconds <= b0:
+            break
+        start = b1
+    return start
+
+
+def place_on_schedule(graph: TrainGraph, schedule: Prediction, planned: Sequence[str],
+                      cal: Calibration) -> tuple[Prediction, dict[str, float]]:
+    """The optimizer-state plan's predicted timeline with the activation plan added: each
+    activation copy takes the first gap its link (d2h out, h2d back) leaves between the state's
+    transfers from the node that issues it on; a copy back that lands after its reader starts
+    stalls the compute stream, and recomputed nodes run on it, both pushing what follows back.
+    The state's transfers keep their slots (the bucket plan is made first, not jointly).
+    `planned`: the names of the nodes the schedule's `node_start` is indexed by."""
+    start_of = dict(zip(planned, schedule.node_start))
+    links: dict[str, list[tuple[float, float]]] = {"d2h": [], "h2d": []}   # busy spans, sorted
+    for e in schedule.events:
+        if e.track in links:
+            insort(links[e.track], (e.start, e.end))
+    events, delay, now = [], 0.0, 0.0
+    totals = {"recompute_seconds": 0.0, "stall_seconds": 0.0, "link_seconds": 0.0}
+    issued: dict[str, float] = {}
+    for node in graph.graph.nodes:
+        if node.name in start_of:
+            now = start_of[node.name] + delay
+        name = node.meta.get("activation")
+        if "recompute" in node.meta and str(node.meta["recompute"]).startswith("activations"):
+            seconds = estimate_seconds(node, cal)
+            delay, now = delay + seconds, now + seconds
+            totals["recompute_seconds"] += seconds
+        elif name and node.target in (ops.copy_to_host.default, ops.prefetch_to_device.default):
+            track = "d2h" if node.target is ops.copy_to_host.default else "h2d"
+            nbytes = sum(t.meta["val"].numel() * t.meta["val"].element_size() for t in node.args[0])
+            seconds = nbytes / (cal.d2h_bytes_per_s if track == "d2h" else cal.h2d_bytes_per_s)
+            begin = _first_gap(links[track], max(now, issued.get(name, 0.0)), seconds)
+            insort(links[track], (begin, begin + seconds))
+            events.append(Event(track, f"activation {name} {'out' if track == 'd2h' else 'back'}", begin,
+                                begin + seconds))
+            issued[name] = begin + seconds
+            totals["link_seconds"] += seconds
+        elif name and node.target is ops.wait_device.default and issued.get(name, 0.0) > now:
+            stall = issued[name] - now
+            delay, now = delay + stall, now + stall
+            totals["stall_seconds"] += stall
+    return replace(schedule, step_seconds=schedule.step_seconds + delay,
+                   events=[*schedule.events, *events]), totals

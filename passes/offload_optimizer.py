@@ -37,7 +37,8 @@ from graphoffload.errors import UnsupportedError
 from graphoffload.graph import InputSpec, TrainGraph, fake_mode_of, fill_missing_meta, placeholder_name
 from graphoffload.memory import analyze_memory, format_bytes
 from graphoffload.calibration import Calibration
-from graphoffload.passes.offload_activations import ActivationPlan, largest_saved_bytes, plan_activations
+from graphoffload.passes.offload_activations import (ActivationPlan, largest_saved_bytes, place_on_schedule,
+                                                     plan_activations)
 from graphoffload.passes.offload_cost_model import node_seconds
 from graphoffload.passes.offload_planner import SWEEPS, BucketCost, Prediction, StepCosts, plan, predict
 from graphoffload.passes.offload_plan_cache import load_plan, plan_key, plan_path, store_plan
@@ -409,6 +410,7 @@ def offload_optimizer(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
     storages = StorageMap(g)
     backward = [storages.position[nd] for nd in g.nodes if nd.meta.get("phase") == "backward"]
     early = [_find_early_gradients(storages, k, max(backward)) if backward else None for k in kernels]
+    planned = [nd.name for nd in g.nodes if nd.op != "output"]   # what the schedule's node times index
     paths, prefetch_at = _choose_paths(graph, kernels, ctx, state_bytes, early)
     early = [found if path == "cpu" else None for found, path in zip(early, paths)]
     read_after = [_first_read_after_update(k, storages) for k in kernels]
@@ -496,6 +498,14 @@ def offload_optimizer(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
         activations = plan_activations(graph, _planning_budget(ctx, sum(unseen.values())), cal, ctx.device)
         graph = activations.graph
         g = graph.graph
+        if graph.schedule is not None and activations.choices:
+            graph.schedule, added = place_on_schedule(graph, graph.schedule, planned, cal)
+            graph.note("offload_optimizer", "activations on the schedule: "
+                       f"{added['link_seconds'] * 1e3:.3g} ms of copies in the links' gaps beside the state's "
+                       f"transfers, {added['stall_seconds'] * 1e3:.3g} ms waiting for copies back, "
+                       f"{added['recompute_seconds'] * 1e3:.3g} ms recomputing; predicted step "
+                       f"{graph.schedule.step_seconds * 1e3:.3g} ms", "activations_on_schedule",
+                       step_seconds=graph.schedule.step_seconds, **added)
     device_peak = analyze_memory(graph).peak
     graph.note("offload_optimizer", f"{len(kernels)} update buckets offloaded: {format_bytes(moved_bytes)} of "
                f"master weights and optimizer state in host memory; predicted device peak "

@@ -183,3 +183,28 @@ def test_tiny_gpt_with_dropout_under_each_budget(fraction):
     assert_training_matches(eager, opt_e, losses_e, compiled, opt_c, losses_c, exact=True, offloaded=True)
     fields = _activations(step)
     assert fields["peak_bytes"] <= budget and fields["keep"] < len(fields["choices"])
+
+
+def test_activation_copies_share_the_links_with_the_state_transfers_on_one_timeline(keep_peak, tmp_path):
+    """With a planned schedule the activation copies take the gaps the state's transfers leave
+    on each link, and recompute and stalls lengthen the predicted step."""
+    step = _compiled(graphoffload.offload_compile(mlp_step, offload=Offload(
+        calibration=MIXED, plan_cache=False, gpu_memory_budget=int(0.5 * keep_peak), activations="auto")))
+    graph = step.train_graph
+    schedule = graph.schedule
+    added = graph.notes_of("offload_optimizer", "activations_on_schedule")[0].fields
+    planned = graph.notes_of("offload_optimizer", "plan")[0].fields["step_seconds"]
+    assert schedule.step_seconds == pytest.approx(planned + added["recompute_seconds"] + added["stall_seconds"])
+    assert added["recompute_seconds"] > 0 and added["link_seconds"] > 0
+    offloaded = [n.fields["activation"] for n in graph.notes_of("offload_optimizer", "activation")
+                 if n.fields["choice"] == "offload"]
+    names = {e.name for e in schedule.events}
+    assert all(f"activation {a} out" in names and f"activation {a} back" in names for a in offloaded)
+    for track in ("d2h", "h2d"):
+        spans = sorted((e.start, e.end) for e in schedule.events if e.track == track)
+        assert all(a_end <= b_start + 1e-12 for (_, a_end), (b_start, _) in zip(spans, spans[1:])), track
+    model = _model()
+    step(model, adamw(model), _batches(1)[0])
+    trace = tmp_path / "step.json"
+    step.timeline(str(trace))
+    assert f"activation {offloaded[0]} back" in trace.read_text()
