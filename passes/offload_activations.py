@@ -172,7 +172,14 @@ class _Step:
 
         if not expand(value):
             return None
-        return sorted(chain, key=self.position.__getitem__)
+        chain.sort(key=self.position.__getitem__)
+        # one saved generator state replays the chain's draws only when no other random op drew
+        # between its first and its last random op in forward
+        random = [self.position[n] for n in chain if _is_random(n)]
+        if random and any(_is_random(n) and n not in chain
+                          for n in self.storages.nodes[random[0]:random[-1] + 1]):
+            return None
+        return chain
 
     def saved(self, cal: Calibration, seconds: dict[fx.Node, float]) -> list[SavedActivation]:
         """Every activation that could leave the device between forward and backward."""

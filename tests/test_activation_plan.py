@@ -13,7 +13,8 @@ import pytest
 import torch
 from helpers import assert_training_matches, run_steps, tiny_gpt
 from steps import token_batches, train_step
-from test_checkpointing import Mlp, adamw, mlp_batches, mlp_step
+from test_checkpointing import Mlp, NoisyBlock, adamw, mlp_batches, mlp_step
+from torch import nn
 
 import graphoffload
 from graphoffload import Offload, UnsupportedError
@@ -125,12 +126,19 @@ def test_each_choice_is_a_note_with_its_bytes_and_cost(keep_peak):
                                            torch.ops.graphoffload.wait_device.default}
 
 
-def test_dropout_recomputed_by_the_plan_draws_the_forward_masks(keep_peak):
-    step = _step(FAST_COMPUTE, gpu_memory_budget=int(0.7 * keep_peak), activations="auto")
-    _train_both(step, _model())
+@pytest.mark.parametrize("noise", [False, True], ids=["dropout", "dropout+rand"])
+def test_dropout_recomputed_by_the_plan_draws_the_forward_masks(noise):
+    model = _model()
+    if noise:   # torch.rand(shape) noise feeding the GELU too: a random op with no tensor input
+        model.blocks = nn.ModuleList(NoisyBlock(32, 0.2) for _ in range(3))
+    keep = _compiled(_step(FAST_COMPUTE), model).train_graph.notes_of(
+        "offload_optimizer", "offloaded")[0].fields["device_peak_bytes"]
+    step = _step(FAST_COMPUTE, gpu_memory_budget=int(0.7 * keep), activations="auto")
+    _train_both(step, model)
     graph = step.graphs["final"].graph
-    replayed = [n for n in graph.nodes if n.target is torch.ops.aten.bernoulli_.float and "recompute" in n.meta]
-    assert replayed, "dropout's masks are recomputed, not kept"
+    random = {torch.ops.aten.bernoulli_.float} | ({torch.ops.aten.rand.default} if noise else set())
+    replayed = [n for n in graph.nodes if n.target in random and "recompute" in n.meta]
+    assert {n.target for n in replayed} == random, "dropout's masks (and the noise) are recomputed, not kept"
     swaps = [n for n in graph.nodes if n.target is torch.ops.graphoffload.swap_rng_state.default]
     assert len(swaps) == 2 * len({n.meta["recompute"] for n in replayed})
 
