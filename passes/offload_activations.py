@@ -156,7 +156,12 @@ class _Step:
         def expand(node: fx.Node) -> bool:
             """Add the nodes that make `node`'s storage, and what they need, to the chain."""
             sids = self.storages.of(node)
-            nodes = storage_chain(sids[0]) if node.op == "call_function" and len(sids) == 1 else None
+            if node.op != "call_function" or len(sids) != 1 or not _replayable(node):
+                return False
+            if self.storages.creator[sids[0]] is not node and not written_args(node):
+                nodes = [node]   # a view: replayed on its input, made again first if need be
+            else:
+                nodes = storage_chain(sids[0])
             if nodes is None or nodes[-1] is not node:
                 return False
             chain.extend(n for n in nodes if n not in chain)
@@ -166,7 +171,8 @@ class _Step:
                 for i in n.all_input_nodes:
                     if i in chain or (n.target is aten.empty_like.default and i is n.args[0]):
                         continue   # empty_like only needs the shape: replayed as empty_strided
-                    if not self.available(i, at) and not expand(i):
+                    # what is on the device at `at` only because of the value being moved is not
+                    if (sid in self.storages.of(i) or not self.available(i, at)) and not expand(i):
                         return False
             return True
 
