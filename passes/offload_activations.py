@@ -8,8 +8,9 @@ Each one can
 
 - stay on the device (keep, today's behaviour);
 - be recomputed in backward, right before its first backward reader, when it is a short chain
-  of ops (at most `MAX_RECOMPUTE_NODES`) over values that are on the device at that point
-  anyway and unchanged since forward. The duplicated nodes carry `meta["recompute"]`, and a
+  of ATen ops (at most `MAX_RECOMPUTE_NODES`; views, and one output of a multi-output op such
+  as a layer norm, included) over values that are on the device at that point anyway and
+  unchanged since forward. The duplicated nodes carry `meta["recompute"]`, and a
   chain that draws random numbers (dropout's `bernoulli_`) replays the forward's draws with
   the generator state saved before them (`graphoffload.rng_state` / `swap_rng_state`, as
   activation checkpointing does), so results stay bit-identical;
@@ -55,7 +56,7 @@ aten = torch.ops.aten
 ops = torch.ops.graphoffload
 
 # longest chain of nodes a recompute replays (past that, offloading or keeping is the choice)
-MAX_RECOMPUTE_NODES = 4
+MAX_RECOMPUTE_NODES = 6
 _PASS = "offload_optimizer"
 
 
@@ -156,9 +157,17 @@ class _Step:
         def expand(node: fx.Node) -> bool:
             """Add the nodes that make `node`'s storage, and what they need, to the chain."""
             sids = self.storages.of(node)
-            if node.op != "call_function" or len(sids) != 1 or not _replayable(node):
+            if node.op != "call_function" or len(sids) != 1:
                 return False
-            if self.storages.creator[sids[0]] is not node and not written_args(node):
+            if node.target is operator.getitem:   # one output of a multi-output op (a layer norm's)
+                source = node.args[0]
+                writers = [a.node for a in self.storages.accesses[sids[0]] if a.writes]
+                if not _replayable(source) or writers != [source] or written_args(source):
+                    return False
+                nodes = [source, node]
+            elif not _replayable(node):
+                return False
+            elif self.storages.creator[sids[0]] is not node and not written_args(node):
                 nodes = [node]   # a view: replayed on its input, made again first if need be
             else:
                 nodes = storage_chain(sids[0])

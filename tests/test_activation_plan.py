@@ -133,7 +133,8 @@ def test_dropout_recomputed_by_the_plan_draws_the_forward_masks(noise):
         model.blocks = nn.ModuleList(NoisyBlock(32, 0.2) for _ in range(3))
     keep = _compiled(_step(FAST_COMPUTE), model).train_graph.notes_of(
         "offload_optimizer", "offloaded")[0].fields["device_peak_bytes"]
-    step = _step(FAST_COMPUTE, gpu_memory_budget=int(0.7 * keep), activations="auto")
+    # the noise is saved past the GELU, so it is recomputed once the cheaper choices are spent
+    step = _step(FAST_COMPUTE, gpu_memory_budget=int((0.6 if noise else 0.7) * keep), activations="auto")
     _train_both(step, model)
     graph = step.graphs["final"].graph
     random = {torch.ops.aten.bernoulli_.float} | ({torch.ops.aten.rand.default} if noise else set())
