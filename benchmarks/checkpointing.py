@@ -4,6 +4,11 @@ same GPT without, both with optimizer state offloaded (the planner's hybrid sche
 
     python benchmarks/checkpointing.py --predict benchmarks/calibrations/h100-research-notes.json
     python benchmarks/checkpointing.py --predict ... --batch 12     # 24,576 tokens per step
+    python benchmarks/checkpointing.py --predict ... --batch 12 --activation-budgets 60,40,24
+
+`--activation-budgets` adds the plain GPT compiled with `Offload(activations="auto")` under each
+budget: the planner keeps, recomputes or offloads each saved activation to fit it (a budget it
+cannot meet is reported with the least peak it reached).
 
 Everything is compiled on the meta device (no memory, no GPU): the peak is the liveness analysis
 of the final graph (`step.memory().peak`), the step time the planner's prediction under the
@@ -65,6 +70,27 @@ def predict_rows(args) -> list[dict]:
                      "peak_GiB": step.memory().peak / 2**30, "captured_peak_GiB": step.memory("captured").peak / 2**30,
                      "recomputed_nodes": recomputed, "compile_s": time.perf_counter() - start,
                      "params": sum(p.numel() for p in model.parameters())})
+    model.__class__ = GPT
+    for gib in args.activation_budgets:   # the plain GPT, its activations planned under a budget
+        opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+        step = graphoffload.offload_compile(autocast_train_step, offload=graphoffload.Offload(
+            device_updates="auto", calibration=cal, replan_after=0, gpu_memory_budget=int(gib * 2**30),
+            activations="auto"))
+        start = time.perf_counter()
+        row = {"mode": f"activations='auto', {gib:g} GiB budget", "params": rows[0]["params"]}
+        try:
+            graph = step.compile(model, opt, batch)
+        except graphoffload.UnsupportedError as err:
+            least = int(str(err).split("(")[1].split(" bytes")[0].replace(",", ""))
+            rows.append({**row, "status": "over budget", "peak_GiB": least / 2**30, "error": str(err),
+                         "compile_s": time.perf_counter() - start})
+            continue
+        chosen = graph.notes_of("offload_optimizer", "activations")[0].fields
+        rows.append({**row, "status": "predicted", "predicted_s": graph.schedule.step_seconds,
+                     "peak_GiB": step.memory().peak / 2**30, "captured_peak_GiB": step.memory("captured").peak / 2**30,
+                     "recomputed_nodes": sum("recompute" in n.meta for n in graph.graph.nodes),
+                     "recomputed": chosen["recompute"], "offloaded": chosen["offload"],
+                     "compile_s": time.perf_counter() - start})
     return rows
 
 
@@ -78,12 +104,16 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--predict", metavar="CALIBRATION_JSON", required=True,
                    help="compile on the meta device and report the predictions under this calibration")
+    p.add_argument("--activation-budgets", type=lambda v: [float(x) for x in v.split(",") if x], default=[],
+                   metavar="GIB,...", help="also compile the plain GPT with Offload(activations='auto') under "
+                   "each of these budgets (GiB); a budget it cannot meet reports the least peak reached")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     rows = predict_rows(args)
     print(f"GPT {rows[0]['params'] / 1e9:.2f}B params, batch {args.batch}x{args.seq}: predictions under "
           f"{args.predict} (meta device, fp32 activations)")
-    print_table(rows, ["mode", "predicted_s", "peak_GiB", "captured_peak_GiB", "recomputed_nodes", "compile_s"])
+    print_table(rows, ["mode", "status", "predicted_s", "peak_GiB", "captured_peak_GiB", "recomputed_nodes",
+                       "recomputed", "offloaded", "compile_s"])
     out = args.out or os.path.join(os.path.dirname(__file__), "results", f"checkpointing_predicted_b{args.batch}.json")
     write_json(out, {"benchmark": "checkpointing-predicted", "calibration": args.predict, "config": vars(args),
                      "rows": rows})

@@ -98,6 +98,18 @@ class Offload:
             step's predicted costs, the calibration, the budget), so a restarted job with the
             same model, shapes and calibration skips planning. A reused plan is the plan
             planning again would make. False: always plan.
+        activations: what happens to the activations forward saves for backward. "keep"
+            (default): they stay on the device, as eagerly. "auto" (needs `gpu_memory_budget`):
+            while the predicted device peak is over the budget, the saved activations live at
+            the peak are, one at a time and most bytes per second of added cost first,
+            recomputed in backward from values on the device anyway (a short chain of ops;
+            random ops replay the forward's draws) or copied to pinned host memory after their
+            last forward read and prefetched back before their first backward read. Costs come
+            from the same calibration as the optimizer-state plan, and with a planned schedule
+            the activation copies take the gaps its transfers leave on each link (one
+            timeline; the bucket plan is made first). explain() lists each choice.
+            Results are unchanged. When nothing more can move, compiling fails with the least
+            peak reached.
         replan_after: with a planned schedule, time this many steps after each plan; if their
             median drifts from the prediction by more than `replan_threshold` (a fraction),
             profile the next step node by node and plan again from the measured times (at most
@@ -126,6 +138,7 @@ class Offload:
     replan_after: int = 3
     replan_threshold: float = 0.25
     accumulate_on: Literal["device", "host"] = "device"
+    activations: Literal["keep", "auto"] = "keep"
 
     def __post_init__(self) -> None:
         self.budget_bytes()   # validate early
@@ -144,6 +157,13 @@ class Offload:
         if self.device_updates not in ("auto", "never") and not (
                 isinstance(self.device_updates, int) and self.device_updates >= 1):
             raise ValueError(f"device_updates must be 'auto', 'never' or a stride k >= 1, got {self.device_updates!r}")
+
+        if self.activations not in ("keep", "auto"):
+            raise ValueError(f"activations must be 'keep' or 'auto', got {self.activations!r}")
+        if self.activations == "auto" and self.gpu_memory_budget is None:
+            raise ValueError("activations='auto' plans the saved activations against gpu_memory_budget: "
+                             "set a budget (e.g. Offload(gpu_memory_budget='20GiB', activations='auto')), "
+                             "or keep activations='keep'")
 
     def budget_bytes(self) -> int | None:
         return None if self.gpu_memory_budget is None else parse_bytes(self.gpu_memory_budget)

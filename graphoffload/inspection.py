@@ -120,6 +120,8 @@ def format_node(node: fx.Node) -> str:
         tags.append(f"subgroup {meta['subgroup']}")
     if meta.get("grad_of"):
         tags.append(f"grad of {meta['grad_of']}")
+    if meta.get("activation"):
+        tags.append(f"activation {meta['activation']} to host and back")
     if meta.get("recompute"):
         tags.append(f"recompute of {meta.get('recompute_of', '?')} in {meta['recompute']}")
     where = user_line_of_stack_trace(meta.get("stack_trace"))

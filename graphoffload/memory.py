@@ -50,8 +50,10 @@ class MemoryProfile:
         return self.live[self.nodes.index(node_name)]
 
 
-def analyze_memory(graph: TrainGraph) -> MemoryProfile:
-    storages = StorageMap(graph.graph)
+def analyze_memory(graph: TrainGraph, storages: StorageMap | None = None) -> MemoryProfile:
+    """`storages`: the graph's StorageMap when the caller has it already (a planner that
+    analyses many edits of one graph), else built here."""
+    storages = storages or StorageMap(graph.graph)
     nodes = storages.nodes
     on_host = {s.name for s in graph.signature.inputs if s.host}
     end = len(nodes)

@@ -42,6 +42,8 @@ from graphoffload.errors import UnsupportedError
 from graphoffload.graph import InputSpec, TrainGraph, fake_mode_of, fill_missing_meta, placeholder_name
 from graphoffload.memory import analyze_memory, format_bytes
 from graphoffload.calibration import Calibration
+from graphoffload.passes.offload_activations import (ActivationPlan, largest_saved_bytes, place_on_schedule,
+                                                     plan_activations)
 from graphoffload.passes.offload_cost_model import node_seconds
 from graphoffload.passes.offload_planner import SWEEPS, BucketCost, Prediction, StepCosts, plan, predict
 from graphoffload.passes.offload_plan_cache import load_plan, plan_key, plan_path, store_plan
@@ -396,6 +398,13 @@ def _plan_or_reuse(graph: TrainGraph, costs: StepCosts, cal: Calibration, budget
     return chosen, candidates
 
 
+def _activations_summary(plan: ActivationPlan) -> str:
+    counts = {c: sum(1 for v in plan.choices.values() if v == c) for c in ("recompute", "offload")}
+    return (f", after activations='auto' recomputed {counts['recompute']} and offloaded {counts['offload']} saved "
+            f"activations (keeping them all needs {format_bytes(plan.keep_peak)}); the peak is at "
+            f"{plan.peak_node}, where no saved activation is left to move")
+
+
 def _moved(event, bucket: BucketCost) -> int:
     if event.track == "d2h":
         return bucket.grad_bytes if event.name.startswith("grads") else bucket.state_bytes
@@ -448,6 +457,7 @@ def offload_optimizer(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
     storages = StorageMap(g)
     backward = [storages.position[nd] for nd in g.nodes if nd.meta.get("phase") == "backward"]
     early = [_find_early_gradients(storages, k, max(backward)) if backward else None for k in kernels]
+    planned = [nd.name for nd in g.nodes if nd.op != "output"]   # what the schedule's node times index
     paths, prefetch_at = _choose_paths(graph, kernels, ctx, state_bytes, early, bool(host_sums))
     early = [found if path == "cpu" else None for found, path in zip(early, paths)]
     read_after = [_first_read_after_update(k, storages) for k in kernels]
@@ -528,6 +538,23 @@ def offload_optimizer(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
     assign_streams(g)   # node.meta["stream"]: which copy stream each transfer runs on
     graph = graph.with_signature(inputs=tuple(specs))
     fill_missing_meta(graph, "offload_optimizer")   # the prefetched buffers' sizes count below
+    activations = None
+    if offload.activations == "auto":
+        unseen = unseen_device_bytes(g, ctx.device)
+        if ctx.device.type == "cuda":   # an activation's copy out may hold its block a while too
+            unseen["copy_held"] = max(unseen["copy_held"], largest_saved_bytes(graph))
+        cal = offload.calibration or Calibration.load_or_measure(ctx.device, threads=offload.cpu_threads)
+        activations = plan_activations(graph, _planning_budget(ctx, sum(unseen.values())), cal, ctx.device)
+        graph = activations.graph
+        g = graph.graph
+        if graph.schedule is not None and activations.choices:
+            graph.schedule, added = place_on_schedule(graph, graph.schedule, planned, cal)
+            graph.note("offload_optimizer", "activations on the schedule: "
+                       f"{added['link_seconds'] * 1e3:.3g} ms of copies in the links' gaps beside the state's "
+                       f"transfers, {added['stall_seconds'] * 1e3:.3g} ms waiting for copies back, "
+                       f"{added['recompute_seconds'] * 1e3:.3g} ms recomputing; predicted step "
+                       f"{graph.schedule.step_seconds * 1e3:.3g} ms", "activations_on_schedule",
+                       step_seconds=graph.schedule.step_seconds, **added)
     device_peak = analyze_memory(graph).peak
     graph.note("offload_optimizer", f"{len(kernels)} update buckets offloaded: {format_bytes(moved_bytes)} of "
                f"master weights and optimizer state in host memory; predicted device peak "
@@ -546,6 +573,8 @@ def offload_optimizer(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
         raise UnsupportedError(
             f"gpu_memory_budget {offload.gpu_memory_budget} cannot be met: with its optimizer state "
             f"offloaded the step still needs at least {format_bytes(device_peak)} ({device_peak:,} bytes) "
-            f"on the device (parameters, activations and gradients in flight){kept}. Raise the budget, or "
-            "reduce the batch or sequence length.")
+            f"on the device (parameters, activations and gradients in flight){kept}"
+            + (_activations_summary(activations) if activations is not None else
+               "; Offload(activations='auto') may recompute or offload saved activations to fit") +
+            ". Raise the budget, or reduce the batch or sequence length.")
     return graph

@@ -50,6 +50,16 @@ def test_checkpointing_predictions_on_the_meta_device(tmp_path):
     assert checkpointed["predicted_s"] > plain["predicted_s"]   # the recompute costs compute
 
 
+def test_checkpointing_benchmark_plans_activations_under_budgets(tmp_path):
+    result = _run("checkpointing.py", "--predict", os.path.join(ROOT, "benchmarks", "calibrations", "h100-research-notes.json"),
+                  "--layers", "2", "--d-model", "128", "--heads", "4", "--vocab", "256", "--seq", "256", "--batch", "4",
+                  "--activation-budgets", "0.02,0.001", out=tmp_path / "c.json")
+    plain, _, fits, cannot = result["rows"]
+    assert fits["status"] == "predicted" and fits["peak_GiB"] <= 0.02 < plain["peak_GiB"]
+    assert fits["recomputed"] + fits["offloaded"] > 0
+    assert cannot["status"] == "over budget" and cannot["peak_GiB"] > 0.001 and "needs at least" in cannot["error"]
+
+
 def test_compile_time_smoke_run_reports_every_stage(tmp_path):
     result = _run("compile_time.py", "--smoke", out=tmp_path / "t.json")
     assert [r["layers"] for r in result["rows"]] == [2, 4]
