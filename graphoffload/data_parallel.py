@@ -14,7 +14,9 @@ same full parameters. The state stays the user's: `optimizer.state[p]` holds DTe
 1-D mesh of the group, placement `Shard(0)` (`shard_state`), so `optimizer.state_dict()` and
 torch.distributed.checkpoint save and load it (DCP reshards it to another world size); the step
 counter stays a plain tensor, as torch.optim keeps it for an FSDP2 model. A 0-dim parameter
-cannot be split: its state is a `Replicate()` DTensor and every rank updates it alike.
+cannot be split: its state stays plain tensors, replicated, and every rank updates it alike
+(a 0-dim `Replicate()` DTensor did not round-trip through DCP in our test, it loaded other
+values, cause not found yet; plain tensors do).
 
 This module holds the layout both the pass (which rewrites the graph to the chunks) and capture
 (which creates the state) use, so they cannot disagree.
@@ -104,11 +106,14 @@ def shard_state(state: dict[str, Any], param: Tensor, name: str, mesh: Any, worl
     like the whole parameter (e.g. loaded by `optimizer.load_state_dict` of a full checkpoint)
     is narrowed to the chunk (a copy, so the full tensor can be freed); a DTensor must already
     hold this rank's chunk. The step counter (0-dim, "step") stays a plain tensor, as
-    torch.optim keeps it for an FSDP2 model."""
-    from torch.distributed.tensor import DTensor, Replicate, Shard
+    torch.optim keeps it for an FSDP2 model, and so does the state of a 0-dim parameter
+    (replicated, updated alike on every rank)."""
+    from torch.distributed.tensor import DTensor, Shard
 
+    if param.dim() == 0:   # replicated: plain tensors, which DCP saves once and loads on every rank
+        return
     chunk = local_chunk(param.detach(), world, rank)
-    placement = [Replicate()] if param.dim() == 0 else [Shard(0)]
+    placement = [Shard(0)]
     for key, value in list(state.items()):
         if key == "step" or not isinstance(value, Tensor):
             continue

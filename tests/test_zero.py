@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Shard
 from ring_dist import run_ranks, silent_rank
 
 from steps import clipped_step, zero_first_step
@@ -23,6 +23,7 @@ from steps import train_step as gpt_step
 
 import graphoffload
 from graphoffload.data_parallel import shard_rows
+from graphoffload.torch_private import pytree
 
 STEPS = 3
 RTOL = 2e-5
@@ -68,21 +69,18 @@ def _state_numel(opt) -> int:
 
 def _assert_sharded_state(model, opt, rank, world):
     """Every parameter's state: DTensors of its shape over the group, Shard(0), this rank's chunk
-    of `shard_rows` rows (Replicate for a 0-dim parameter); the step counter a plain tensor."""
+    of `shard_rows` rows; the step counter and a 0-dim parameter's state plain tensors."""
     names = {p: n for n, p in model.named_parameters()}
     assert set(opt.state) == {p for p in model.parameters() if p.requires_grad}
     for p, state in opt.state.items():
         for key, t in state.items():
-            if key == "step":
+            if key == "step" or p.dim() == 0:   # replicated: plain tensors
                 assert type(t) is torch.Tensor and t.dim() == 0, (names[p], key, type(t))
                 continue
             assert isinstance(t, DTensor), (names[p], key, type(t))
             assert t.shape == p.shape and t.device_mesh.size() == world
-            if p.dim() == 0:
-                assert t.placements == (Replicate(),) and t.to_local().shape == ()
-            else:
-                assert t.placements == (Shard(0),), (names[p], t.placements)
-                assert t.to_local().shape == (shard_rows(p.shape[0], world, rank)[1], *p.shape[1:])
+            assert t.placements == (Shard(0),), (names[p], t.placements)
+            assert t.to_local().shape == (shard_rows(p.shape[0], world, rank)[1], *p.shape[1:])
 
 
 def _train_and_compare(rank, world, stage, optimizer, step_fn=gpt_step):
@@ -171,7 +169,7 @@ def test_zero_stages_1_and_2_train_as_eager_world2():
 
 class _Uneven(torch.nn.Module):
     """Dims 0 that 4 ranks cannot split evenly (5 and 3 rows: chunks of 2, 2, 1, 0 and 1, 1, 1, 0)
-    and a 0-dim parameter (replicated state, updated on every rank)."""
+    and a 0-dim parameter (replicated plain state, updated on every rank)."""
 
     def __init__(self):
         super().__init__()
@@ -219,6 +217,97 @@ def _world4(rank, world):
 @pytest.mark.slow   # several processes
 def test_zero_stage_2_trains_as_eager_world4():
     run_ranks(_world4, 4, deadline_s=400)
+
+
+def _full(model, opt) -> dict:
+    """Parameters and optimizer state, whole (DTensors gathered: a collective on every rank)."""
+    names = {p: n for n, p in model.named_parameters()}
+    return {"params": {n: p.detach().clone() for n, p in model.named_parameters()},
+            "state": {names[p]: {k: t.full_tensor() if isinstance(t, DTensor) else t.clone() for k, t in s.items()}
+                      for p, s in sorted(opt.state.items(), key=lambda item: names[item[0]])}}
+
+
+def _dcp_step(world):
+    return graphoffload.offload_compile(_uneven_step, data_parallel=graphoffload.ZeRO(stage=2, timeout_s=60))
+
+
+def _uneven_batches() -> list[dict]:
+    g = torch.Generator().manual_seed(3)
+    return [{"x": torch.randn(4, 6, generator=g, dtype=torch.float64),
+             "y": torch.randn(4, 3, generator=g, dtype=torch.float64)} for _ in range(STEPS)]
+
+
+def _micro(batch, rank, world):
+    rows = batch["x"].shape[0] // world
+    return {k: v[rank * rows:(rank + 1) * rows] for k, v in batch.items()}
+
+
+def _load_dcp(rank, world, path):
+    """A fresh model (other values), optimizer and step, compiled first so the state to load into
+    is this world's DTensors; DCP reads each rank's chunks into them."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
+                                                         set_model_state_dict, set_optimizer_state_dict)
+
+    model = _Uneven().double()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    opt, step = _optimizer("adamw", model), _dcp_step(world)
+    step.compile(model, opt, _micro(_uneven_batches()[2], rank, world))
+    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
+    dcp.load(state, checkpoint_id=path)
+    set_model_state_dict(model, state["model"])
+    set_optimizer_state_dict(model, opt, state["optim"])
+    return model, opt, step
+
+
+def _dcp_world2(rank, world, path):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    model = _Uneven().double()
+    opt, step = _optimizer("adamw", model), _dcp_step(world)
+    batches = _uneven_batches()
+    for batch in batches[:2]:
+        step(model, opt, _micro(batch, rank, world))
+    dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)},
+             checkpoint_id=path)
+    saved = _full(model, opt)
+    loss = step(model, opt, _micro(batches[2], rank, world))
+    after = _full(model, opt)
+    if rank == 0:
+        torch.save({"saved": saved, "after": after}, f"{path}/full.pt")
+
+    model, opt, step = _load_dcp(rank, world, path)
+    _assert_sharded_state(model, opt, rank, world)
+    assert _same(_full(model, opt), saved)
+    resumed = step(model, opt, _micro(batches[2], rank, world))
+    assert torch.equal(resumed, loss)
+    assert _same(_full(model, opt), after)   # bit-identical to the run that went on
+
+
+def _dcp_world4(rank, world, path):
+    full = torch.load(f"{path}/full.pt")
+    model, opt, step = _load_dcp(rank, world, path)
+    _assert_sharded_state(model, opt, rank, world)
+    assert _same(_full(model, opt), full["saved"])   # resharded from 2 chunks to 4, every value as saved
+    step(model, opt, _micro(_uneven_batches()[2], rank, world))   # the same global batch, in 4 micro-batches
+    got = _full(model, opt)
+    for name, p in full["after"]["params"].items():   # as the world-2 run went on, up to summation order
+        err = ((got["params"][name] - p).abs().max() / p.abs().max()).item()
+        assert err <= RTOL, f"{name} is {err:.3g} from the world-2 run"
+
+
+def _same(a: dict, b: dict) -> bool:
+    flat_a, flat_b = pytree.tree_leaves(a), pytree.tree_leaves(b)
+    return len(flat_a) == len(flat_b) and all(torch.equal(x, y) for x, y in zip(flat_a, flat_b))
+
+
+@pytest.mark.slow   # several processes
+def test_a_dcp_checkpoint_resumes_bit_identically_and_reshards_from_2_ranks_to_4(tmp_path):
+    run_ranks(_dcp_world2, 2, str(tmp_path), deadline_s=300)
+    run_ranks(_dcp_world4, 4, str(tmp_path), deadline_s=300)
 
 
 def _first_call_with_a_short_timeout():
@@ -364,7 +453,7 @@ def test_uneven_rows_are_padded_per_chunk_and_an_empty_chunk_still_has_state(one
     # rank 3 of 4 holds no row of any (its chunks are empty) but keeps state of every parameter
     assert {n: _local_rows(opt, p).get("exp_avg") for n, p in model.named_parameters() if p.dim()} == \
         {"a.weight": 0, "a.bias": 0, "b.weight": 0, "b.bias": 0}
-    assert opt.state[model.scale]["exp_avg"].placements == (Replicate(),)
+    assert type(opt.state[model.scale]["exp_avg"]) is torch.Tensor   # 0-dim: replicated, plain
     gpt = _compile_as(0, 4, 2, bucket_numel=1 << 20)[0].notes_of("zero", "shards")[0].fields
     assert gpt["padded_numel"] == gpt["numel"]   # the GPT's dims 0 divide by 4: no padding
 
