@@ -26,12 +26,12 @@ save and load it. The gradients are cut into buckets in the order backward produ
 
 A 0-dim parameter cannot be split: its gradient goes into every rank's part of the buffer (so
 the reduce-scatter gives each rank the sum), every rank updates it alike, its state is
-replicated (plain tensors), and it is not gathered. Gradients are averaged (summed, then divided by the ranks:
-gloo has no average); the loss the step returns stays the rank's own. Collectives are emitted
-in bucket order at positions every rank's graph shares, so all ranks issue them in the same
-order. What the pass cannot shard yet (gradients read besides the update: clipping,
-GradScaler, skip_nonfinite; with stage 2, `.grad` left set after the step) is refused with
-`UnsupportedError`.
+replicated (plain tensors), and it is not gathered. Gradients are averaged (summed, then
+divided by the ranks: gloo has no average); the loss the step returns stays the rank's own.
+Collectives are emitted in bucket order at positions every rank's graph shares, so all ranks
+issue them in the same order. What the pass cannot shard yet (gradients read besides the
+update: clipping, GradScaler, skip_nonfinite; with stage 2, `.grad` left set after the step)
+is refused with `UnsupportedError`.
 """
 
 from __future__ import annotations

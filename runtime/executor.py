@@ -112,6 +112,12 @@ class Executor:
                 "torch.distributed.checkpoint (which reshards them), or compile a new step")
         if t.device == like.device and t.dtype == like.dtype and t.shape == like.shape:
             return t
+        if t.dim() and t.shape == b.params[name].shape != like.shape:
+            raise StateError(
+                f"optimizer state {key!r} of parameter {name} is a plain tensor of the whole parameter's shape "
+                f"{tuple(t.shape)}, but this ZeRO step holds this rank's chunk of it ({tuple(like.shape)}), as a "
+                "DTensor: load a full optimizer state_dict before the step compiles (it is narrowed then), or "
+                "load checkpoints with torch.distributed.checkpoint into the DTensors the step created")
         if t.dtype != like.dtype or t.shape != like.shape:
             raise StateError(
                 f"optimizer state {key!r} of parameter {name} is {t.dtype} of shape {tuple(t.shape)}, but "

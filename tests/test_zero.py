@@ -494,3 +494,17 @@ def test_stage_2_refuses_a_step_that_leaves_grad_set(one_process_group):
 def test_skip_nonfinite_is_refused(one_process_group):
     with pytest.raises(graphoffload.UnsupportedError, match="GradScaler or skip_nonfinite=True is not supported yet"):
         _compile_as(0, 2, 1, skip_nonfinite=True)
+
+
+def test_full_state_loaded_after_the_step_compiled_is_refused_with_what_to_do(one_process_group):
+    model = _gpt().float()
+    opt = _optimizer("adamw", model)
+    batch = {k: v[:2] for k, v in _batches(1)[0].items()}
+    step = graphoffload.offload_compile(gpt_step, data_parallel=AsRank(stage=2, bucket_numel=4096))
+    step.compile(model, opt, batch)
+    p = model.lm_head.weight if hasattr(model, "lm_head") else next(model.parameters())
+    opt.state[p]["exp_avg"] = torch.zeros_like(p)   # as a full optimizer.load_state_dict leaves it
+    # refused while the step binds its inputs, before it runs (one rank of two cannot run here)
+    with pytest.raises(graphoffload.StateError, match=r"plain tensor of the whole parameter's shape .* load a full "
+                                                      r"optimizer state_dict before the step compiles"):
+        step.last.executor.inputs((model, opt, batch), {})
