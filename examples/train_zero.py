@@ -5,9 +5,9 @@ state (and with stage 2 the gradients) sharded over the ranks.
     torchrun --nproc-per-node 4 examples/train_zero.py --device cuda --stage 1 # one GPU per rank (NCCL)
 
 The model code is the plain GPT of examples/gpt.py and the step an ordinary train step; the
-`zero` pass averages the gradients over the ranks, has each rank update only the parameters it
-owns (keeping optimizer state for those alone) and all-gathers the updated parameters, so every
-rank ends each step with the same model. Each rank prints the share of the optimizer state it
+`zero` pass averages the gradients over the ranks, has each rank update only its dim-0 chunk of
+every parameter (keeping optimizer state for that chunk alone, as Shard(0) DTensors) and
+all-gathers the updated chunks, so every rank ends each step with the same model. Each rank prints the share of the optimizer state it
 holds at the end.
 """
 
@@ -19,6 +19,7 @@ import sys
 import time
 
 import torch
+from torch.distributed.tensor import DTensor
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -30,8 +31,9 @@ from train_long_context import train_step  # noqa: E402  (the ordinary step)
 
 
 def state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    return sum(t.numel() * t.element_size() for s in optimizer.state.values() for t in s.values()
-               if isinstance(t, torch.Tensor))
+    # a DTensor's numel() is the whole tensor's: count the chunk this rank holds
+    return sum(local.numel() * local.element_size() for s in optimizer.state.values() for t in s.values()
+               if isinstance(t, torch.Tensor) for local in [t.to_local() if isinstance(t, DTensor) else t])
 
 
 def main() -> None:

@@ -168,8 +168,8 @@ class CompiledStep:
         ctx = PassContext(self.config, capture.bindings.device)
         try:
             graph, stages = self.pass_manager.run(capture.graph, ctx)
-            if self.config.data_parallel is not None:   # state only for what this rank owns
-                capture.create_deferred_state(graph)
+            if self.config.data_parallel is not None:   # state for this rank's chunks only
+                capture.create_deferred_state(graph, self.config.data_parallel)
         except BaseException:
             capture.discard_created_state()
             raise

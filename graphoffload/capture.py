@@ -35,6 +35,7 @@ from torch.overrides import TorchFunctionMode
 from graphoffload import nonfinite, optimizer_lowering
 from graphoffload.aliasing import written_placeholders
 from graphoffload.config import CompileConfig
+from graphoffload.data_parallel import ZeRO, local_chunk, shard_state
 from graphoffload.diagnostics import (OWN_DIRS, calling_user_line, is_installed_package, user_frame,
                                       user_line_of_stack_trace, where_in_user_code)
 from graphoffload.errors import CaptureError, GraphOffloadError, UnsupportedError, describe
@@ -576,21 +577,24 @@ class Capture:
         left behind, it would make the next step skip SGD's first-step momentum initialisation."""
         _discard_state(self.created_state)
 
-    def create_deferred_state(self, graph: TrainGraph) -> None:
+    def create_deferred_state(self, graph: TrainGraph, zero: ZeRO) -> None:
         """Create the optimizer state the final `graph` reads, which capture deferred (ZeRO:
-        `config.data_parallel`), so a rank never allocates state for parameters another rank
-        owns; state it holds for those (from a full state_dict loaded before) is dropped, as
-        this rank neither reads nor updates it. Recorded as created, like capture's own."""
+        `config.data_parallel`), as DTensors holding this rank's dim-0 chunk of each parameter
+        (`data_parallel.shard_state`), so a rank never allocates state for the others' chunks;
+        full state it holds already (from a full state_dict loaded before) is narrowed to its
+        chunk. Recorded as created, like capture's own."""
         bindings = self.bindings
         read = {s.target[0] for s in graph.signature.inputs if s.kind == "state"}
-        traced = {name for name, _ in bindings.state_keys}
+        world, rank = zero.world_size, zero.rank
+        mesh = zero.device_mesh(bindings.device.type) if read else None
         for i in self.stepped_optimizers:
             opt = bindings.optimizers[i]
             params = [p for g in opt.param_groups for p in g["params"]]
-            _discard_state([(opt, [p for p in params if bindings.param_names[id(p)] in traced - read])])
             mine = [p for p in params if bindings.param_names[id(p)] in read]
             fresh = [p for p in mine if not opt.state.get(p)]
-            optimizer_lowering.prepare_state(opt, only=mine)
+            optimizer_lowering.prepare_state(opt, only=mine, like=lambda p: local_chunk(p.detach(), world, rank))
+            for p in mine:
+                shard_state(opt.state[p], p, bindings.param_names[id(p)], mesh, world, rank)
             self.created_state.append((opt, fresh))
 
 

@@ -6,25 +6,33 @@ sharded over the ranks of a group (Rajbhandari et al., 2020), done by the `zero`
     loss = step(model, opt, my_micro_batch)          # each rank passes its own micro-batch
 
 Gradients are averaged over the group, as with DDP, and the returned loss is the rank's own.
-Each rank owns whole parameters, chosen per gradient bucket so that every rank owns about 1/N
-of each bucket (`bucket_owners`): it keeps optimizer state only for those (`optimizer.state`
-has entries for its own parameters only, as torch's ZeroRedundancyOptimizer keeps it), updates
-only those, and the updated parameters are all-gathered, so every rank ends the step with the
-same full parameters. Stage 1 all-reduces every gradient; stage 2 reduce-scatters each bucket,
-so a rank keeps only its own parameters' gradients.
+Every parameter is sharded along dim 0 the way FSDP2 (and DTensor's `Shard(0)`) shards it, with
+`torch.chunk` semantics (`shard_rows`): chunks of ceil(d0/N) rows, the last ranks' chunks
+shorter or empty. A rank updates its chunk of every parameter and keeps the optimizer state of
+that chunk alone, and the updated chunks are all-gathered, so every rank ends the step with the
+same full parameters. The state stays the user's: `optimizer.state[p]` holds DTensors over a
+1-D mesh of the group, placement `Shard(0)` (`shard_state`), so `optimizer.state_dict()` and
+torch.distributed.checkpoint save and load it (DCP reshards it to another world size); the step
+counter stays a plain tensor, as torch.optim keeps it for an FSDP2 model. A 0-dim parameter
+cannot be split: its state stays plain tensors, replicated, and every rank updates it alike
+(a 0-dim `Replicate()` DTensor did not round-trip through DCP in our test, it loaded other
+values, cause not found yet; plain tensors do).
 
-Not yet: stage 3, ZeRO with `offload=`, `sequence_parallel=` or `accumulation_steps`, and the
-optimizer state as DTensors (the issue's convention); each is refused with an
-`UnsupportedError` that says so.
+This module holds the layout both the pass (which rewrites the graph to the chunks) and capture
+(which creates the state) use, so they cannot disagree.
+
+Not yet: stage 3, ZeRO with `offload=`, `sequence_parallel=` or `accumulation_steps`; each is
+refused with an `UnsupportedError` that says so.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from graphoffload.errors import RankTimeoutError, UnsupportedError
+from torch import Tensor
+
+from graphoffload.errors import RankTimeoutError, StateError, UnsupportedError
 from graphoffload.groups import OverGroup
 
 
@@ -33,13 +41,14 @@ class ZeRO(OverGroup):
     """ZeRO data parallelism over a process group (the `zero` pass).
 
     Attributes:
-        stage: 1 shards the optimizer state (gradients all-reduced, each rank updates its own
-            parameters, then they are all-gathered); 2 also the gradients (each bucket
-            reduce-scattered to the parameters' owners). 3 (parameters sharded too) is not
-            supported yet.
+        stage: 1 shards the optimizer state (gradients all-reduced, each rank updates its
+            chunk of every parameter, then the chunks are all-gathered); 2 also the gradients
+            (each bucket reduce-scattered, so a rank receives its chunks' gradients alone).
+            3 (parameters sharded between steps too) is not supported yet.
         group: the torch.distributed process group; None: the default (world) group.
         bucket_numel: most elements of gradients one collective covers (buckets follow the
-            order gradients are produced in backward); ownership is balanced within each bucket.
+            order gradients are produced in backward); per bucket, one gradient collective
+            and one all-gather.
         timeout_s: seconds a rank waits for the others to start a step before raising
             `RankTimeoutError`, so a rank that failed or never calls makes the others fail
             rather than hang.
@@ -67,23 +76,66 @@ class ZeRO(OverGroup):
             raise ValueError("timeout_s must be positive")
 
 
-def bucket_owners(buckets: Sequence[Sequence[int]], world: int) -> list[list[int]]:
-    """The owning rank of every item of every bucket (items given by their sizes).
+    def device_mesh(self, device_type: str) -> Any:
+        """The 1-D DeviceMesh of the group (for the optimizer state's DTensors)."""
+        from torch.distributed.device_mesh import DeviceMesh
 
-    Greedy, largest item first (as torch's ZeroRedundancyOptimizer partitions parameters): each
-    goes to the rank holding the fewest elements of this bucket so far, ties to the one holding
-    the fewest overall, then the lowest rank. Every rank then owns about 1/N of each bucket (so
-    a bucket's padded reduce-scatter and all-gather move little more than the bucket) and of
-    the whole. Deterministic: every rank computes the same owners from the same sizes."""
-    total = [0] * world
-    owners = []
-    for sizes in buckets:
-        here = [0] * world
-        owner = [0] * len(sizes)
-        for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
-            r = min(range(world), key=lambda r: (here[r], total[r], r))
-            owner[i] = r
-            here[r] += sizes[i]
-            total[r] += sizes[i]
-        owners.append(owner)
-    return owners
+        return DeviceMesh.from_group(self.process_group(), device_type)
+
+
+def shard_rows(rows: int, world: int, rank: int) -> tuple[int, int]:
+    """(first row, number of rows) of `rank`'s chunk of a dim 0 of `rows`, as `torch.chunk` and
+    DTensor's `Shard(0)` split it: chunks of ceil(rows/world) rows, the last ranks' chunks
+    shorter or empty (5 rows over 4 ranks: 2, 2, 1, 0)."""
+    chunk = -(-rows // world)
+    start = min(rank * chunk, rows)
+    return start, min(chunk, rows - start)
+
+
+def local_chunk(param: Tensor, world: int, rank: int) -> Tensor:
+    """`rank`'s chunk of `param` along dim 0, as a view (the parameter itself when 0-dim)."""
+    if param.dim() == 0:
+        return param
+    start, rows = shard_rows(param.shape[0], world, rank)
+    return param.narrow(0, start, rows)
+
+
+def shard_state(state: dict[str, Any], param: Tensor, name: str, mesh: Any, world: int, rank: int) -> None:
+    """Make the optimizer state of `param` (`optimizer.state[param]`) this rank's DTensors, in
+    place: a plain tensor shaped like this rank's chunk (just created) is wrapped; one shaped
+    like the whole parameter (e.g. loaded by `optimizer.load_state_dict` of a full checkpoint)
+    is narrowed to the chunk (a copy, so the full tensor can be freed); a DTensor must already
+    hold this rank's chunk. The step counter (0-dim, "step") stays a plain tensor, as
+    torch.optim keeps it for an FSDP2 model, and so does the state of a 0-dim parameter
+    (replicated, updated alike on every rank)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    if param.dim() == 0:   # replicated: plain tensors, which DCP saves once and loads on every rank
+        return
+    chunk = local_chunk(param.detach(), world, rank)
+    placement = [Shard(0)]
+    for key, value in list(state.items()):
+        if key == "step" or not isinstance(value, Tensor):
+            continue
+        if isinstance(value, DTensor):
+            local = value.to_local()
+            if value.shape != param.shape or local.shape != chunk.shape or list(value.placements) != placement \
+                    or value.device_mesh.size() != world:
+                raise StateError(
+                    f"optimizer state {key!r} of parameter {name} is a DTensor of shape {tuple(value.shape)} "
+                    f"placed {list(value.placements)} over {value.device_mesh.size()} ranks with a local "
+                    f"chunk of {tuple(local.shape)}, but this ZeRO step shards it {placement} over {world} "
+                    f"ranks (this rank's chunk: {tuple(chunk.shape)}); load checkpoints of another world "
+                    "size with torch.distributed.checkpoint, which reshards them")
+            continue
+        if value.shape == param.shape and value.shape != chunk.shape:
+            local = local_chunk(value, world, rank).clone()
+        elif value.shape == chunk.shape:
+            local = value
+        else:
+            raise StateError(
+                f"optimizer state {key!r} of parameter {name} has shape {tuple(value.shape)}, neither the "
+                f"parameter's {tuple(param.shape)} nor this rank's chunk {tuple(chunk.shape)}; was a "
+                "state_dict of another model loaded? Load a matching one")
+        state[key] = DTensor.from_local(local, mesh, placement, run_check=False,
+                                        shape=param.shape, stride=param.stride())

@@ -183,12 +183,13 @@ def first_step_params(optimizer: torch.optim.Optimizer) -> list[Tensor]:
 
 
 def prepare_state(optimizer: torch.optim.Optimizer, where: StatePlacement | None = None,
-                  only: list[Tensor] | None = None) -> list[Tensor]:
+                  only: list[Tensor] | None = None, like: Callable[[Tensor], Tensor] | None = None) -> list[Tensor]:
     """Create any missing optimizer state the way torch.optim would on its first step. Frozen
     parameters (requires_grad=False) get none, as in torch.optim, which creates state only for
     parameters with a gradient. `where`: create it there instead of on each parameter's device
     (offloaded state is made in host memory: it may not fit on the device even once). `only`:
-    create it for these parameters alone (ZeRO: a rank's own).
+    create it for these parameters alone. `like`: shape each new tensor like `like(p)` instead
+    of `p` (ZeRO: this rank's chunk of it).
 
     Returns `first_step_params(optimizer)` as it was before the state was created."""
     rule = rule_for(optimizer)
@@ -201,7 +202,7 @@ def prepare_state(optimizer: torch.optim.Optimizer, where: StatePlacement | None
             state = optimizer.state[p]
             missing = [k for k in keys if k not in state]
             if len(missing) == len(keys):
-                rule.init_state(p, group, state, where)
+                rule.init_state(p if like is None else like(p), group, state, where)
             elif missing:
                 raise StateError(f"optimizer state of a parameter lacks {missing}; was it loaded "
                                  "from a different optimizer's state_dict?")

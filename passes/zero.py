@@ -1,30 +1,37 @@
 """zero: shard the optimizer update (ZeRO stage 1) and the gradients (stage 2) over the ranks
-of a `ZeRO` group, each rank training on its own micro-batch.
+of a `ZeRO` group, each rank training on its own micro-batch, in the FSDP2 layout.
 
 The captured step computes this rank's gradients and updates every parameter. This pass cuts
-the parameters' gradients into buckets in the order backward produces them (`bucket_numel`
-elements at most, one dtype each) and gives each parameter one owning rank, balanced within
-every bucket (`graphoffload.data_parallel.bucket_owners`). Then, per bucket:
+every parameter along dim 0 as DTensor's `Shard(0)` does (`graphoffload.data_parallel.shard_rows`:
+chunks of ceil(d0/N) rows, the last ranks' shorter or empty), so each rank updates 1/N of every
+parameter rather than whole parameters of its own: the share is even whatever the sizes, and
+the state is laid out as FSDP2 keeps it, which is what lets `optimizer.state_dict()` and DCP
+save and load it. The gradients are cut into buckets in the order backward produces them
+(`bucket_numel` elements at most, one dtype each); then, per bucket:
 
 * **Gradients**, right after the bucket's last one is produced: stage 1 all-reduces them
-  (`_c10d_functional.all_reduce_coalesced` + `wait_tensor`), so every rank holds every averaged
-  gradient, as with DDP; stage 2 packs them rank by rank into one flat buffer (each rank's part
-  padded to the largest) and reduce-scatters it (`reduce_scatter_tensor`), so a rank receives
-  the averaged gradients of its own parameters only and the others die after the pack.
-* **The update** kernels keep this rank's own parameters alone (their step counters too); the
-  optimizer-state inputs of the others leave the graph, so the compiled step never allocates
-  them (`optimizer.state` holds this rank's parameters only, as with torch's
-  ZeroRedundancyOptimizer).
-* **Parameters**, after the last update: each rank packs its updated parameters of the bucket
-  the same way, one `all_gather_into_tensor` brings every rank's, and the parameters this rank
-  does not own are overwritten from it (`copy_`), so every rank ends the step with the same
-  full parameters.
+  (`_c10d_functional.all_reduce_coalesced` + `wait_tensor`) and the update reads this rank's
+  rows of each average (a view), as DDP leaves every rank every average; stage 2 packs them rank
+  by rank into one flat buffer, each parameter's chunk padded to ceil(d0/N) rows so every
+  rank's part has the same length, and reduce-scatters it (`reduce_scatter_tensor`), so a rank
+  receives its chunks' averaged gradients only and the full gradients die after the pack.
+* **The update** kernels run on this rank's chunk of every parameter: the chunk as a view of the
+  parameter (the kernel writes through it), its gradient chunk, and state placeholders of the
+  chunk's shape (capture traced them full; `Capture.create_deferred_state` makes them DTensors
+  after this pass, sized by the same `shard_rows`). Every rank increments every step counter,
+  as torch.optim does with FSDP2; a rank whose chunk is empty updates empty tensors.
+* **Parameters**, after the last update: each rank packs its updated chunks of the bucket the
+  same way, one `all_gather_into_tensor` brings every rank's, and each parameter is overwritten
+  from the gathered rows (`copy_`), so every rank ends the step with the same full parameters.
 
-Gradients are averaged (summed, then divided by the ranks: gloo has no average); the loss the
-step returns stays the rank's own. Collectives are emitted in bucket order at positions every
-rank's graph shares, so all ranks issue them in the same order. What the pass cannot shard yet
-(gradients read besides the update: clipping, GradScaler, skip_nonfinite; with stage 2,
-`.grad` left set after the step) is refused with `UnsupportedError`.
+A 0-dim parameter cannot be split: its gradient goes into every rank's part of the buffer (so
+the reduce-scatter gives each rank the sum), every rank updates it alike, its state is
+replicated (plain tensors), and it is not gathered. Gradients are averaged (summed, then
+divided by the ranks: gloo has no average); the loss the step returns stays the rank's own.
+Collectives are emitted in bucket order at positions every rank's graph shares, so all ranks
+issue them in the same order. What the pass cannot shard yet (gradients read besides the
+update: clipping, GradScaler, skip_nonfinite; with stage 2, `.grad` left set after the step)
+is refused with `UnsupportedError`.
 """
 
 from __future__ import annotations
@@ -38,7 +45,7 @@ from torch import fx
 
 from graphoffload.aliasing import written_args, written_placeholders
 from graphoffload.bucketing import greedy_buckets
-from graphoffload.data_parallel import bucket_owners
+from graphoffload.data_parallel import shard_rows
 from graphoffload.diagnostics import user_line_of_stack_trace
 from graphoffload.errors import UnsupportedError
 from graphoffload.graph import TrainGraph, fake_mode_of
@@ -60,18 +67,43 @@ class _Item:
     name: str
     param: fx.Node
     grad: fx.Node
-    owner: int = 0
-    offset: int = 0             # where it starts in its owner's part of the bucket's flat buffer
+    offset: int = 0             # where its chunk starts in each rank's part of the bucket's flat buffers
+
+    @property
+    def shape(self) -> list[int]:
+        return list(self.param.meta["val"].shape)
 
     @property
     def numel(self) -> int:
         return self.param.meta["val"].numel()
 
+    @property
+    def scalar(self) -> bool:
+        return not self.shape
+
+    @property
+    def row(self) -> int:
+        """Elements of one row (along dim 0)."""
+        return self.numel // self.shape[0] if self.shape and self.shape[0] else 1
+
+    def chunk_rows(self, world: int) -> int:
+        """Rows of a full chunk (the first ranks'): ceil(d0/N)."""
+        return shard_rows(self.shape[0], world, 0)[1] if self.shape else 1
+
+    def part(self, world: int) -> int:
+        """Elements it takes in each rank's part of the flat buffers (a padded chunk)."""
+        return self.chunk_rows(world) * self.row
+
+    def local_shape(self, world: int, rank: int) -> list[int]:
+        if self.scalar:
+            return []
+        return [shard_rows(self.shape[0], world, rank)[1], *self.shape[1:]]
+
 
 @dataclass
 class _Bucket:
     items: list[_Item]
-    part: int = 0               # elements of each rank's (padded) part of the flat buffers
+    part: int = 0               # elements of each rank's part of the flat buffers
 
 
 class _Emitter:
@@ -133,41 +165,53 @@ def _line(node: fx.Node) -> str:
 
 
 def _layout(items: list[_Item], position: dict[fx.Node, int], bucket_numel: int, world: int) -> list[_Bucket]:
-    """Buckets in the order their gradients become final, owners and offsets in the flat buffers."""
+    """Buckets in the order their gradients become final, and each chunk's offset in every
+    rank's part of the bucket's flat buffers (the same layout on every rank)."""
     ordered = sorted(items, key=lambda it: (position[it.grad], it.kernel.node.name, it.index))
     groups = greedy_buckets(ordered, lambda it: it.numel, bucket_numel,
                             key=lambda it: (it.grad.meta["val"].dtype, it.param.meta["val"].dtype))
     buckets = []
-    for group, owners in zip(groups, bucket_owners([[it.numel for it in g] for g in groups], world)):
-        loads = [0] * world
-        for it, owner in zip(group, owners):
-            it.owner, it.offset = owner, loads[owner]
-            loads[owner] += it.numel
-        buckets.append(_Bucket(group, max(loads)))
+    for group in groups:
+        offset = 0
+        for it in group:
+            it.offset = offset
+            offset += it.part(world)
+        buckets.append(_Bucket(group, offset))
     return buckets
 
 
-def _pack(emit: _Emitter, bucket: _Bucket, tensor_of: Any, ranks: range) -> fx.Node:
-    """One flat buffer: for each rank of `ranks`, its items' tensors flattened, padded to the part size."""
-    pieces = []
-    like = tensor_of(bucket.items[0])
-    for r in ranks:
-        mine = [it for it in bucket.items if it.owner == r]
-        pieces += [emit(aten.reshape.default, (tensor_of(it), [-1]), like) for it in mine]
-        pad = bucket.part - sum(it.numel for it in mine)
+def _rows_by_rank(emit: _Emitter, it: _Item, full: fx.Node, world: int) -> fx.Node:
+    """The whole tensor `full` (shaped like the parameter) as [world, part]: row r holds rank r's
+    chunk, padded to ceil(d0/N) rows; a 0-dim one repeated in every rank's row."""
+    if it.scalar:
+        return emit(aten.expand.default, (emit(aten.reshape.default, (full, [1, 1]), full), [world, 1]), full)
+    pad = it.chunk_rows(world) * world - it.shape[0]
+    if pad:
+        full = emit(aten.constant_pad_nd.default, (full, [0, 0] * (len(it.shape) - 1) + [0, pad]), full)
+    return emit(aten.reshape.default, (full, [world, it.part(world)]), full)
+
+
+def _padded_chunk(emit: _Emitter, it: _Item, chunk: fx.Node, world: int, rank: int) -> fx.Node:
+    """This rank's chunk (shaped `local_shape`), padded to ceil(d0/N) rows and flattened."""
+    if not it.scalar:
+        pad = it.chunk_rows(world) - it.local_shape(world, rank)[0]
         if pad:
-            pieces.append(emit(aten.new_zeros.default, (like, [pad]), like))
-    return emit(aten.cat.default, (pieces,), like)
+            chunk = emit(aten.constant_pad_nd.default, (chunk, [0, 0] * (len(it.shape) - 1) + [0, pad]), chunk)
+    return emit(aten.reshape.default, (chunk, [-1]), chunk)
 
 
-def _piece(emit: _Emitter, flat: fx.Node, start: int, it: _Item) -> fx.Node:
-    part = emit(aten.slice.Tensor, (flat, 0, start, start + it.numel), it.grad, param=(it.name,))
-    return emit(aten.view.default, (part, list(it.param.meta["val"].shape)), it.grad, param=(it.name,))
+def _local_rows(emit: _Emitter, it: _Item, full: fx.Node, world: int, rank: int, phase: str = "comm") -> fx.Node:
+    """This rank's rows of `full` (a view; `full` itself when 0-dim)."""
+    if it.scalar:
+        return full
+    start, rows = shard_rows(it.shape[0], world, rank)
+    return emit(aten.slice.Tensor, (full, 0, start, start + rows), full, phase=phase, param=(it.name,))
 
 
 def _reduce_gradients(emit: _Emitter, bucket: _Bucket, stage: int, rank: int, world: int,
-                      group: str) -> dict[fx.Node, fx.Node]:
-    """Stage 1: every gradient averaged; stage 2: this rank's own. Returns grad -> its average."""
+                      group: str) -> dict[fx.Node, tuple[fx.Node, fx.Node | None]]:
+    """Stage 1: every gradient averaged; stage 2: this rank's chunks of them. Returns
+    grad -> (this rank's chunk of its average, the whole average or None (stage 2))."""
     last = bucket.items[-1].grad
     averaged = {}
     if stage == 1:
@@ -176,51 +220,62 @@ def _reduce_gradients(emit: _Emitter, bucket: _Bucket, stage: int, rank: int, wo
         for i, it in enumerate(bucket.items):
             item = emit(operator.getitem, (red, i), it.grad, param=(it.name,))
             wait = emit(c10d.wait_tensor.default, (item,), it.grad, param=(it.name,))
-            averaged[it.grad] = emit(aten.div.Scalar, (wait, world), it.grad, param=(it.name,))
+            avg = emit(aten.div.Scalar, (wait, world), it.grad, param=(it.name,))
+            averaged[it.grad] = (_local_rows(emit, it, avg, world, rank), avg)
         return averaged
-    flat = _pack(emit, bucket, lambda it: it.grad, range(world))
+    pieces = [_rows_by_rank(emit, it, it.grad, world) for it in bucket.items]
+    flat = emit(aten.reshape.default, (emit(aten.cat.default, (pieces, 1), last), [-1]), last)
     red = emit(c10d.reduce_scatter_tensor.default, (flat, "sum", world, group), last)
     mine = emit(aten.div.Scalar, (emit(c10d.wait_tensor.default, (red,), last), world), last)
     for it in bucket.items:
-        if it.owner == rank:   # a tensor of its own: fusion treats the update's gradients as written,
-            # so views of one buffer would chain every update of the bucket after the one before
-            averaged[it.grad] = emit(aten.clone.default, (_piece(emit, mine, it.offset, it),), it.grad,
-                                     param=(it.name,))
+        shape = it.local_shape(world, rank)
+        numel = 1 if it.scalar else shape[0] * it.row
+        part = emit(aten.slice.Tensor, (mine, 0, it.offset, it.offset + numel), it.grad, param=(it.name,))
+        piece = emit(aten.view.default, (part, shape), it.grad, param=(it.name,))
+        # a tensor of its own: fusion treats the update's gradients as written, so views of one
+        # buffer would chain every update of the bucket after the one before
+        averaged[it.grad] = (emit(aten.clone.default, (piece,), it.grad, param=(it.name,)), None)
     return averaged
 
 
-def _gather_parameters(emit: _Emitter, bucket: _Bucket, rank: int, world: int, group: str) -> int:
-    """All-gather the bucket's updated parameters; overwrite those this rank does not own."""
-    flat = _pack(emit, bucket, lambda it: it.param, range(rank, rank + 1))
+def _gather_parameters(emit: _Emitter, bucket: _Bucket, chunks: dict[fx.Node, fx.Node], rank: int, world: int,
+                       group: str) -> int:
+    """All-gather the bucket's updated chunks; overwrite every (non 0-dim) parameter from them."""
+    like = bucket.items[0].param
+    flat = emit(aten.cat.default, ([_padded_chunk(emit, it, chunks[it.param], world, rank)
+                                    for it in bucket.items],), like)
     gathered = emit(c10d.wait_tensor.default,
                     (emit(c10d.all_gather_into_tensor.default, (flat, world, group), flat),), flat)
-    others = [it for it in bucket.items if it.owner != rank]
-    for it in others:
-        emit(aten.copy_.default, (it.param, _piece(emit, gathered, it.owner * bucket.part + it.offset, it)),
-             it.param, param=(it.name,))
-    return len(others)
+    by_rank = emit(aten.view.default, (gathered, [world, bucket.part]), flat)
+    copied = 0
+    for it in bucket.items:
+        if it.scalar:   # every rank updated it alike
+            continue
+        mine = (it.name,)
+        cols = emit(aten.slice.Tensor, (by_rank, 1, it.offset, it.offset + it.part(world)), it.param, param=mine)
+        rows = emit(aten.reshape.default, (cols, [world * it.chunk_rows(world), *it.shape[1:]]), it.param,
+                    param=mine)
+        if world * it.chunk_rows(world) != it.shape[0]:
+            rows = emit(aten.slice.Tensor, (rows, 0, 0, it.shape[0]), it.param, param=mine)
+        emit(aten.copy_.default, (it.param, rows), it.param, param=mine)
+        copied += 1
+    return copied
 
 
-def _keep_own(k: UpdateKernel, own: list[int]) -> None:
-    """Cut the kernel (and its step counters) down to the parameters at `own`; erase it if none."""
-    if not own:
-        k.erase()
-        return
-    node = k.node
-    args = list(node.args)
-    for pos in k.rule.list_positions:
-        if node.args[pos]:
-            args[pos] = [node.args[pos][i] for i in own]
-    dropped_copies = [s for i, s in enumerate(k.step_copies()) if i not in own]
-    node.args = tuple(args)
-    if node.meta.get("param"):
-        node.meta["param"] = tuple(node.meta["param"][i] for i in own)
-    if k.counter is not None:
-        kept = set(k.step_placeholders())
-        k.counter.args = ([s for s in k.counter.args[0] if s in kept], *k.counter.args[1:])
-    for copy in dropped_copies:
-        if not copy.users:
-            node.graph.erase_node(copy)
+def _shard_state(emit: _Emitter, it: _Item, world: int, rank: int) -> int:
+    """Give the item's state placeholders (not the step counter) this rank's chunk's shape.
+    Returns their elements."""
+    k, shape = it.kernel, it.local_shape(world, rank)
+    numel = 0
+    for pos in k.rule.list_positions[2:]:
+        if pos == k.rule.steps_position or not k.node.args[pos]:
+            continue
+        state = k.node.args[pos][it.index]
+        val = state.meta["val"]
+        with emit.fake_mode:
+            state.meta["val"] = torch.empty(shape, dtype=val.dtype, device=val.device)
+        numel += state.meta["val"].numel()
+    return numel
 
 
 def zero(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
@@ -238,53 +293,54 @@ def zero(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
     buckets = _layout(items, position, dp.bucket_numel, world)
     emit = _Emitter(g)
 
-    # gradients: each bucket's collective right after its last gradient; the update (and, with
-    # stage 1, the step's outputs) read the averages instead
+    # the update's parameters: this rank's rows of each, views made right after the inputs (so
+    # they pin no update late), through which the kernels write
+    chunks: dict[fx.Node, fx.Node] = {}
+    last_input = [n for n in g.nodes if n.op == "placeholder"][-1]
+    with g.inserting_after(last_input):
+        for it in reversed(items):   # (inserting_after puts each new node first)
+            chunks[it.param] = _local_rows(emit, it, it.param, world, rank, phase="optimizer")
+    for it in items:
+        it.kernel.node.replace_input_with(it.param, chunks[it.param])
+    state_numel = sum(_shard_state(emit, it, world, rank) for it in items)
+
+    # gradients: each bucket's collective right after its last gradient; the update reads this
+    # rank's chunk of the average, the step's outputs (stage 1's .grad) the whole average
     readers = {it.grad: list(it.grad.users) for it in items}
     for bucket in buckets:
         last = max((it.grad for it in bucket.items), key=position.__getitem__)
         with g.inserting_before(last.next):   # (inserting_after would put each new node first)
             averaged = _reduce_gradients(emit, bucket, dp.stage, rank, world, group)
-        for grad, avg in averaged.items():
+        for grad, (local, whole) in averaged.items():
             for user in readers[grad]:
-                user.replace_input_with(grad, avg)
-
-    # updates: this rank's own parameters only; the others' state leaves the graph
-    last_kernel = max((k.node for k in kernels), key=position.__getitem__)
-    resume = last_kernel.next
-    for k in kernels:
-        _keep_own(k, [it.index for it in items if it.kernel is k and it.owner == rank])
-    placeholders = graph.placeholders()
-    unread = {s.name for s in graph.signature.inputs if s.kind == "state" and not placeholders[s.name].users}
-    for name in unread:
-        g.erase_node(placeholders[name])
+                user.replace_input_with(grad, whole if user is output else local)
 
     # parameters: gathered after the last update, in bucket order
+    last_kernel = max((k.node for k in kernels), key=position.__getitem__)
     copied = 0
-    with g.inserting_before(resume):
+    with g.inserting_before(last_kernel.next):
         for bucket in buckets:
-            copied += _gather_parameters(emit, bucket, rank, world, group)
+            copied += _gather_parameters(emit, bucket, chunks, rank, world, group)
     g.lint()
     graph.gm.recompile()
     written = written_placeholders(g)
     inputs = tuple(s if s.mutable or s.name not in written else type(s)(s.kind, s.name, s.target, True)
-                   for s in graph.signature.inputs if s.name not in unread)
+                   for s in graph.signature.inputs)
     graph = graph.with_signature(inputs=inputs)
 
-    own = [it for it in items if it.owner == rank]
-    total, mine = sum(it.numel for it in items), sum(it.numel for it in own)
+    total = sum(it.numel for it in items)
+    local = sum(1 if it.scalar else it.local_shape(world, rank)[0] * it.row for it in items)
     padded = sum(b.part for b in buckets) * world
     collective = "all-reduce" if dp.stage == 1 else "reduce-scatter"
-    graph.note("zero", f"ZeRO stage {dp.stage}, rank {rank} of {world}: owns {len(own)} of {len(items)} parameters "
-               f"({mine:,} of {total:,} elements); {len(buckets)} gradient buckets, one {collective} and one "
-               f"all-gather each; {copied} parameters overwritten from their owners; optimizer state inputs of "
-               f"{len(unread)} tensors dropped", "shards", stage=dp.stage, rank=rank, world=world,
-               buckets=len(buckets), gradient_collective=collective, owned_params=tuple(it.name for it in own),
-               params=len(items), owned_numel=mine, numel=total, dropped_state_inputs=len(unread),
+    graph.note("zero", f"ZeRO stage {dp.stage}, rank {rank} of {world}: updates its dim-0 chunk of each of "
+               f"{len(items)} parameters ({local:,} of {total:,} elements; optimizer state {state_numel:,} "
+               f"elements besides step counters); {len(buckets)} gradient buckets, one {collective} and one "
+               f"all-gather each; {copied} parameters overwritten from the gathered chunks", "shards",
+               stage=dp.stage, rank=rank, world=world, buckets=len(buckets), gradient_collective=collective,
+               params=len(items), local_numel=local, numel=total, state_numel=state_numel,
                bucket_parts=tuple(b.part for b in buckets), padded_numel=padded)
     if padded > 1.25 * total:
-        graph.note("zero", f"the padded buffers hold {padded:,} elements for {total:,} parameter elements: whole "
-                   "parameters are owned, and a bucket with few of them cannot be split evenly; larger "
-                   "ZeRO(bucket_numel=...) buckets balance better", "padding", padded_numel=padded, numel=total)
+        graph.note("zero", f"the padded buffers hold {padded:,} elements for {total:,} parameter elements: "
+                   f"parameters with fewer rows (dim 0) than about {world} ranks, or 0-dim ones, are padded "
+                   "to a chunk per rank", "padding", padded_numel=padded, numel=total)
     return graph
-

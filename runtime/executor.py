@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, fx
+from torch.distributed.tensor import DTensor
 
 from graphoffload.calibration import host_update_threads
 from graphoffload.config import Offload
@@ -95,12 +96,28 @@ class Executor:
         """An optimizer-state tensor where the graph was traced to find it. `load_state_dict`
         leaves Adam's step counter on the device the checkpoint had it on (the CPU when torch's
         default implementation saved it): move it back, in the optimizer too, as torch.optim
-        moves what it needs itself. Another dtype or shape is an error, not a silent cast."""
+        moves what it needs itself. Another dtype or shape is an error, not a silent cast. State
+        sharded by ZeRO is a DTensor: the graph reads and writes its local chunk."""
         b = self.capture.bindings
         t = b.state(*target)
+        name, key = target
+        if isinstance(t, DTensor):
+            local = t.to_local()   # a view of the DTensor's own local tensor: writes land in it
+            if local.device == like.device and local.dtype == like.dtype and local.shape == like.shape:
+                return local
+            raise StateError(
+                f"optimizer state {key!r} of parameter {name} is a DTensor whose local chunk is {local.dtype} of "
+                f"shape {tuple(local.shape)} on {local.device}, but the step was compiled for {like.dtype} of "
+                f"shape {tuple(like.shape)} on {like.device}; load checkpoints of another world size with "
+                "torch.distributed.checkpoint (which reshards them), or compile a new step")
         if t.device == like.device and t.dtype == like.dtype and t.shape == like.shape:
             return t
-        name, key = target
+        if t.dim() and t.shape == b.params[name].shape != like.shape:
+            raise StateError(
+                f"optimizer state {key!r} of parameter {name} is a plain tensor of the whole parameter's shape "
+                f"{tuple(t.shape)}, but this ZeRO step holds this rank's chunk of it ({tuple(like.shape)}), as a "
+                "DTensor: load a full optimizer state_dict before the step compiles (it is narrowed then), or "
+                "load checkpoints with torch.distributed.checkpoint into the DTensors the step created")
         if t.dtype != like.dtype or t.shape != like.shape:
             raise StateError(
                 f"optimizer state {key!r} of parameter {name} is {t.dtype} of shape {tuple(t.shape)}, but "

@@ -15,13 +15,15 @@ from dataclasses import dataclass
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Shard
 from ring_dist import run_ranks, silent_rank
 
 from steps import clipped_step, zero_first_step
 from steps import train_step as gpt_step
 
 import graphoffload
-from graphoffload.data_parallel import bucket_owners
+from graphoffload.data_parallel import shard_rows
+from graphoffload.torch_private import pytree
 
 STEPS = 3
 RTOL = 2e-5
@@ -60,7 +62,25 @@ def _optimizer(name, model):
 
 
 def _state_numel(opt) -> int:
-    return sum(t.numel() for state in opt.state.values() for t in state.values() if t.dim())
+    """Elements of optimizer state this rank holds (a DTensor's local chunk), step counters aside."""
+    return sum((t.to_local() if isinstance(t, DTensor) else t).numel()
+               for state in opt.state.values() for k, t in state.items() if k != "step")
+
+
+def _assert_sharded_state(model, opt, rank, world):
+    """Every parameter's state: DTensors of its shape over the group, Shard(0), this rank's chunk
+    of `shard_rows` rows; the step counter and a 0-dim parameter's state plain tensors."""
+    names = {p: n for n, p in model.named_parameters()}
+    assert set(opt.state) == {p for p in model.parameters() if p.requires_grad}
+    for p, state in opt.state.items():
+        for key, t in state.items():
+            if key == "step" or p.dim() == 0:   # replicated: plain tensors
+                assert type(t) is torch.Tensor and t.dim() == 0, (names[p], key, type(t))
+                continue
+            assert isinstance(t, DTensor), (names[p], key, type(t))
+            assert t.shape == p.shape and t.device_mesh.size() == world
+            assert t.placements == (Shard(0),), (names[p], t.placements)
+            assert t.to_local().shape == (shard_rows(p.shape[0], world, rank)[1], *p.shape[1:])
 
 
 def _train_and_compare(rank, world, stage, optimizer, step_fn=gpt_step):
@@ -86,25 +106,25 @@ def _train_and_compare(rank, world, stage, optimizer, step_fn=gpt_step):
             err = ((p - q).abs().max() / q.abs().max()).item()
             assert err <= RTOL, f"stage {stage} {optimizer}: {name} is {err:.3g} from eager"
 
-    # optimizer state: entries for this rank's own parameters only, about 1/N of the whole
+    # optimizer state: DTensors sharded Shard(0) over the group (the step counter a plain
+    # tensor, as torch.optim keeps it for FSDP2), each rank holding its chunk of every parameter
     graph = step.last.graph
     shards = graph.notes_of("zero", "shards")[0].fields
-    owned = set(shards["owned_params"])
-    names = {p: n for n, p in model.named_parameters()}
-    assert {names[p] for p in opt.state} == owned
-    # the update kernels cover this rank's parameters, each once, and no other (a kernel of
-    # others' parameters alone is dropped)
+    _assert_sharded_state(model, opt, rank, world)
+    # the update kernels cover every parameter once, through this rank's rows of it
     kernels = [n for n in step.graphs["zero"].graph.nodes if getattr(n.target, "overloadpacket", None)
                in (torch.ops.aten._fused_adamw_, torch.ops.aten._fused_sgd_)]
     updated = [name for n in kernels for name in n.meta["param"]]
-    assert sorted(updated) == sorted(owned)
+    assert sorted(updated) == sorted(n for n, _ in model.named_parameters())
+    assert all(p.target is torch.ops.aten.slice.Tensor for n in kernels for p in n.args[0])
     mine, total = _state_numel(opt), _state_numel(opt_e)
-    fractions = [torch.zeros(()) for _ in range(world)]
-    dist.all_gather(fractions, torch.tensor(mine / total, dtype=torch.float32))
-    assert sum(float(f) for f in fractions) == pytest.approx(1.0)   # every parameter's state on one rank
-    # whole parameters are owned: a rank's share is 1/N up to the largest parameter's
-    largest = max(p.numel() for p in model.parameters()) / sum(p.numel() for p in model.parameters())
-    assert abs(mine / total - 1 / world) <= largest, (mine, total, largest)
+    assert mine == shards["state_numel"]
+    locals_ = [torch.zeros((), dtype=torch.int64) for _ in range(world)]
+    dist.all_gather(locals_, torch.tensor(mine))
+    assert sum(int(n) for n in locals_) == total   # the chunks partition the state: no element twice
+    # every parameter split by rows: a rank's share is 1/N up to one row of each parameter
+    rows = sum(p.numel() // p.shape[0] for p in model.parameters()) / sum(p.numel() for p in model.parameters())
+    assert abs(mine / total - 1 / world) <= rows, (mine, total, rows)
 
     # collectives: one gradient collective and one all-gather per bucket
     targets = [n.target for n in step.graphs["final"].graph.nodes]
@@ -139,7 +159,7 @@ def _world2(rank, world):
                  for stage, optimizer in ((1, "adamw"), (2, "adamw"), (1, "sgd"), (2, "sgd"))]
     _train_and_compare(rank, world, 1, "adamw", zero_first_step)
     _train_and_compare(rank, world, 2, "adamw groups")
-    print(f"rank {rank}: optimizer state fraction {fractions[0]:.3f}")
+    print(f"rank {rank}: optimizer state fraction {fractions[0]:.4f}")
 
 
 @pytest.mark.slow   # several processes
@@ -147,14 +167,147 @@ def test_zero_stages_1_and_2_train_as_eager_world2():
     run_ranks(_world2, 2, deadline_s=400)
 
 
+class _Uneven(torch.nn.Module):
+    """Dims 0 that 4 ranks cannot split evenly (5 and 3 rows: chunks of 2, 2, 1, 0 and 1, 1, 1, 0)
+    and a 0-dim parameter (replicated plain state, updated on every rank)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = torch.nn.Linear(6, 5)
+        self.b = torch.nn.Linear(5, 3)
+        self.scale = torch.nn.Parameter(torch.tensor(1.5))
+
+    def forward(self, x, y):
+        return ((self.b(torch.tanh(self.a(x))) * self.scale - y) ** 2).mean()
+
+
+def _uneven_step(model, optimizer, batch):
+    loss = model(batch["x"], batch["y"])
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss
+
+
+def _uneven_trains_as_eager(rank, world, stage):
+    eager = _Uneven().double()
+    model = copy.deepcopy(eager)
+    opt_e, opt = _optimizer("adamw", eager), _optimizer("adamw", model)
+    step = graphoffload.offload_compile(_uneven_step, data_parallel=graphoffload.ZeRO(stage=stage, timeout_s=60))
+    g = torch.Generator().manual_seed(2)
+    for _ in range(STEPS):
+        batch = {"x": torch.randn(2 * world, 6, generator=g, dtype=torch.float64),
+                 "y": torch.randn(2 * world, 3, generator=g, dtype=torch.float64)}
+        _uneven_step(eager, opt_e, batch)
+        step(model, opt, {k: v[2 * rank:2 * rank + 2] for k, v in batch.items()})
+        for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+            err = ((p - q).abs().max() / q.abs().max()).item()
+            assert err <= RTOL, f"stage {stage}: {name} is {err:.3g} from eager"
+    _assert_sharded_state(model, opt, rank, world)
+
+
 def _world4(rank, world):
     fraction = _train_and_compare(rank, world, 2, "adamw")
-    print(f"rank {rank}: optimizer state fraction {fraction:.3f}")
+    for stage in (1, 2):
+        _uneven_trains_as_eager(rank, world, stage)
+    print(f"rank {rank}: optimizer state fraction {fraction:.4f}")
 
 
 @pytest.mark.slow   # several processes
 def test_zero_stage_2_trains_as_eager_world4():
     run_ranks(_world4, 4, deadline_s=400)
+
+
+def _full(model, opt) -> dict:
+    """Parameters and optimizer state, whole (DTensors gathered: a collective on every rank)."""
+    names = {p: n for n, p in model.named_parameters()}
+    return {"params": {n: p.detach().clone() for n, p in model.named_parameters()},
+            "state": {names[p]: {k: t.full_tensor() if isinstance(t, DTensor) else t.clone() for k, t in s.items()}
+                      for p, s in sorted(opt.state.items(), key=lambda item: names[item[0]])}}
+
+
+def _dcp_step(world):
+    return graphoffload.offload_compile(_uneven_step, data_parallel=graphoffload.ZeRO(stage=2, timeout_s=60))
+
+
+def _uneven_batches() -> list[dict]:
+    g = torch.Generator().manual_seed(3)
+    return [{"x": torch.randn(4, 6, generator=g, dtype=torch.float64),
+             "y": torch.randn(4, 3, generator=g, dtype=torch.float64)} for _ in range(STEPS)]
+
+
+def _micro(batch, rank, world):
+    rows = batch["x"].shape[0] // world
+    return {k: v[rank * rows:(rank + 1) * rows] for k, v in batch.items()}
+
+
+def _load_dcp(rank, world, path):
+    """A fresh model (other values), optimizer and step, compiled first so the state to load into
+    is this world's DTensors; DCP reads each rank's chunks into them."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
+                                                         set_model_state_dict, set_optimizer_state_dict)
+
+    model = _Uneven().double()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    opt, step = _optimizer("adamw", model), _dcp_step(world)
+    step.compile(model, opt, _micro(_uneven_batches()[2], rank, world))
+    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
+    dcp.load(state, checkpoint_id=path)
+    set_model_state_dict(model, state["model"])
+    set_optimizer_state_dict(model, opt, state["optim"])
+    return model, opt, step
+
+
+def _dcp_world2(rank, world, path):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    model = _Uneven().double()
+    opt, step = _optimizer("adamw", model), _dcp_step(world)
+    batches = _uneven_batches()
+    for batch in batches[:2]:
+        step(model, opt, _micro(batch, rank, world))
+    dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)},
+             checkpoint_id=path)
+    saved = _full(model, opt)
+    loss = step(model, opt, _micro(batches[2], rank, world))
+    after = _full(model, opt)
+    if rank == 0:
+        torch.save({"saved": saved, "after": after}, f"{path}/full.pt")
+
+    model, opt, step = _load_dcp(rank, world, path)
+    _assert_sharded_state(model, opt, rank, world)
+    assert _same(_full(model, opt), saved)
+    resumed = step(model, opt, _micro(batches[2], rank, world))
+    assert torch.equal(resumed, loss)
+    assert _same(_full(model, opt), after)   # bit-identical to the run that went on
+
+
+def _dcp_world4(rank, world, path):
+    full = torch.load(f"{path}/full.pt")
+    model, opt, step = _load_dcp(rank, world, path)
+    _assert_sharded_state(model, opt, rank, world)
+    assert _same(_full(model, opt), full["saved"])   # resharded from 2 chunks to 4, every value as saved
+    step(model, opt, _micro(_uneven_batches()[2], rank, world))   # the same global batch, in 4 micro-batches
+    got = _full(model, opt)
+    for name, p in full["after"]["params"].items():   # as the world-2 run went on, up to summation order
+        err = ((got["params"][name] - p).abs().max() / p.abs().max()).item()
+        assert err <= RTOL, f"{name} is {err:.3g} from the world-2 run"
+
+
+def _same(a: dict, b: dict) -> bool:
+    flat_a, flat_b = pytree.tree_leaves(a), pytree.tree_leaves(b)
+    return len(flat_a) == len(flat_b) and all(torch.equal(x, y) for x, y in zip(flat_a, flat_b))
+
+
+@pytest.mark.slow   # several processes
+def test_a_dcp_checkpoint_resumes_bit_identically_and_reshards_from_2_ranks_to_4(tmp_path):
+    run_ranks(_dcp_world2, 2, str(tmp_path), deadline_s=300)
+    run_ranks(_dcp_world4, 4, str(tmp_path), deadline_s=300)
 
 
 def _first_call_with_a_short_timeout():
@@ -200,24 +353,32 @@ def test_a_zero_step_outside_a_process_group_says_how_to_start_one():
     assert not _optimizer("adamw", model).state
 
 
-def test_ownership_is_balanced_per_bucket_and_overall():
-    sizes = [[4096, 64, 64, 1024, 1024, 32], [96, 96, 3072, 32], [50]]
-    owners = bucket_owners(sizes, 2)
-    assert owners == bucket_owners(sizes, 2)   # every rank computes the same
-    for bucket, owner in zip(sizes, owners):
-        assert len(owner) == len(bucket) and set(owner) <= {0, 1}
-    loads = [sum(s for b, o in zip(sizes, owners) for s, r in zip(b, o) if r == rank) for rank in (0, 1)]
-    assert abs(loads[0] - loads[1]) <= max(max(b) for b in sizes)
-    assert bucket_owners([[5, 5, 5, 5]], 4) == [[0, 1, 2, 3]]
+def test_shard_rows_split_dim_0_as_torch_chunk():
+    for rows in range(10):
+        for world in (1, 2, 3, 4):
+            chunks = torch.arange(rows).chunk(world)
+            expected = [(int(c[0]), len(c)) if len(c) else (rows, 0) for c in chunks]
+            expected += [(rows, 0)] * (world - len(chunks))   # torch.chunk returns fewer: the last ranks' are empty
+            assert [shard_rows(rows, world, r) for r in range(world)] == expected, (rows, world)
 
 
 # ---------------------------------------------------------------- single process: the rewrite of one rank
 
 
+@pytest.fixture
+def one_process_group(tmp_path):
+    """A gloo group of this process alone: `AsRank` builds the state's DeviceMesh from it."""
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
 @dataclass(frozen=True)
 class AsRank(graphoffload.ZeRO):
-    """ZeRO as rank `as_rank` of `as_world` sees it, without a process group: enough to compile
-    (`step.compile`) and look at one rank's graph; running it would need the other ranks."""
+    """ZeRO as rank `as_rank` of `as_world` sees it, inside a group of this process alone
+    (`one_process_group`): enough to compile (`step.compile`) and look at one rank's graph and
+    state (a DTensor over the one-process mesh, holding this rank's chunk); running it would
+    need the other ranks."""
 
     as_rank: int = 0
     as_world: int = 2
@@ -235,32 +396,42 @@ class AsRank(graphoffload.ZeRO):
         return "0"
 
 
-def _compile_as(rank, world, stage, step_fn=gpt_step, optimizer="adamw", bucket_numel=4096, **config):
-    model = _gpt().float()
+def _compile_as(rank, world, stage, step_fn=gpt_step, optimizer="adamw", bucket_numel=4096, model=None, batch=None,
+                **config):
+    model = _gpt().float() if model is None else model
     opt = _optimizer(optimizer, model)
     zero = AsRank(stage=stage, bucket_numel=bucket_numel, as_rank=rank, as_world=world)
     step = graphoffload.offload_compile(step_fn, data_parallel=zero, config=graphoffload.CompileConfig(**config))
-    return step.compile(model, opt, {k: v[:2] for k, v in _batches(1)[0].items()}), model, opt
+    batch = {k: v[:2] for k, v in _batches(1)[0].items()} if batch is None else batch
+    return step.compile(model, opt, batch), model, opt
+
+
+def _local_rows(opt, p):
+    return {k: t.to_local().shape[0] for k, t in opt.state[p].items() if k != "step"}
 
 
 @pytest.mark.parametrize("stage", [1, 2])
-def test_every_parameter_is_owned_by_one_rank_of_four_and_its_state_lives_there(stage):
-    owned = []
+def test_four_ranks_each_hold_their_rows_of_every_parameters_state(stage, one_process_group):
+    rows = {}
     for rank in range(4):
         graph, model, opt = _compile_as(rank, 4, stage)
         shards = graph.notes_of("zero", "shards")[0].fields
-        names = {p: n for n, p in model.named_parameters()}
-        assert {names[p] for p in opt.state} == set(shards["owned_params"])   # created for its own alone
-        owned.append(set(shards["owned_params"]))
+        for name, p in model.named_parameters():
+            local = _local_rows(opt, p)
+            assert set(local) == {"exp_avg", "exp_avg_sq"} and len(set(local.values())) == 1
+            assert all(isinstance(t, DTensor) and t.shape == p.shape for k, t in opt.state[p].items() if k != "step")
+            rows.setdefault(name, []).append(local["exp_avg"])
+        assert shards["state_numel"] == _state_numel(opt)
         targets = [n.target for n in graph.gm.graph.nodes]
         gradient = c10d.all_reduce_coalesced.default if stage == 1 else c10d.reduce_scatter_tensor.default
         assert targets.count(gradient) == targets.count(c10d.all_gather_into_tensor.default) == shards["buckets"]
-    assert set().union(*owned) == {n for n, _ in _gpt().named_parameters()}
-    assert sum(map(len, owned)) == len(set().union(*owned))   # no parameter on two ranks
+    for name, p in _gpt().named_parameters():   # the ranks' chunks tile dim 0, none twice
+        assert rows[name] == [shard_rows(p.shape[0], 4, r)[1] for r in range(4)], name
+        assert sum(rows[name]) == p.shape[0]
 
 
 @pytest.mark.parametrize("stage", [1, 2])
-def test_the_zero_pass_stamps_exactly_the_nodes_it_created(stage):
+def test_the_zero_pass_stamps_exactly_the_nodes_it_created(stage, one_process_group):
     from test_provenance import assert_every_node_names_its_maker
 
     model = _gpt().float()
@@ -272,16 +443,38 @@ def test_the_zero_pass_stamps_exactly_the_nodes_it_created(stage):
     assert any(n.target is c10d.all_gather_into_tensor.default for n in made)
 
 
-def test_larger_buckets_pad_less():
-    small = _compile_as(0, 4, 2, bucket_numel=4096)[0]
-    large = _compile_as(0, 4, 2, bucket_numel=1 << 20)[0]
-    fields = [g.notes_of("zero", "shards")[0].fields for g in (small, large)]
-    assert fields[1]["buckets"] == 1 and fields[1]["padded_numel"] < 1.1 * fields[1]["numel"]
-    assert fields[0]["padded_numel"] > 1.25 * fields[0]["numel"]
-    assert small.notes_of("zero", "padding") and not large.notes_of("zero", "padding")
+def test_uneven_rows_are_padded_per_chunk_and_an_empty_chunk_still_has_state(one_process_group):
+    uneven = {"x": torch.randn(2, 6), "y": torch.randn(2, 3)}
+    graph, model, opt = _compile_as(3, 4, 2, step_fn=_uneven_step, model=_Uneven(), batch=uneven)
+    fields = graph.notes_of("zero", "shards")[0].fields
+    # a.weight 5x6 in chunks of 2 rows, a.bias 5 of 2, b.weight 3x5 of 1, b.bias 3 of 1, scale: 1 a rank
+    assert fields["padded_numel"] == 4 * (12 + 2 + 5 + 1 + 1) and fields["numel"] == 30 + 5 + 15 + 3 + 1
+    assert graph.notes_of("zero", "padding")
+    # rank 3 of 4 holds no row of any (its chunks are empty) but keeps state of every parameter
+    assert {n: _local_rows(opt, p).get("exp_avg") for n, p in model.named_parameters() if p.dim()} == \
+        {"a.weight": 0, "a.bias": 0, "b.weight": 0, "b.bias": 0}
+    assert type(opt.state[model.scale]["exp_avg"]) is torch.Tensor   # 0-dim: replicated, plain
+    gpt = _compile_as(0, 4, 2, bucket_numel=1 << 20)[0].notes_of("zero", "shards")[0].fields
+    assert gpt["padded_numel"] == gpt["numel"]   # the GPT's dims 0 divide by 4: no padding
 
 
-def test_clipping_is_refused_and_nothing_is_left_behind():
+def test_full_state_loaded_before_the_first_call_is_narrowed_to_this_ranks_chunk(one_process_group):
+    model = _gpt().float()
+    opt = _optimizer("adamw", model)
+    batch = {k: v[:2] for k, v in _batches(1)[0].items()}
+    gpt_step(model, opt, batch)   # eager: full, plain state (as a full optimizer.load_state_dict leaves)
+    full = {p: {k: t.clone() for k, t in s.items()} for p, s in opt.state.items()}
+    zero = AsRank(stage=2, bucket_numel=4096, as_rank=1, as_world=2)
+    graphoffload.offload_compile(gpt_step, data_parallel=zero).compile(model, opt, batch)
+    for p, state in opt.state.items():
+        start, rows = shard_rows(p.shape[0], 2, 1)
+        assert torch.equal(state["step"], full[p]["step"])
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert isinstance(state[key], DTensor)
+            assert torch.equal(state[key].to_local(), full[p][key][start:start + rows])
+
+
+def test_clipping_is_refused_and_nothing_is_left_behind(one_process_group):
     model = _gpt()
     opt = _optimizer("adamw", model)
     step = graphoffload.offload_compile(clipped_step, data_parallel=AsRank(stage=1))
@@ -291,13 +484,27 @@ def test_clipping_is_refused_and_nothing_is_left_behind():
     assert not opt.state
 
 
-def test_stage_2_refuses_a_step_that_leaves_grad_set():
+def test_stage_2_refuses_a_step_that_leaves_grad_set(one_process_group):
     with pytest.raises(graphoffload.UnsupportedError, match=r"stage 2 keeps only this rank's own gradients, but "
                                                             r"the step leaves .*\.grad set.*ZeRO\(stage=1\)"):
         _compile_as(0, 2, 2, step_fn=zero_first_step)
     _compile_as(0, 2, 1, step_fn=zero_first_step)   # stage 1 leaves the averaged gradients, as DDP
 
 
-def test_skip_nonfinite_is_refused():
+def test_skip_nonfinite_is_refused(one_process_group):
     with pytest.raises(graphoffload.UnsupportedError, match="GradScaler or skip_nonfinite=True is not supported yet"):
         _compile_as(0, 2, 1, skip_nonfinite=True)
+
+
+def test_full_state_loaded_after_the_step_compiled_is_refused_with_what_to_do(one_process_group):
+    model = _gpt().float()
+    opt = _optimizer("adamw", model)
+    batch = {k: v[:2] for k, v in _batches(1)[0].items()}
+    step = graphoffload.offload_compile(gpt_step, data_parallel=AsRank(stage=2, bucket_numel=4096))
+    step.compile(model, opt, batch)
+    p = model.lm_head.weight if hasattr(model, "lm_head") else next(model.parameters())
+    opt.state[p]["exp_avg"] = torch.zeros_like(p)   # as a full optimizer.load_state_dict leaves it
+    # refused while the step binds its inputs, before it runs (one rank of two cannot run here)
+    with pytest.raises(graphoffload.StateError, match=r"plain tensor of the whole parameter's shape .* load a full "
+                                                      r"optimizer state_dict before the step compiles"):
+        step.last.executor.inputs((model, opt, batch), {})
