@@ -137,15 +137,13 @@ class Offload:
     plan_cache: bool = True
     replan_after: int = 3
     replan_threshold: float = 0.25
-    accumulate_on: Literal["device", "host"] = "device"
+    accumulate_on: Literal["device", "host", "auto"] = "device"
     activations: Literal["keep", "auto"] = "keep"
 
     def __post_init__(self) -> None:
         self.budget_bytes()   # validate early
-        if self.accumulate_on not in ("device", "host"):
-            raise ValueError(f"accumulate_on must be 'device' or 'host', got {self.accumulate_on!r}"
-                             + (" (a choice per bucket from the memory budget is not implemented yet: pick one)"
-                                if self.accumulate_on == "auto" else ""))
+        if self.accumulate_on not in ("device", "host", "auto"):
+            raise ValueError(f"accumulate_on must be 'device', 'host' or 'auto', got {self.accumulate_on!r}")
         if self.accumulate_on == "host" and self.device_updates not in ("auto", "never"):
             raise ValueError(f"accumulate_on='host' runs every update on the CPU, which device_updates="
                              f"{self.device_updates!r} contradicts: leave device_updates at 'auto' (or 'never'), "
