@@ -123,8 +123,11 @@ class Offload:
             micro-batch's gradients as usual and the host adds the sums before its update. Every
             bucket then takes the CPU path, and the step must not read the accumulated gradient
             on the device besides its update (`clip_grad_norm_`, a GradScaler's inf checks):
-            such a step is refused when it compiles its updating call; use "device" there.
-            Ignored without `accumulation_steps`.
+            such a step is refused on its first call, before anything runs; use "device" there.
+            "auto": per bucket, sums stay on the device while the predicted peaks of both
+            compiled variants fit `gpu_memory_budget`, and move to the host (buckets in backward
+            order) until they fit; all on the device without a budget; sums the step reads after
+            backward stay on the device. Ignored without `accumulation_steps`.
     """
 
     gpu_memory_budget: int | str | None = None
