@@ -240,6 +240,7 @@ def variant_peaks(where):
     return peaks
 
 
+@pytest.mark.sanitizer_matrix   # the host and device sums' copies and adds are ordered by the schedule
 @pytest.mark.parametrize("opt", sorted(OPTIMIZERS))
 def test_auto_sums_under_a_budget_mix_host_and_device_and_train_like_eager(opt):
     on_device, on_host = variant_peaks("device"), variant_peaks("host")
