@@ -25,6 +25,7 @@ from graphoffload.graph import TrainGraph
 from graphoffload.interruption import InterruptionGuard, Snapshot
 from graphoffload.optimizer_lowering import first_step_params
 from graphoffload.memory import MemoryProfile, analyze_memory
+from graphoffload.passes.host_accumulation import SumPlacement
 from graphoffload.passes.manager import Pass, PassContext, PassFn, PassManager
 from graphoffload.passes.registry import builtin_schedule
 from graphoffload.runtime.accumulation import GradSums
@@ -101,6 +102,9 @@ class CompiledStep:
         self._accumulation = {update: Accumulation(k, update, self._grad_sums.tensor, self._grad_sums.discard)
                               for update in (False, True)} if k > 1 else None
         self._micro_step = 0     # micro-batches of the current accumulation window done so far
+        # Offload(accumulate_on="auto"): where each running sum lives, one decision per input
+        # signature that both variants read (passes/host_accumulation.py)
+        self._sum_placements: dict[Any, SumPlacement] = {}
         self.pass_manager = PassManager(passes, disable=self.config.disable_passes,
                                         builtin=builtin_schedule(self.config))
         self._variants: dict[Any, CompiledVariant] = {}
@@ -154,9 +158,33 @@ class CompiledStep:
             torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"),
         )
 
-    def _compile(self, args: tuple, kwargs: dict) -> CompiledVariant:
+    def _sum_placement(self, key: Any) -> SumPlacement | None:
+        offload = self.config.offload
+        if self._accumulation is None or offload is None or offload.accumulate_on != "auto":
+            return None
+        return self._sum_placements.setdefault((key[1], key[2]), SumPlacement(offload.budget_bytes()))
+
+    def _probe(self, args: tuple, kwargs: dict, update: bool, placement: SumPlacement) -> None:
+        """Compile the other variant of an accumulating step only for its predicted peaks under
+        each candidate placement of the running sums (recorded in `placement`); its graph is
+        dropped, and the optimizer state its capture created with it, so nothing changes."""
+        capture = capture_step(self.fn, args, kwargs, self.config, self._accumulation[update])
+        try:
+            self.pass_manager.run(capture.graph, PassContext(self.config, capture.bindings.device,
+                                                             grad_sum_placement=placement))
+        finally:
+            capture.discard_created_state()
+
+    def _compile(self, args: tuple, kwargs: dict, placement: SumPlacement | None = None) -> CompiledVariant:
         start = time.perf_counter()
-        capture = capture_step(self.fn, args, kwargs, self.config, self._next_accumulation())
+        accumulation = self._next_accumulation()
+        if placement is not None and placement.host is None and placement.budget is not None:
+            # the decision needs both variants' peaks and the updating variant's buckets: probe it first
+            # (and the accumulating one too when the updating call is the first to compile)
+            self._probe(args, kwargs, True, placement)
+            if accumulation.update:
+                self._probe(args, kwargs, False, placement)
+        capture = capture_step(self.fn, args, kwargs, self.config, accumulation)
         log.info("captured %s: %.2f s, %d nodes", self._name, time.perf_counter() - start,
                  len(capture.graph.graph.nodes))
         self.trace_count += 1
@@ -165,7 +193,7 @@ class CompiledStep:
                 f"graphoffload traced {self._name} {self.trace_count} times: each new input shape, "
                 "dtype, train/eval mode or optimizer setting re-traces the step. Pad inputs to fixed "
                 "shapes to avoid it.", stacklevel=3)
-        ctx = PassContext(self.config, capture.bindings.device)
+        ctx = PassContext(self.config, capture.bindings.device, grad_sum_placement=placement)
         try:
             graph, stages = self.pass_manager.run(capture.graph, ctx)
             if self.config.data_parallel is not None:   # state for this rank's chunks only
@@ -189,7 +217,7 @@ class CompiledStep:
         variant = self._variants.get(key)
         if variant is None:
             self.synchronize()   # tracing reads the parameters
-            variant = self._variants[key] = self._compile(args, kwargs)
+            variant = self._variants[key] = self._compile(args, kwargs, self._sum_placement(key))
             if variant.executor.handed_over or variant.executor.carries_host_writes:
                 self._synchronize_before_outside_access(variant.capture.bindings)
         self._last = variant
@@ -316,7 +344,8 @@ class CompiledStep:
 
     def _replan(self, key: Any, old: CompiledVariant, node_seconds: dict[str, float], measured: float) -> None:
         """Run the passes again on the captured graph with measured node times."""
-        ctx = PassContext(self.config, old.executor.device, measured_node_seconds=node_seconds)
+        ctx = PassContext(self.config, old.executor.device, measured_node_seconds=node_seconds,
+                          grad_sum_placement=self._sum_placement(key))
         graph, stages = self.pass_manager.run(old.stages["captured"].copy(), ctx)
         for g in {id(graph): graph, id(stages["final"]): stages["final"]}.values():
             g.note("offload_optimizer", f"re-planned from measured node times: the last plan predicted "

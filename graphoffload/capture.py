@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import functools
 import inspect
 import os
 import re
@@ -197,6 +198,21 @@ class _StepEvents:
     stepped: set[int] = field(default_factory=set)     # indices of the optimizers whose step() ran
     losses: list[Tensor] = field(default_factory=list)   # what each backward call differentiated
     skip_flag: Tensor | None = None   # CompileConfig.skip_nonfinite: 1 when this step's update is skipped
+    # what the step's own code reads of the gradients after a backward, besides graphoffload's
+    # lowered step()/zero_grad(): parameter name -> (the user's line, the reader), first read kept.
+    # An accumulating variant sees every `.grad` as None there (clip_grad_norm_ then traces
+    # nothing), so this is how it knows what its updating variant will read on the device
+    grad_reads: dict[str, tuple[str | None, str]] = field(default_factory=dict)
+    own_code: int = 0    # > 0 while graphoffload's own step()/zero_grad() run (their reads do not count)
+
+
+@contextlib.contextmanager
+def _own_code(events: _StepEvents) -> Iterator[None]:
+    events.own_code += 1
+    try:
+        yield
+    finally:
+        events.own_code -= 1
 
 
 def _set_for_trace(stack: contextlib.ExitStack, obj: Any, attr: str, value: Any) -> None:
@@ -222,6 +238,10 @@ def _lowered_optimizers(bindings: StepBindings, leaves: dict[str, Tensor], state
                 raise UnsupportedError("optimizer.step(closure) is not supported in a compiled step")
             events.order.append("step")
             events.stepped.add(oi)
+            with _own_code(events):
+                _lowered_step(oi, opt)
+
+        def _lowered_step(oi: int, opt: torch.optim.Optimizer) -> None:
             # set by GradScaler.step() for optimizers that unscale inside their fused kernel
             grad_scale, found_inf = getattr(opt, "grad_scale", None), getattr(opt, "found_inf", None)
             if config.skip_nonfinite:
@@ -249,9 +269,10 @@ def _lowered_optimizers(bindings: StepBindings, leaves: dict[str, Tensor], state
         def zero_grad(set_to_none: bool = True) -> None:
             events.order.append("zero_grad")
             events.zeroed.append(frozenset(leaf_name[id(p)] for g in opt.param_groups for p in g["params"]))
-            for group in opt.param_groups:
-                for p in group["params"]:
-                    p.grad = None
+            with _own_code(events):
+                for group in opt.param_groups:
+                    for p in group["params"]:
+                        p.grad = None
         return zero_grad
 
     with contextlib.ExitStack() as stack:
@@ -278,22 +299,34 @@ def _recorded_module_zero_grad(bindings: StepBindings, events: _StepEvents) -> I
             def zero_grad(set_to_none: bool = True, module: nn.Module = module, names: frozenset = names) -> None:
                 events.order.append("zero_grad")
                 events.zeroed.append(names)
-                type(module).zero_grad(module, set_to_none)
+                with _own_code(events):
+                    type(module).zero_grad(module, set_to_none)
             _set_for_trace(stack, module, "zero_grad", zero_grad)
         yield
 
 
 @contextlib.contextmanager
 def _swapped_scaler_state(bindings: StepBindings, traced: dict[tuple[int, str], Tensor],
-                          accumulating: bool = False) -> Iterator[None]:
+                          accumulating: bool = False, events: _StepEvents | None = None,
+                          leaf_names: dict[int, str] | None = None) -> Iterator[None]:
     """Point each GradScaler at traced copies of its scale and growth tracker (graph inputs it
     updates in place), and give it back its per-step bookkeeping afterwards.
 
     `accumulating` (the variant of `accumulation_steps=k` that only adds into the running sums):
     the scaler's `unscale_`, `step` and `update` do nothing, as `optimizer.step()` does nothing
     there. Eager accumulation calls them once a window, so the scale stays the same across the
-    window's micro-batches, and the updating call unscales, checks and updates on the sums."""
-    def skipped(*args: Any, **kwargs: Any) -> None:
+    window's micro-batches, and the updating call unscales, checks and updates on the sums.
+    A skipped `unscale_(opt)` or `step(opt)` is recorded in `events.grad_reads` for every
+    parameter of `opt`: on the updating call it reads their accumulated gradients on the device."""
+    def skipped(*args: Any, method: str = "", **kwargs: Any) -> None:
+        opt = args[0] if args else kwargs.get("optimizer")
+        if events is not None and leaf_names is not None and method in ("unscale_", "step") \
+                and isinstance(opt, torch.optim.Optimizer):
+            line = calling_user_line()
+            for group in opt.param_groups:
+                for p in group["params"]:
+                    if id(p) in leaf_names:
+                        events.grad_reads.setdefault(leaf_names[id(p)], (line, f"GradScaler.{method}"))
         return None
 
     with contextlib.ExitStack() as stack:
@@ -305,7 +338,7 @@ def _swapped_scaler_state(bindings: StepBindings, traced: dict[tuple[int, str], 
                            copy.deepcopy(grad_scaler_state(scaler, "per_optimizer_states")))
             if accumulating:
                 for method in ("unscale_", "step", "update"):
-                    _set_for_trace(stack, scaler, method, skipped)
+                    _set_for_trace(stack, scaler, method, functools.partial(skipped, method=method))
         yield
 
 
@@ -348,22 +381,28 @@ def _backward_provenance(outputs: Any, mode: _StepMode | None = None, where: str
             h.remove()
 
 
+_GRAD_GETTER = Tensor.grad.__get__   # what a TorchFunctionMode sees when code reads `tensor.grad`
+
+
 class _StepMode(TorchFunctionMode):
     """Routes SDPA to graphoffload's attention op (and fp32/fp16 grouped matmuls to its grouped_mm,
     graphoffload/ops/grouped_mm.py) and tags backward; everything else passes."""
 
     def __init__(self, events: _StepEvents, regions: CheckpointRegions,
-                 sums: _AccumulatingGrads | None = None):
+                 sums: _AccumulatingGrads | None = None, leaf_names: dict[int, str] | None = None):
         super().__init__()
         self.events = events
         self.regions = regions
         self.sums = sums
+        self.leaf_names = leaf_names or {}   # id(traced parameter) -> its name
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         # make_fx records stack traces only inside modules' forward(); this covers the rest of
         # the step (loss, clipping, optimizer.step()) with the user's calling line
         source = calling_user_line()
+        if func == _GRAD_GETTER:
+            self._grad_read(args[0], source)
         with fx_traceback.annotate({"source": source, **self.regions.tag()}):
             if func is F.scaled_dot_product_attention:
                 return sdpa_via_attention(*args, **kwargs)
@@ -387,6 +426,13 @@ class _StepMode(TorchFunctionMode):
                 with _backward_provenance(args[0] if args else kwargs.get("outputs"), self, source), self._backward():
                     return func(*args, **kwargs)
             return func(*args, **kwargs)
+
+    def _grad_read(self, tensor: Any, source: str | None) -> None:
+        """The step's own code reads a parameter's `.grad` after a backward (clip_grad_norm_,
+        a gradient's norm for logging): recorded (StepEvents.grad_reads)."""
+        name = self.leaf_names.get(id(tensor))
+        if name is not None and "backward" in self.events.order and not self.events.own_code:
+            self.events.grad_reads.setdefault(name, (source, "reads .grad"))
 
     def _backward_called(self, source: str | None) -> None:
         """Several backward calls accumulate into `.grad` (micro-batches); one after an
@@ -727,14 +773,17 @@ def _capture_step(fn: Callable, args: tuple, kwargs: dict, config: CompileConfig
         sums = _AccumulatingGrads(accumulation, params, dict(zip(sum_names, flat[len(flat) - len(sum_names):]))) \
             if accumulation is not None else None
         step_args, step_kwargs = pytree.tree_unflatten(step_leaves, in_spec)
+        leaf_names = {id(t): n for n, t in params.items()}
         # module parameters are named before _swapped_module_tensors puts the traced ones in
         with _recorded_module_zero_grad(bindings, events), _swapped_module_tensors(bindings, params, buffers), \
                 _lowered_optimizers(bindings, params, states, lrs, first_steps, config, events), \
-                _swapped_scaler_state(bindings, scaler_state, accumulation is not None and not accumulation.update), \
-                _StepMode(events, regions, sums):
+                _swapped_scaler_state(bindings, scaler_state, accumulation is not None and not accumulation.update,
+                                      events, leaf_names), \
+                _StepMode(events, regions, sums, leaf_names):
             out = fn(*step_args, **step_kwargs)
             if sums is not None:
-                sums.finish()
+                with _own_code(events):
+                    sums.finish()
             rebound = {n: bindings.buffer(n) for n in buffer_names}
         out_leaves, out_spec = pytree.tree_flatten(out)
         result["out_spec"] = out_spec
@@ -791,6 +840,11 @@ def _capture_step(fn: Callable, args: tuple, kwargs: dict, config: CompileConfig
     train_graph.note("capture", f"{len(param_names)} parameters, {len(buffer_names)} buffers, "
                      f"{len(bindings.state_keys)} optimizer-state tensors, {events.subgroups} update subgroups; "
                      f"step calls: {' -> '.join(events.order)}")
+    if events.grad_reads:
+        line, reader = next(iter(events.grad_reads.values()))
+        train_graph.note("capture", f"the step's code reads the gradients of {len(events.grad_reads)} parameters "
+                         f"after backward ({reader}{', ' + line.splitlines()[0] if line else ''})", "grad_reads",
+                         params=tuple(events.grad_reads), source=line, reader=reader)
     for region in recomputed:
         train_graph.note("capture", f"recomputed in backward (activation checkpointing): {region.name}, "
                          f"{len(region.recomputed)} nodes" + (f", {region.random} random ops replayed" if region.random else ""))

@@ -123,8 +123,11 @@ class Offload:
             micro-batch's gradients as usual and the host adds the sums before its update. Every
             bucket then takes the CPU path, and the step must not read the accumulated gradient
             on the device besides its update (`clip_grad_norm_`, a GradScaler's inf checks):
-            such a step is refused when it compiles its updating call; use "device" there.
-            Ignored without `accumulation_steps`.
+            such a step is refused on its first call, before anything runs; use "device" there.
+            "auto": per bucket, sums stay on the device while the predicted peaks of both
+            compiled variants fit `gpu_memory_budget`, and move to the host (buckets in backward
+            order) until they fit; all on the device without a budget; sums the step reads after
+            backward stay on the device. Ignored without `accumulation_steps`.
     """
 
     gpu_memory_budget: int | str | None = None
@@ -137,15 +140,13 @@ class Offload:
     plan_cache: bool = True
     replan_after: int = 3
     replan_threshold: float = 0.25
-    accumulate_on: Literal["device", "host"] = "device"
+    accumulate_on: Literal["device", "host", "auto"] = "device"
     activations: Literal["keep", "auto"] = "keep"
 
     def __post_init__(self) -> None:
         self.budget_bytes()   # validate early
-        if self.accumulate_on not in ("device", "host"):
-            raise ValueError(f"accumulate_on must be 'device' or 'host', got {self.accumulate_on!r}"
-                             + (" (a choice per bucket from the memory budget is not implemented yet: pick one)"
-                                if self.accumulate_on == "auto" else ""))
+        if self.accumulate_on not in ("device", "host", "auto"):
+            raise ValueError(f"accumulate_on must be 'device', 'host' or 'auto', got {self.accumulate_on!r}")
         if self.accumulate_on == "host" and self.device_updates not in ("auto", "never"):
             raise ValueError(f"accumulate_on='host' runs every update on the CPU, which device_updates="
                              f"{self.device_updates!r} contradicts: leave device_updates at 'auto' (or 'never'), "

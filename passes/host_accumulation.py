@@ -15,12 +15,22 @@ there, so the sums can live there too, in fp32:
 
 fp32 addition commutes, so `g + sum` on the host gives the device form's bits. What cannot
 work this way is a step that reads the accumulated gradient on the device besides its update
-(`clip_grad_norm_`'s norm, a GradScaler's inf checks): that is refused, naming the reader.
+(`clip_grad_norm_`'s norm, a GradScaler's inf checks): capture records such reads even on an
+accumulating call (where `.grad` is None), so the first call refuses it, before anything runs.
+
+`Offload(accumulate_on="auto")` chooses per bucket (`SumPlacement`): sums stay on the device
+while the predicted peaks of both compiled variants fit `gpu_memory_budget`; otherwise buckets
+move to the host, in backward order, until they fit. The choice is made once, when both
+variants' predicted peaks are known (the step compiles the other variant as a probe first), and
+both variants read it from the one `SumPlacement` the step keeps, so they always agree.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch import fx
@@ -28,20 +38,25 @@ from torch import fx
 from graphoffload.diagnostics import user_line_of_stack_trace
 from graphoffload.errors import UnsupportedError
 from graphoffload.graph import InputSpec, TrainGraph, fake_mode_of, placeholder_name
+from graphoffload.memory import format_bytes
 from graphoffload.passes.update_kernels import UpdateKernel
+
+if TYPE_CHECKING:
+    from graphoffload.passes.manager import PassContext
 
 aten = torch.ops.aten
 ops = torch.ops.graphoffload
 SUM_DTYPE = torch.float32
 
 
-def move_sums_to_host(graph: TrainGraph, specs: list[InputSpec]) -> dict[str, fx.Node]:
-    """Mark every running-sum placeholder as an fp32 host tensor (in `specs` and its meta
-    val); returns parameter name -> placeholder."""
+def move_sums_to_host(graph: TrainGraph, specs: list[InputSpec], only: frozenset[str] | None = None
+                      ) -> dict[str, fx.Node]:
+    """Mark every running-sum placeholder (of the parameters in `only`, when given) as an fp32
+    host tensor (in `specs` and its meta val); returns parameter name -> placeholder."""
     placeholders = graph.placeholders()
     sums = {}
     for i, spec in enumerate(specs):
-        if spec.kind != "grad_sum":
+        if spec.kind != "grad_sum" or (only is not None and spec.target not in only):
             continue
         node = placeholders[spec.name]
         specs[i] = dataclasses.replace(spec, mutable=True, host=True)
@@ -115,3 +130,125 @@ def drain_host_sums(k: UpdateKernel, names: list[str], sums: dict[str, fx.Node])
             node.graph.erase_node(node)
         out.append(s)
     return out
+
+
+def grad_reads(graph: TrainGraph) -> tuple[frozenset[str], str]:
+    """The parameters whose gradients the step's own code reads after backward (capture's
+    `grad_reads` note: clip_grad_norm_, a GradScaler's unscale_/step), and where, as a phrase.
+    An accumulating variant sees `.grad` as None there, so it reads this instead of the graph."""
+    notes = graph.notes_of("capture", "grad_reads")
+    if not notes:
+        return frozenset(), ""
+    fields = notes[0].fields
+    where = user_line_of_stack_trace(fields["source"]) or (fields["source"] or "").splitlines()[0]
+    return frozenset(fields["params"]), f"{fields['reader']}{f', {where}' if where else ''}"
+
+
+def refuse_host_sums_read_on_device(graph: TrainGraph, sums: dict[str, fx.Node]) -> None:
+    """Before anything runs: a step that reads the accumulated gradient on the device after
+    backward cannot keep those sums on the host (its updating call would need them there)."""
+    read, where = grad_reads(graph)
+    if read & set(sums):
+        raise UnsupportedError(
+            f"Offload(accumulate_on='host') cannot keep the running gradient sums on the host: the step reads the "
+            f"gradients of {len(read & set(sums))} parameters after backward ({where}), which on the updating call "
+            "are the accumulated gradients, read on the device (clip_grad_norm_'s norm, a GradScaler's inf "
+            "checks). Use Offload(accumulate_on='device'), or 'auto', which keeps those sums on the device")
+
+
+@dataclass
+class SumPlacement:
+    """Where the running sums live under `Offload(accumulate_on="auto")`, shared by the two
+    compiled variants of one step (and its re-plans) through `PassContext.grad_sum_placement`.
+
+    Buckets are the updating variant's (the accumulating one has no updates to bucket): `groups`
+    lists those whose sums may move, in the order they would (backward order: see
+    `candidate_groups`). `peaks[update]` is a variant's predicted device peak with the sums of the
+    first m groups on the host, m = 0 .. len(groups). `host` is the decision, once made."""
+
+    budget: int | None
+    host: frozenset[str] | None = None
+    groups: tuple[tuple[str, tuple[str, ...]], ...] | None = None
+    peaks: dict[bool, tuple[int, ...]] = field(default_factory=dict)
+    chosen: int = 0                   # how many groups moved
+    pinned: frozenset[str] = frozenset()   # sums kept on the device because the step reads them there
+
+    def hosted(self, m: int) -> frozenset[str]:
+        return frozenset(name for _, names in (self.groups or ())[:m] for name in names)
+
+
+def candidate_groups(kernels: list[UpdateKernel], names_of: list[list[str]], pinned: frozenset[str]
+                     ) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    """The buckets whose sums may move to the host, in the order they move. Every bucket saves
+    on the device exactly the bytes its copy moves each micro-batch (the copy is in the
+    gradient's own dtype, and the host add is linear in it too), so bytes saved per second of
+    added link and CPU time is the same for all; what differs is how much of them hides: a
+    bucket whose gradients are final earlier in backward has more of backward left to run
+    beside its copy and add. So buckets move in backward order (the order of their updates).
+    Buckets with a gradient the step reads on the device (`pinned`) never move."""
+    return tuple((str(k.node.meta.get("bucket", b)), tuple(names)) for b, (k, names) in enumerate(zip(kernels, names_of))
+                 if not pinned & set(names))
+
+
+def place_sums(graph: TrainGraph, ctx: PassContext, update: bool, sums: list[str],
+               groups: Callable[[frozenset[str]], tuple[tuple[str, tuple[str, ...]], ...]],
+               peak_with: Callable[[TrainGraph, PassContext], int]) -> frozenset[str] | None:
+    """The parameters whose running sums live on the host in this compile. "device"/"host":
+    none/all. "auto": the step's `SumPlacement` decides once; a variant compiled before the
+    decision records its predicted peak with each number of buckets moved (`peak_with` of a
+    copy of the graph, compiled under `trial_context`), and returns None when the other
+    variant's peaks are still missing (a probe: the step discards its graph)."""
+    where = ctx.config.offload.accumulate_on
+    if where != "auto" or not sums:
+        return frozenset(sums) if where == "host" else frozenset()
+    placement = ctx.grad_sum_placement
+    if placement is None:
+        raise UnsupportedError("Offload(accumulate_on='auto') needs the step's sum placement in the PassContext "
+                               "(grad_sum_placement): compile through offload_compile, or pick 'device' or 'host'")
+    if placement.host is not None:
+        return placement.host
+    if placement.budget is None:   # no budget pressure: every sum stays on the device
+        placement.host = frozenset()
+        return placement.host
+    if update:
+        placement.pinned = grad_reads(graph)[0]
+        placement.groups = groups(placement.pinned)
+    elif placement.groups is None:
+        raise UnsupportedError("Offload(accumulate_on='auto'): the accumulating variant was planned before the "
+                               "updating one recorded its buckets; please report this")
+    placement.peaks[update] = tuple(peak_with(graph.copy(), trial_context(ctx, placement.hosted(m)))
+                                    for m in range(len(placement.groups) + 1))
+    if len(placement.peaks) < 2:
+        return None
+    _decide(placement, ctx.config.offload.gpu_memory_budget)
+    return placement.host
+
+
+def trial_context(ctx: PassContext, host: frozenset[str]) -> PassContext:
+    """A context that compiles one candidate placement for its predicted peak only: no budget
+    check, every bucket on the CPU path (the least device memory an update can take; the real
+    compile's planner puts a bucket on the device path only where that fits the budget), saved
+    activations kept (activations='auto' may lower the real peak further)."""
+    offload = dataclasses.replace(ctx.config.offload, gpu_memory_budget=None, device_updates="never",
+                                  activations="keep", plan_cache=False, replan_after=0)
+    return dataclasses.replace(ctx, config=dataclasses.replace(ctx.config, offload=offload), timings={},
+                               measured_node_seconds=None,
+                               grad_sum_placement=SumPlacement(None, host=host))
+
+
+def _decide(placement: SumPlacement, budget_text: int | str) -> None:
+    need = [max(a, u) for a, u in zip(placement.peaks[False], placement.peaks[True])]
+    fits = [m for m, peak in enumerate(need) if peak <= placement.budget]
+    if not fits:
+        least = min(range(len(need)), key=need.__getitem__)
+        pinned = (f"; the sums of {len(placement.pinned)} parameters stay on the device because the step reads "
+                  "their accumulated gradients there (clip_grad_norm_, a GradScaler)") if placement.pinned else ""
+        raise UnsupportedError(
+            f"gpu_memory_budget {budget_text} cannot be met with accumulate_on='auto': with the running gradient "
+            f"sums of {least} of {len(need) - 1} movable buckets on the host the step needs at least "
+            f"{format_bytes(need[least])} ({need[least]:,} bytes) on the device (accumulating call "
+            f"{format_bytes(placement.peaks[False][least])}, updating call "
+            f"{format_bytes(placement.peaks[True][least])}){pinned}. Raise the budget to at least that, or "
+            "reduce the micro-batch")
+    placement.chosen = fits[0]
+    placement.host = placement.hosted(fits[0])

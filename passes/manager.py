@@ -21,6 +21,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch import fx
@@ -30,6 +31,9 @@ from graphoffload.errors import GraphOffloadError, PassError
 from graphoffload.graph import Stages, TrainGraph, fill_missing_meta, refresh_vals, snapshot_inputs
 from graphoffload.passes.verify import verify_train_graph
 from graphoffload.torch_private import recording_created_nodes
+
+if TYPE_CHECKING:
+    from graphoffload.passes.host_accumulation import SumPlacement
 
 # one INFO line per pass with its time, so a long compile shows what it is doing
 log = logging.getLogger("graphoffload")
@@ -66,6 +70,9 @@ class PassContext:
     timings: dict[str, float] = field(default_factory=dict)
     # measured seconds of each node of an earlier run (profile-guided planning), by node name
     measured_node_seconds: dict[str, float] | None = None
+    # with accumulation_steps and Offload(accumulate_on="auto"): the step's one decision of where
+    # each running gradient sum lives, shared by both compiled variants (passes/host_accumulation.py)
+    grad_sum_placement: SumPlacement | None = None
 
 
 def validate_schedule(passes: Sequence[Pass], known: frozenset[str]) -> None:

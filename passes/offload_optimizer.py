@@ -48,7 +48,8 @@ from graphoffload.passes.offload_cost_model import node_seconds
 from graphoffload.passes.offload_planner import SWEEPS, BucketCost, Prediction, StepCosts, plan, predict
 from graphoffload.passes.offload_plan_cache import load_plan, plan_key, plan_path, store_plan
 from graphoffload.ops.host_transfer import assign_streams
-from graphoffload.passes.host_accumulation import accumulate_on_host, drain_host_sums, move_sums_to_host
+from graphoffload.passes.host_accumulation import (accumulate_on_host, candidate_groups, drain_host_sums,
+                                                   move_sums_to_host, place_sums, refuse_host_sums_read_on_device)
 from graphoffload.passes.update_kernels import UpdateKernel, find_update_kernels, update_kernels_to_rewrite
 
 if TYPE_CHECKING:
@@ -315,12 +316,13 @@ def _first_reader(k: UpdateKernel, position: dict[fx.Node, int]) -> fx.Node:
 
 
 def _choose_paths(graph: TrainGraph, kernels: list[UpdateKernel], ctx: PassContext, state_bytes_on_device: int,
-                  early: list[_EarlyGradients | None], host_sums: bool) -> tuple[list[str], dict[int, int]]:
-    """CPU or device path per bucket, and where device-path prefetches start (node index)."""
+                  early: list[_EarlyGradients | None], host_sums: list[bool]) -> tuple[list[str], dict[int, int]]:
+    """CPU or device path per bucket, and where device-path prefetches start (node index).
+    `host_sums[b]`: bucket b's running gradient sums are on the host, so it takes the CPU path."""
     offload = ctx.config.offload
     n = len(kernels)
     mode = offload.device_updates
-    if host_sums:
+    if host_sums and all(host_sums):
         graph.note("offload_optimizer", "running gradient sums on the host: every bucket takes the CPU path",
                    "no_plan", reason="accumulate_on host")
         return ["cpu"] * n, {}
@@ -366,6 +368,12 @@ def _choose_paths(graph: TrainGraph, kernels: list[UpdateKernel], ctx: PassConte
         # re-plans from measured node times are never cached: no restart measures the same times
         chosen, candidates = _plan_or_reuse(graph, costs, cal, budget,
                                             offload.plan_cache and ctx.measured_node_seconds is None)
+    if any(host_sums) and any(p == "device" for p, h in zip(chosen.assignment, host_sums) if h):
+        # buckets whose sums are on the host take the CPU path: the search's choice with them moved back
+        # (it does not search under that constraint; all-CPU fits whenever offload fits)
+        forced = [("cpu" if h else p) for p, h in zip(chosen.assignment, host_sums)]
+        chosen = predict(costs, forced, cal, budget) or predict(costs, ["cpu"] * n, cal, budget)
+        candidates = {}
     graph.note("offload_optimizer", f"plan: {chosen.assignment.count('device')} of {n} buckets on the device, "
                f"predicted step {chosen.step_seconds * 1e3:.3g} ms" + "".join(
                    f"; {name} {t * 1e3:.3g} ms" for name, t in candidates.items()), "plan",
@@ -413,17 +421,41 @@ def _moved(event, bucket: BucketCost) -> int:
     return 0
 
 
-def _note_grad_sums(graph: TrainGraph, sums: dict[str, fx.Node], where: str, buckets: dict[str, list[str]]) -> None:
+def _note_grad_sums(graph: TrainGraph, host: dict[str, fx.Node], device: dict[str, fx.Node],
+                    buckets: dict[str, list[str]], ctx: PassContext) -> None:
     """explain()'s record of where each bucket's running gradient sums live (accumulation_steps)."""
-    if not sums:
+    if not host and not device:
         return
-    nbytes = sum(s.meta["val"].numel() * s.meta["val"].element_size() for s in sums.values())
-    graph.note("offload_optimizer", f"{len(sums)} running gradient sums on the {where} "
-               f"({format_bytes(nbytes)}{', fp32' if where == 'host' else ''})", "grad_sums",
-               where=where, sums=len(sums), bytes=nbytes)
+    nbytes = {w: sum(s.meta["val"].numel() * s.meta["val"].element_size() for s in sums.values())
+              for w, sums in (("host", host), ("device", device))}
+    where = "mixed" if host and device else "host" if host else "device"
+    graph.note("offload_optimizer", "running gradient sums: " + ", ".join(
+        f"{len(sums)} on the {w} ({format_bytes(nbytes[w])}{', fp32' if w == 'host' else ''})"
+        for w, sums in (("host", host), ("device", device)) if sums), "grad_sums", where=where,
+        sums=len(host) + len(device), bytes=sum(nbytes.values()), host_sums=len(host), device_sums=len(device),
+        host_bytes=nbytes["host"], device_bytes=nbytes["device"])
     for bucket, names in buckets.items():
-        graph.note("offload_optimizer", f"bucket {bucket}: running gradient sums on the {where}", "grad_sum",
-                   bucket=bucket, where=where, params=tuple(names))
+        w = "host" if names[0] in host else "device"
+        graph.note("offload_optimizer", f"bucket {bucket}: running gradient sums on the {w}", "grad_sum",
+                   bucket=bucket, where=w, params=tuple(names))
+    placement = ctx.grad_sum_placement
+    if ctx.config.offload.accumulate_on == "auto" and placement is not None and placement.peaks:
+        m, peaks = placement.chosen, placement.peaks
+        graph.note("offload_optimizer", f"accumulate_on='auto': {m} of {len(placement.groups)} movable buckets' sums "
+                   f"on the host, predicted peaks {format_bytes(peaks[False][m])} accumulating and "
+                   f"{format_bytes(peaks[True][m])} updating within gpu_memory_budget "
+                   f"{ctx.config.offload.gpu_memory_budget} (all on the device: {format_bytes(peaks[False][0])} and "
+                   f"{format_bytes(peaks[True][0])})", "grad_sum_placement", moved=m, movable=len(placement.groups),
+                   buckets=tuple(b for b, _ in placement.groups[:m]), budget=placement.budget,
+                   accumulate_peak=peaks[False][m], update_peak=peaks[True][m],
+                   peaks={"accumulate": peaks[False], "update": peaks[True]})
+
+
+def _predicted_peak(graph: TrainGraph, ctx: PassContext) -> int:
+    """Device peak of `graph` compiled by this pass under `ctx`, with what the CUDA allocator
+    holds outside the graph's tensors (host_accumulation.place_sums' trials)."""
+    out = offload_optimizer(graph, ctx)
+    return analyze_memory(out).peak + sum(unseen_device_bytes(out.graph, ctx.device).values())
 
 
 def offload_optimizer(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
@@ -431,14 +463,22 @@ def offload_optimizer(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
     kernels = find_update_kernels(graph.graph)
     host_sums: dict[str, fx.Node] = {}
     specs = list(graph.signature.inputs)
+    spec_of = {s.name: i for i, s in enumerate(specs)}
     placeholders = graph.placeholders()
     device_sums = {s.target: placeholders[s.name] for s in specs if s.kind == "grad_sum"}
-    if offload.accumulate_on == "host" and device_sums:
-        host_sums, device_sums = move_sums_to_host(graph, specs), {}
+    on_host = place_sums(graph, ctx, bool(kernels), list(device_sums), lambda pinned: candidate_groups(
+        kernels, [[specs[spec_of[p.name]].target for p in k.params] for k in kernels], pinned), _predicted_peak) \
+        if device_sums else frozenset()
+    if on_host is None:   # a probe of the other variant before the placement is decided: its graph is dropped
+        return graph
+    if on_host:
+        host_sums = move_sums_to_host(graph, specs, on_host)
+        device_sums = {name: s for name, s in device_sums.items() if name not in host_sums}
     if not kernels and (host_sums or device_sums):   # an accumulating call
-        _note_grad_sums(graph, host_sums or device_sums, "host" if host_sums else "device", {})
+        _note_grad_sums(graph, host_sums, device_sums, {}, ctx)
         if not host_sums:
             return graph
+        refuse_host_sums_read_on_device(graph, host_sums)   # before anything runs, not on the k-th call
         accumulate_on_host(graph, specs, host_sums)   # its gradients go to the host sums
         assign_streams(graph.graph)
         graph = graph.with_signature(inputs=tuple(specs))
@@ -448,17 +488,17 @@ def offload_optimizer(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
     if not kernels:
         return graph
     g = graph.graph
-    spec_of = {s.name: i for i, s in enumerate(specs)}
     names_of = [[specs[spec_of[p.name]].target for p in k.params] for k in kernels]
     bucket_params = {str(k.node.meta.get("bucket", b)): names for b, (k, names) in enumerate(zip(kernels, names_of))}
-    sums_of = [drain_host_sums(k, names, host_sums) if host_sums else [] for k, names in zip(kernels, names_of)]
+    sums_of = [drain_host_sums(k, names, host_sums) if host_sums.keys() & set(names) else []
+               for k, names in zip(kernels, names_of)]
     state_bytes = sum(st.meta["val"].numel() * st.meta["val"].element_size()
                       for k in kernels for st in k.state_placeholders())
     storages = StorageMap(g)
     backward = [storages.position[nd] for nd in g.nodes if nd.meta.get("phase") == "backward"]
     early = [_find_early_gradients(storages, k, max(backward)) if backward else None for k in kernels]
     planned = [nd.name for nd in g.nodes if nd.op != "output"]   # what the schedule's node times index
-    paths, prefetch_at = _choose_paths(graph, kernels, ctx, state_bytes, early, bool(host_sums))
+    paths, prefetch_at = _choose_paths(graph, kernels, ctx, state_bytes, early, [bool(s) for s in sums_of])
     early = [found if path == "cpu" else None for found, path in zip(early, paths)]
     read_after = [_first_read_after_update(k, storages) for k in kernels]
     causes = {b: _why_after_backward(storages, k, found) for b, (k, found) in enumerate(zip(kernels, early))
@@ -513,7 +553,7 @@ def offload_optimizer(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
             for node in early[b].scalings:
                 g.erase_node(node)
     if host_sums or device_sums:
-        _note_grad_sums(graph, host_sums or device_sums, "host" if host_sums else "device", bucket_params)
+        _note_grad_sums(graph, host_sums, device_sums, bucket_params, ctx)
     read_in_step = [b for b, path in enumerate(paths) if path == "cpu" and read_after[b] is not None]
     if read_in_step:
         graph.note("offload_optimizer", f"{len(read_in_step)} CPU-path buckets' parameters are read after the "

@@ -154,15 +154,41 @@ def test_explain_names_where_each_buckets_sums_live(tmp_path):
             assert "running gradient sums on the host" in step.explain()
 
 
-def test_host_sums_refuse_a_step_that_reads_the_accumulated_gradient_on_the_device():
+def scaled_step_fn(model, optimizer, scaler, x, y):
+    scaler.scale(torch.nn.functional.mse_loss(model(x), y)).backward()
+    scaler.step(optimizer)
+    scaler.update()
+    optimizer.zero_grad()
+
+
+@pytest.mark.parametrize("reader", ["clip_grad_norm_", "GradScaler"])
+def test_host_sums_refuse_a_step_that_reads_the_accumulated_gradient_on_the_device_at_the_first_call(reader):
+    # the accumulating call sees .grad as None after backward, yet capture records who reads it:
+    # the refusal comes before the first micro-batch runs, not on the k-th call
     model = mlp()
     opt = OPTIMIZERS["adamw"](model)
-    step = compiled("host", clipped_step_fn)
-    data = batches(K)
-    for x, y in data[:-1]:
-        step(model, opt, x, y)
-    with pytest.raises(UnsupportedError, match="accumulate_on='device'"):
-        step(model, opt, *data[-1])
+    for p in model.parameters():   # optimizer state exists (a window already trained)
+        p.grad = torch.ones_like(p)
+    opt.step()
+    opt.zero_grad()
+    if reader == "GradScaler":
+        scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+        step, args = compiled("host", scaled_step_fn), (model, opt, scaler)
+    else:
+        step, args = compiled("host", clipped_step_fn), (model, opt)
+    params = [p.detach().clone() for p in model.parameters()]
+    state = copy.deepcopy(opt.state_dict())
+    with pytest.raises(UnsupportedError, match="accumulate_on='device'") as info:
+        step(*args, *batches(1)[0])
+    # the user's line that reads the gradients
+    assert ("scaler.step(optimizer)" if reader == "GradScaler" else "clip_grad_norm_(model.parameters(), 0.1)") \
+        in str(info.value) and "test_accumulation_offload.py" in str(info.value)
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), params))
+    assert all(p.grad is None for p in model.parameters())
+    after = opt.state_dict()
+    assert after["param_groups"] == state["param_groups"] and after["state"].keys() == state["state"].keys()
+    assert all(torch.equal(after["state"][i][k], v) for i, s in state["state"].items() for k, v in s.items())
+    assert step.micro_step == 0
 
 
 def test_host_sums_resume_a_window_from_a_checkpoint():
@@ -188,7 +214,104 @@ def test_host_sums_resume_a_window_from_a_checkpoint():
 def test_accumulate_on_is_validated():
     with pytest.raises(ValueError, match="accumulate_on"):
         graphoffload.Offload(accumulate_on="cpu")
-    with pytest.raises(ValueError, match="not implemented yet"):
-        graphoffload.Offload(accumulate_on="auto")
+    graphoffload.Offload(accumulate_on="auto")   # chosen per bucket from the budget
     with pytest.raises(ValueError, match="device_updates"):
         graphoffload.Offload(accumulate_on="host", device_updates=2)
+
+
+def auto_step(budget, fn=step_fn):
+    return graphoffload.offload_compile(fn, accumulation_steps=K, offload=graphoffload.Offload(
+        accumulate_on="auto", gpu_memory_budget=budget), config=graphoffload.CompileConfig(
+            fuse_optimizer=graphoffload.FuseOptimizer(bucket_numel=3000)))
+
+
+def variant_peaks(where):
+    """Measured predicted peaks (accumulating, updating) with every sum in one place."""
+    model = mlp()
+    opt = OPTIMIZERS["adamw"](model)
+    step = auto_step(None) if where == "device" else graphoffload.offload_compile(
+        step_fn, accumulation_steps=K, offload=graphoffload.Offload(accumulate_on="host"),
+        config=graphoffload.CompileConfig(fuse_optimizer=graphoffload.FuseOptimizer(bucket_numel=3000)))
+    peaks = []
+    for i, (x, y) in enumerate(batches(K)):
+        step(model, opt, x, y)
+        if i >= K - 2:
+            peaks.append(step.memory().peak)
+    return peaks
+
+
+@pytest.mark.sanitizer_matrix   # the host and device sums' copies and adds are ordered by the schedule
+@pytest.mark.parametrize("opt", sorted(OPTIMIZERS))
+def test_auto_sums_under_a_budget_mix_host_and_device_and_train_like_eager(opt):
+    on_device, on_host = variant_peaks("device"), variant_peaks("host")
+    assert max(on_host) < max(on_device)
+    budget = (max(on_host) + max(on_device)) // 2
+    eager = mlp()
+    model = copy.deepcopy(eager)
+    opt_e, opt_c = OPTIMIZERS[opt](eager), OPTIMIZERS[opt](model)
+    step = auto_step(budget)
+    for i, (x, y) in enumerate(batches(2 * K)):
+        (torch.nn.functional.mse_loss(eager(x), y) / K).backward()
+        if i % K == K - 1:
+            opt_e.step()
+            opt_e.zero_grad()
+        step(model, opt_c, x, y)
+        assert step.memory().peak <= budget          # each variant's predicted peak fits
+        assert all(p.grad is None for p in model.parameters())
+    for (name, pe), pc in zip(eager.named_parameters(), model.parameters()):
+        torch.testing.assert_close(pc.detach(), pe.detach(), rtol=1e-5, atol=1e-7, msg=name)
+    variants = {key[0]: v.graph for key, v in step._variants.items()}
+    where = {}
+    for update, graph in variants.items():
+        [summary] = graph.notes_of("offload_optimizer", "grad_sums")
+        assert summary.fields["where"] == "mixed"
+        where[update] = {s.target: s.host for s in graph.signature.inputs if s.kind == "grad_sum"}
+        [placement] = graph.notes_of("offload_optimizer", "grad_sum_placement")
+        assert max(placement.fields["accumulate_peak"], placement.fields["update_peak"]) <= budget
+        assert 0 < placement.fields["moved"] < placement.fields["movable"]
+    assert where[False] == where[True]              # both variants agree on every sum
+    per_bucket = variants[True].notes_of("offload_optimizer", "grad_sum")
+    assert {n.fields["where"] for n in per_bucket} == {"host", "device"}
+    for note in per_bucket:   # a bucket is all on one side, and the note says which
+        assert {where[True][p] for p in note.fields["params"]} == {note.fields["where"] == "host"}
+    # the accumulating call copies and adds only the host sums; the device ones add in place
+    targets = [n.target for n in variants[False].graph.nodes]
+    assert targets.count(torch.ops.graphoffload.host_accumulate_.default) == sum(where[False].values())
+    assert targets.count(torch.ops.aten.add_.Tensor) == len(where[False]) - sum(where[False].values())
+
+
+def test_auto_sums_without_a_budget_stay_on_the_device():
+    model = mlp()
+    opt = OPTIMIZERS["sgd"](model)
+    step = auto_step(None)
+    for x, y in batches(K):
+        step(model, opt, x, y)
+        assert not any(s.host for s in step.train_graph.signature.inputs if s.kind == "grad_sum")
+        [summary] = step.train_graph.notes_of("offload_optimizer", "grad_sums")
+        assert summary.fields["where"] == "device" and summary.fields["host_sums"] == 0
+
+
+def test_auto_sums_refuse_a_budget_below_the_all_host_peak_naming_the_minimum():
+    least = max(variant_peaks("host"))
+    model = mlp()
+    opt = OPTIMIZERS["adamw"](model)
+    params = [p.detach().clone() for p in model.parameters()]
+    step = auto_step(least - 1024)
+    with pytest.raises(UnsupportedError, match=f"at least .* \\({least:,} bytes\\)"):
+        step(model, opt, *batches(1)[0])
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), params))
+    assert not opt.state and step.micro_step == 0
+    step = auto_step(least)    # exactly the minimum fits: every movable sum on the host
+    step(model, opt, *batches(1)[0])
+    [placement] = step.train_graph.notes_of("offload_optimizer", "grad_sum_placement")
+    assert placement.fields["moved"] == placement.fields["movable"]
+
+
+def test_auto_sums_keep_on_the_device_what_the_step_reads_there():
+    # clip_grad_norm_ reads every accumulated gradient on the device: nothing can move, so a
+    # budget below the all-device peak is refused with that reason, and no budget trains
+    model = mlp()
+    opt = OPTIMIZERS["adamw"](model)
+    step = auto_step(1024, clipped_step_fn)
+    with pytest.raises(UnsupportedError, match="reads their accumulated gradients there"):
+        step(model, opt, *batches(1)[0])
