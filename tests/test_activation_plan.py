@@ -95,25 +95,43 @@ def test_each_budget_is_met_and_trains_bit_identical_to_eager(fraction, keep_pea
 def test_choices_move_from_keep_to_recompute_and_offload_as_the_budget_shrinks(keep_peak):
     counts = []
     for fraction in FRACTIONS:
-        fields = _activations(_compiled(_step(gpu_memory_budget=int(fraction * keep_peak), activations="auto")))
+        fields = _activations(_compiled(_step(FAST_COMPUTE, gpu_memory_budget=int(fraction * keep_peak),
+                                              activations="auto")))
         counts.append((fields["keep"], fields["recompute"], fields["offload"]))
         assert set(fields["choices"].values()) <= {"keep", "recompute", "offload"}
     kept = [c[0] for c in counts]
     moved = [c[1] + c[2] for c in counts]
     assert kept[0] > kept[1] > kept[2], counts
     assert 0 < moved[0] < moved[1] < moved[2], counts
-    assert counts[0][1] > 0 and counts[-1][2] > 0, counts   # cheap chains recomputed first, offload at the tightest
+    # offloads whose copies back hide behind backward cost no time and go first; past them,
+    # recomputing beats a copy back the reader would wait for
+    assert counts[0][2] > 0 and counts[0][1] > 0 and counts[-1][1] > counts[0][1], counts
+
+
+def test_offloads_are_ranked_by_the_stall_they_add():
+    """Under MIXED (slow compute) every copy back hides behind backward's matmuls: the plan
+    offloads, each with no predicted stall; under FAST_COMPUTE the same copies would stall the
+    reader, and recomputing takes over once the hidden ones are spent."""
+    budget = int(0.7 * _compiled(_step()).train_graph.notes_of("offload_optimizer", "offloaded")[0]
+                 .fields["device_peak_bytes"])
+    slow = _compiled(_step(gpu_memory_budget=budget, activations="auto")).train_graph
+    fast = _compiled(_step(FAST_COMPUTE, gpu_memory_budget=budget, activations="auto")).train_graph
+    slow_notes = slow.notes_of("offload_optimizer", "activation")
+    assert slow_notes and all(n.fields["choice"] == "offload" and n.fields["stall_seconds"] == 0 for n in slow_notes)
+    fast_notes = fast.notes_of("offload_optimizer", "activation")
+    assert {n.fields["choice"] for n in fast_notes} == {"offload", "recompute"}
+    assert all(n.fields["stall_seconds"] == 0 for n in fast_notes if n.fields["choice"] == "offload")
 
 
 def test_each_choice_is_a_note_with_its_bytes_and_cost(keep_peak):
-    step = _compiled(_step(gpu_memory_budget=int(0.5 * keep_peak), activations="auto"))
+    step = _compiled(_step(FAST_COMPUTE, gpu_memory_budget=int(0.5 * keep_peak), activations="auto"))
     notes = step.train_graph.notes_of("offload_optimizer", "activation")
     assert notes and {n.fields["choice"] for n in notes} == {"recompute", "offload"}
     peaks = [n.fields["peak_after"] for n in notes]
     assert peaks == sorted(peaks, reverse=True)
     for n in notes:
         assert n.fields["bytes"] > 0 and n.fields["seconds"] > 0
-        assert bool(n.fields["recomputed"]) == (n.fields["choice"] == "recompute")
+        assert bool(n.fields["recomputed"]) == bool(n.fields["rewired"]) == (n.fields["choice"] == "recompute")
     graph = step.graphs["final"].graph
     recomputed = [n for n in graph.nodes if str(n.meta.get("recompute", "")).startswith("activations")]
     assert recomputed and all(n.meta["phase"] == "backward" for n in recomputed)
@@ -198,7 +216,7 @@ def test_activation_copies_share_the_links_with_the_state_transfers_on_one_timel
     """With a planned schedule the activation copies take the gaps the state's transfers leave
     on each link, and recompute and stalls lengthen the predicted step."""
     step = _compiled(graphoffload.offload_compile(mlp_step, offload=Offload(
-        calibration=MIXED, plan_cache=False, gpu_memory_budget=int(0.5 * keep_peak), activations="auto")))
+        calibration=FAST_COMPUTE, plan_cache=False, gpu_memory_budget=int(0.5 * keep_peak), activations="auto")))
     graph = step.train_graph
     schedule = graph.schedule
     added = graph.notes_of("offload_optimizer", "activations_on_schedule")[0].fields
@@ -217,3 +235,4 @@ def test_activation_copies_share_the_links_with_the_state_transfers_on_one_timel
     trace = tmp_path / "step.json"
     step.timeline(str(trace))
     assert f"activation {offloaded[0]} back" in trace.read_text()
+
