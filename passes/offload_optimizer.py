@@ -475,6 +475,15 @@ def _check_budget(graph: TrainGraph, ctx: PassContext, device_peak: int, activat
             ". Raise the budget, or reduce the batch or sequence length.")
 
 
+def _activations_of_accumulating_call(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
+    """A call that only adds into the running sums holds a micro-batch's activations too: with
+    activations="auto" they are planned under the same budget as in the updating call."""
+    graph, activations = _plan_activations(graph, ctx, [])
+    if activations is not None:
+        _check_budget(graph, ctx, analyze_memory(graph).peak, activations)
+    return graph
+
+
 def offload_optimizer(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
     offload = ctx.config.offload
     kernels = find_update_kernels(graph.graph)
@@ -487,12 +496,12 @@ def offload_optimizer(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
     if not kernels and (host_sums or device_sums):   # an accumulating call
         _note_grad_sums(graph, host_sums or device_sums, "host" if host_sums else "device", {})
         if not host_sums:
-            return graph
+            return _activations_of_accumulating_call(graph, ctx)
         accumulate_on_host(graph, specs, host_sums)   # its gradients go to the host sums
         assign_streams(graph.graph)
         graph = graph.with_signature(inputs=tuple(specs))
         fill_missing_meta(graph, "offload_optimizer")
-        return graph
+        return _activations_of_accumulating_call(graph, ctx)
     kernels = update_kernels_to_rewrite(graph, "offload_optimizer", "offload")
     if not kernels:
         return graph

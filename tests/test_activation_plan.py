@@ -19,6 +19,7 @@ from torch import nn
 import graphoffload
 from graphoffload import Offload, UnsupportedError
 from graphoffload.calibration import Calibration
+from graphoffload.memory import analyze_memory
 
 # a device whose matmuls are slow next to its memory bandwidth: an elementwise chain (GELU,
 # dropout's mask) is cheap to recompute, a matmul's output is cheaper to offload, and its copy
@@ -236,3 +237,45 @@ def test_activation_copies_share_the_links_with_the_state_transfers_on_one_timel
     step.timeline(str(trace))
     assert f"activation {offloaded[0]} back" in trace.read_text()
 
+
+def test_accumulating_calls_plan_their_activations_under_the_budget_too():
+    """accumulation_steps=3 (form B): the calls that only add into the running gradient sums hold a
+    micro-batch's activations as the updating call does; with activations="auto" both variants
+    fit the budget, bit-identical to the same step keeping every activation, and train like
+    eager accumulation."""
+    k = 3
+
+    def make(**offload):
+        return graphoffload.offload_compile(mlp_step, accumulation_steps=k, offload=Offload(
+            device_updates="never", calibration=FAST_COMPUTE, **offload))
+
+    model, batches = _model(), _batches(2 * k)
+    keep = make()
+    kept = copy.deepcopy(model)
+    opt_k = adamw(kept)
+    torch.manual_seed(5)
+    losses_k = run_steps(keep, kept, opt_k, batches)
+    peaks = {key[0]: analyze_memory(v.graph).peak for key, v in keep._variants.items()}
+    assert set(peaks) == {False, True}   # an accumulating and an updating variant
+    budget = int(0.7 * peaks[False])
+    step = make(gpu_memory_budget=budget, activations="auto")
+    compiled = copy.deepcopy(model)
+    opt_c = adamw(compiled)
+    torch.manual_seed(5)
+    losses_c = run_steps(step, compiled, opt_c, batches)
+    assert_training_matches(kept, opt_k, losses_k, compiled, opt_c, losses_c, exact=True, offloaded=True)
+    for updates, variant in ((key[0], v) for key, v in step._variants.items()):
+        fields = variant.graph.notes_of("offload_optimizer", "activations")[0].fields
+        assert fields["keep_peak_bytes"] == peaks[updates] and fields["recompute"] + fields["offload"] > 0
+        assert analyze_memory(variant.graph).peak <= budget, updates
+    # eager accumulation: the mean of the micro-batches' gradients, the same dropout masks
+    eager = copy.deepcopy(model)
+    opt_e = adamw(eager)
+    torch.manual_seed(5)
+    for i, b in enumerate(batches):
+        (eager(b["x"], b["y"]) / k).backward()
+        if i % k == k - 1:
+            opt_e.step()
+            opt_e.zero_grad()
+    for (name, pe), pc in zip(eager.named_parameters(), compiled.parameters()):
+        torch.testing.assert_close(pc.detach(), pe.detach(), rtol=1e-5, atol=1e-7, msg=name)
