@@ -7,31 +7,37 @@ budget, this module frees saved activations at the peak: forward values that bac
 Each one can
 
 - stay on the device (keep, today's behaviour);
-- be recomputed in backward, right before its first backward reader, when it is a short chain
-  of ATen ops (at most `MAX_RECOMPUTE_NODES`; views, and one output of a multi-output op such
-  as a layer norm, included) over values that are on the device at that point anyway and
-  unchanged since forward. The duplicated nodes carry `meta["recompute"]`, and a
-  chain that draws random numbers (dropout's `bernoulli_`) replays the forward's draws with
-  the generator state saved before them (`graphoffload.rng_state` / `swap_rng_state`, as
-  activation checkpointing does), so results stay bit-identical;
+- be recomputed in backward: a region of forward ATen ops (views, one output of a multi-output
+  op such as a layer norm or `split`, and graphoffload's attention forward, which is
+  deterministic, included) is replayed once, right before the first backward reader of the
+  activation it was grown from, out of values that are on the device then anyway and unchanged
+  since forward. A region starts as the shortest such chain and grows one forward value at a
+  time through the saved activations it stopped at, up to `MAX_REGION_NODES` (a transformer
+  block's, from the block's input: what checkpointing the block does); it frees every saved
+  tensor whose backward readers all read it through the region. The duplicated nodes carry
+  `meta["recompute"]`, and a region that draws random numbers (dropout's `bernoulli_`) replays
+  the forward's draws with the generator state saved before them (`graphoffload.rng_state` /
+  `swap_rng_state`, as activation checkpointing does), so results stay bit-identical;
 - be copied to pinned host memory right after its last forward read (`copy_to_host`) and
-  brought back (`prefetch_to_device`, waiting for the copy out in stream order) early enough
-  before its first backward reader for the copy to land, as the calibration's host-to-device
-  rate predicts (`wait_device` right before the reader).
+  brought back (`prefetch_to_device`, waiting for the copy out in stream order) before its first
+  backward reader (`wait_device` right before the reader), issued where the link, as the copies
+  chosen so far and the state's transfers leave it, lands it in time if it can.
 
-The choice is greedy: among the activations live at the current peak, the one that frees the
-most bytes per second of added cost (recompute: the recomputed nodes' compute time from the
-calibration's roofline; offload: its bytes over the link, each way) goes first, and every
-choice is checked on the memory analysis of the rewritten graph. When no activation is live at
-the peak any more, the peak reached is the least this plan can do and the pass fails with it.
+The choice is greedy: among the choices that free memory live at the current peak, the one that
+frees the most bytes per second of added step time goes first (recompute: the replayed nodes'
+compute time from the calibration's roofline; offload: the stall its copy back adds, what
+backward's compute does not hide, so a copy that hides goes first), and every choice is checked
+on the memory analysis of the rewritten graph. When nothing live at the peak can move any more,
+the peak reached is the least this plan can do and the pass fails with it. Greedy means short
+cheap recomputes (a GELU, a layer norm) go before whole blocks, and a later region replays again
+what an earlier one replays: regions are not merged.
 
 The memory is shared exactly: both plans are checked against the same liveness analysis, the
 prefetched optimizer state included. The link is shared on one timeline, but not jointly
 planned: with a planned schedule (`graph.schedule`), `place_on_schedule` puts each activation
 copy in the gaps the state's transfers leave on its link and lengthens the predicted step by
 the recompute time and by any copy back that lands after its reader should start; the bucket
-plan is made first and keeps its slots, and the greedy choice ranks an offload by its own link
-time rather than by what it delays.
+plan is made first and keeps its slots.
 """
 
 from __future__ import annotations
@@ -56,9 +62,8 @@ from graphoffload.passes.offload_planner import Event, Prediction
 aten = torch.ops.aten
 ops = torch.ops.graphoffload
 
-# longest chain of nodes a recompute replays: a transformer block's forward from its input (the
-# benchmark GPT's is 38 ATen nodes, views included) and some of the next (past that, offloading
-# or keeping is the choice)
+# most nodes a recompute region replays: room for a transformer block's forward from its input,
+# views included (past that, offloading or keeping is the choice)
 MAX_REGION_NODES = 96
 _PASS = "offload_optimizer"
 
@@ -201,8 +206,11 @@ class _Step:
             if node.target is operator.getitem:   # one output of a multi-output op (a layer norm's, attention's)
                 source = node.args[0]
                 writers = [a.node for a in self.storages.accesses[sids[0]] if a.writes]
-                if not _replayable(source) or writers != [source] or written_args(source):
+                if not _replayable(source) or written_args(source):
                     return False
+                if writers != [source]:   # a view among a list of them (split's): on its input
+                    if self.storages.creator[sids[0]] is source or not self.storages.of(source):
+                        return False
                 nodes = [source, node]
             elif not _replayable(node):
                 return False
@@ -258,8 +266,10 @@ class _Step:
                 continue
             accesses = st.accesses[s]
             later = [a for a in accesses if a.position >= self.backward_start]
+            # a reader of an alias backward made (a detach) reads it through the alias's own access
             if not later or any(a.writes or a.position < at or a.node.meta.get("phase") != "backward"
-                                or any(s in st.of(i) and i not in members for i in a.node.all_input_nodes)
+                                or any(s in st.of(i) and i not in members and i.meta.get("phase") != "backward"
+                                       for i in a.node.all_input_nodes)
                                 for a in later):
                 continue
             holders = [n for n in chain if st.of(n) == [s]]
@@ -286,8 +296,9 @@ class _Step:
             later = [a for a in st.accesses[sid] if a.position >= self.backward_start]
             if not later or any(a.writes or a.node.meta.get("phase") != "backward" for a in later):
                 continue
-            seeds = [i for a in later for i in a.node.all_input_nodes if sid in st.of(i)]
-            if seeds and all(self.position[v] < self.backward_start for v in seeds):
+            seeds = [i for a in later for i in a.node.all_input_nodes
+                     if sid in st.of(i) and self.position[i] < self.backward_start]
+            if seeds:
                 found[seeds[0].name] = sid
         return found
 
@@ -296,7 +307,8 @@ class _Step:
         first, then the longer ones), with what each frees."""
         st = self.storages
         later = [a for a in st.accesses[sid] if a.position >= self.backward_start]
-        seeds = list(dict.fromkeys(i for a in later for i in a.node.all_input_nodes if sid in st.of(i)))
+        seeds = list(dict.fromkeys(i for a in later for i in a.node.all_input_nodes
+                                   if sid in st.of(i) and self.position[i] < self.backward_start))
         found = []
         for chain in self._grow(sid, seeds, later[0].position):
             if self._draws_replayable(chain):

@@ -8,6 +8,7 @@ moving activations can reach fails with the least peak reached."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -279,3 +280,42 @@ def test_accumulating_calls_plan_their_activations_under_the_budget_too():
             opt_e.zero_grad()
     for (name, pe), pc in zip(eager.named_parameters(), compiled.parameters()):
         torch.testing.assert_close(pc.detach(), pe.detach(), rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_a_region_replayed_once_frees_several_saved_tensors_with_dropout_bit_identical():
+    """When copies back would stall (a slow link), the plan recomputes; in a GPT with dropout
+    some chosen region replays a layer norm, the qkv matmul and its split at once and frees every
+    saved tensor backward reads through it (q, k and v), and training stays bit-identical."""
+    slow_link = dataclasses.replace(FAST_COMPUTE, h2d_bytes_per_s=1e8, d2h_bytes_per_s=1e8, duplex_bytes_per_s=1.5e8)
+    model = tiny_gpt(dropout=0.1, seq_len=32)
+    batches = token_batches(3, seq=32, batch=4)
+
+    def make(**offload):
+        return graphoffload.offload_compile(train_step, offload=Offload(device_updates="never", calibration=slow_link,
+                                                                        **offload))
+
+    plain = make()
+    compiled = copy.deepcopy(model)
+    plain.compile(compiled, adamw(compiled), batches[0])
+    keep = plain.train_graph.notes_of("offload_optimizer", "offloaded")[0].fields["device_peak_bytes"]
+    step = make(gpu_memory_budget=int(0.6 * keep), activations="auto")
+    eager, compiled = copy.deepcopy(model), copy.deepcopy(model)
+    opt_e, opt_c = adamw(eager), adamw(compiled)
+    torch.manual_seed(3)
+    losses_e = run_steps(train_step, eager, opt_e, batches)
+    torch.manual_seed(3)
+    losses_c = run_steps(step, compiled, opt_c, batches)
+    assert_training_matches(eager, opt_e, losses_e, compiled, opt_c, losses_c, exact=True, offloaded=True)
+    notes = step.train_graph.notes_of("offload_optimizer", "activation")
+    assert notes and all(n.fields["choice"] == "recompute" for n in notes)
+    widest = max(notes, key=lambda n: len(n.fields["rewired"]))
+    assert len(widest.fields["rewired"]) >= 3 and len(widest.fields["recomputed"]) > 6, widest.fields
+    graph = step.graphs["final"].graph
+    region = [n for n in graph.nodes if n.meta.get("recompute") == f"activations ({widest.fields['activation']})"]
+    assert {n.target for n in region} >= {torch.ops.aten.native_layer_norm.default, torch.ops.aten.addmm.default,
+                                          torch.ops.aten.split.Tensor}
+    # the dropout masks the plan replays draw what forward drew (bit-identical above); each replay
+    # of random ops swaps the generator's state in and back out
+    replayed = [n for n in graph.nodes if n.target is torch.ops.aten.bernoulli_.float and "recompute" in n.meta]
+    swaps = [n for n in graph.nodes if n.target is torch.ops.graphoffload.swap_rng_state.default]
+    assert replayed and len(swaps) == 2 * len({n.meta["recompute"] for n in replayed})
