@@ -5,6 +5,7 @@ same GPT without, both with optimizer state offloaded (the planner's hybrid sche
     python benchmarks/checkpointing.py --predict benchmarks/calibrations/h100-research-notes.json
     python benchmarks/checkpointing.py --predict ... --batch 12     # 24,576 tokens per step
     python benchmarks/checkpointing.py --predict ... --batch 12 --activation-budgets 60,40,24
+    python benchmarks/checkpointing.py --predict ... --batch 12 --activation-budgets 60,40,24 --dtype bfloat16
 
 `--activation-budgets` adds the plain GPT compiled with `Offload(activations="auto")` under each
 budget: the planner keeps, recomputes or offloads each saved activation to fit it (a budget it
@@ -13,9 +14,11 @@ cannot meet is reported with the least peak it reached).
 Everything is compiled on the meta device (no memory, no GPU): the peak is the liveness analysis
 of the final graph (`step.memory().peak`), the step time the planner's prediction under the
 calibration, in which the recomputed nodes cost their compute like any other node. bf16 autocast
-needs a GPU, so the meta graph computes (and keeps activations) in fp32: absolute activation
-bytes are about twice those of the bf16 GPU step, the difference between the rows is what
-checkpointing saves.
+needs a GPU, so by default the meta graph computes (and keeps activations) in fp32: absolute
+activation bytes are about twice those of the bf16 GPU step. `--dtype bfloat16` makes the
+parameters bf16 instead (the offload keeps fp32 master weights and optimizer state on the host),
+so activations and gradients are bf16 as under autocast; the loss still takes its logits in fp32
+(`.float()`), as the benchmark GPT does on a GPU.
 """
 
 from __future__ import annotations
@@ -56,6 +59,7 @@ def predict_rows(args) -> list[dict]:
     with open(args.predict) as f:
         cal = Calibration(**json.load(f))
     model, _ = build_gpt(argparse.Namespace(**{**vars(args), "device": "meta"}), torch.device("meta"))
+    model = model.to(getattr(torch, args.dtype))
     batch = torch.empty((args.batch, args.seq), dtype=torch.long, device="meta")
     rows = []
     for name, checkpointed in (("no checkpointing", False), ("every block checkpointed", True)):
@@ -107,14 +111,18 @@ def main() -> None:
     p.add_argument("--activation-budgets", type=lambda v: [float(x) for x in v.split(",") if x], default=[],
                    metavar="GIB,...", help="also compile the plain GPT with Offload(activations='auto') under "
                    "each of these budgets (GiB); a budget it cannot meet reports the least peak reached")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="the parameters' dtype (bfloat16: fp32 master weights on the host, bf16 activations)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     rows = predict_rows(args)
     print(f"GPT {rows[0]['params'] / 1e9:.2f}B params, batch {args.batch}x{args.seq}: predictions under "
-          f"{args.predict} (meta device, fp32 activations)")
+          f"{args.predict} (meta device, {args.dtype} parameters and activations)")
     print_table(rows, ["mode", "status", "predicted_s", "peak_GiB", "captured_peak_GiB", "recomputed_nodes",
                        "recomputed", "offloaded", "compile_s"])
-    out = args.out or os.path.join(os.path.dirname(__file__), "results", f"checkpointing_predicted_b{args.batch}.json")
+    suffix = "" if args.dtype == "float32" else f"_{args.dtype}"
+    out = args.out or os.path.join(os.path.dirname(__file__), "results",
+                                   f"checkpointing_predicted_b{args.batch}{suffix}.json")
     write_json(out, {"benchmark": "checkpointing-predicted", "calibration": args.predict, "config": vars(args),
                      "rows": rows})
 

@@ -7,38 +7,45 @@ budget, this module frees saved activations at the peak: forward values that bac
 Each one can
 
 - stay on the device (keep, today's behaviour);
-- be recomputed in backward, right before its first backward reader, when it is a short chain
-  of ATen ops (at most `MAX_RECOMPUTE_NODES`; views, and one output of a multi-output op such
-  as a layer norm, included) over values that are on the device at that point anyway and
-  unchanged since forward. The duplicated nodes carry `meta["recompute"]`, and a
-  chain that draws random numbers (dropout's `bernoulli_`) replays the forward's draws with
-  the generator state saved before them (`graphoffload.rng_state` / `swap_rng_state`, as
-  activation checkpointing does), so results stay bit-identical;
+- be recomputed in backward: a region of forward ATen ops (views, one output of a multi-output
+  op such as a layer norm or `split`, and graphoffload's attention forward, which is
+  deterministic, included) is replayed once, right before the first backward reader of the
+  activation it was grown from, out of values that are on the device then anyway and unchanged
+  since forward. A region starts as the shortest such chain and grows one forward value at a
+  time through the saved activations it stopped at, up to `MAX_REGION_NODES` (a transformer
+  block's, from the block's input: what checkpointing the block does); it frees every saved
+  tensor whose backward readers all read it through the region. The duplicated nodes carry
+  `meta["recompute"]`, and a region that draws random numbers (dropout's `bernoulli_`) replays
+  the forward's draws with the generator state saved before them (`graphoffload.rng_state` /
+  `swap_rng_state`, as activation checkpointing does), so results stay bit-identical;
 - be copied to pinned host memory right after its last forward read (`copy_to_host`) and
-  brought back (`prefetch_to_device`, waiting for the copy out in stream order) early enough
-  before its first backward reader for the copy to land, as the calibration's host-to-device
-  rate predicts (`wait_device` right before the reader).
+  brought back (`prefetch_to_device`, waiting for the copy out in stream order) before its first
+  backward reader (`wait_device` right before the reader), issued where the link, as the copies
+  chosen so far and the state's transfers leave it, lands it in time if it can.
 
-The choice is greedy: among the activations live at the current peak, the one that frees the
-most bytes per second of added cost (recompute: the recomputed nodes' compute time from the
-calibration's roofline; offload: its bytes over the link, each way) goes first, and every
-choice is checked on the memory analysis of the rewritten graph. When no activation is live at
-the peak any more, the peak reached is the least this plan can do and the pass fails with it.
+The choice is greedy: among the choices that free memory live at the current peak, the one that
+frees the most bytes per second of added step time goes first (recompute: the replayed nodes'
+compute time from the calibration's roofline; offload: the stall its copy back adds, what
+backward's compute does not hide, so a copy that hides goes first), and every choice is checked
+on the memory analysis of the rewritten graph. When nothing live at the peak can move any more,
+the peak reached is the least this plan can do and the pass fails with it. Greedy means short
+cheap recomputes (a GELU, a layer norm) go before whole blocks, and a later region replays again
+what an earlier one replays: regions are not merged.
 
 The memory is shared exactly: both plans are checked against the same liveness analysis, the
 prefetched optimizer state included. The link is shared on one timeline, but not jointly
 planned: with a planned schedule (`graph.schedule`), `place_on_schedule` puts each activation
 copy in the gaps the state's transfers leave on its link and lengthens the predicted step by
 the recompute time and by any copy back that lands after its reader should start; the bucket
-plan is made first and keeps its slots, and the greedy choice ranks an offload by its own link
-time rather than by what it delays.
+plan is made first and keeps its slots.
 """
 
 from __future__ import annotations
 
 import operator
-from bisect import insort
-from collections.abc import Sequence
+from bisect import bisect_right, insort
+from heapq import heappop, heappush
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 
 import torch
@@ -55,8 +62,9 @@ from graphoffload.passes.offload_planner import Event, Prediction
 aten = torch.ops.aten
 ops = torch.ops.graphoffload
 
-# longest chain of nodes a recompute replays (past that, offloading or keeping is the choice)
-MAX_RECOMPUTE_NODES = 6
+# most nodes a recompute region replays: room for a transformer block's forward from its input,
+# views included (past that, offloading or keeping is the choice)
+MAX_REGION_NODES = 96
 _PASS = "offload_optimizer"
 
 
@@ -68,10 +76,25 @@ class SavedActivation:
     nbytes: int                # its storage, in the allocator's blocks
     last_forward: int          # position of its last access before backward
     first_backward: int        # position of its first reader in backward
-    recompute: tuple[str, ...] | None    # the forward nodes to replay, in order; None: not recomputable
-    recompute_seconds: float
     prefetch_at: int           # position before which its prefetch lands in time (within backward)
     offload_seconds: float     # its bytes over the link, out and back
+
+
+@dataclass(frozen=True)
+class Region:
+    """Forward nodes replayed in backward right before position `at` (the first backward reader
+    of the activation it was grown from), and what that frees on the device: the saved
+    activations whose backward readers all come at or after `at` and read the replay instead."""
+
+    seed: str                  # the saved activation the region was grown from
+    nodes: tuple[str, ...]     # the forward nodes replayed, in graph order
+    at: int
+    rewired: tuple[str, ...]   # replayed nodes whose backward readers read the replay instead
+    freed: tuple[tuple[int, int, int, int], ...]   # (storage, bytes, last forward access, first backward access)
+    seconds: float             # the replay's compute time
+
+    def bytes_live_at(self, position: int) -> int:
+        return sum(n for _, n, last, first in self.freed if last < position < first)
 
 
 @dataclass(frozen=True)
@@ -91,13 +114,20 @@ def _is_random(node: fx.Node) -> bool:
 
 def _replayable(node: fx.Node) -> bool:
     """An ATen op whose result depends on its arguments only (random ops: on the generator's
-    state too, which the recompute replays); graphoffload's ops (the generator's state, the
+    state too, which the recompute replays), or graphoffload's attention forward (deterministic:
+    the same inputs give the same bits); graphoffload's other ops (the generator's state, the
     transfers) and collectives are never replayed."""
-    return isinstance(node.target, torch._ops.OpOverload) and node.target.namespace == "aten"
+    return node.target is ops.attention.default or \
+        (isinstance(node.target, torch._ops.OpOverload) and node.target.namespace == "aten")
 
 
 # the generator's states a replayed random op reads: host values, not the device's activations
 _NOT_ACTIVATIONS = (ops.rng_state.default, ops.swap_rng_state.default)
+
+
+def _forward_value(node: fx.Node) -> bool:
+    """A value forward computes on the device (the generator's states are host values)."""
+    return node.op == "call_function" and node.meta.get("phase") == "forward" and node.target not in _NOT_ACTIVATIONS
 
 
 def _storage_bytes(val: torch.Tensor) -> int:
@@ -117,6 +147,7 @@ class _Step:
     def __init__(self, graph: TrainGraph, storages: StorageMap | None = None):
         self.storages = storages or StorageMap(graph.graph)
         self.position = self.storages.position
+        self.nodes = self.storages.nodes
         backward = [self.position[n] for n in self.storages.nodes if n.meta.get("phase") == "backward"]
         self.backward_start = min(backward) if backward else None
 
@@ -137,9 +168,17 @@ class _Step:
                 return False
         return True
 
-    def recompute_chain(self, sid: int, value: fx.Node, at: int) -> list[fx.Node] | None:
-        """The forward nodes that make `value` again at `at` from available values, in graph order."""
+    def _grow(self, sid: int, seeds: list[fx.Node], at: int) -> Iterator[list[fx.Node]]:
+        """Ever longer chains of forward nodes that make `seeds` (the nodes backward reads storage
+        `sid` through) again at position `at`, each in graph order: first from values on the
+        device then anyway (the shortest), then each time also remaking the latest forward value
+        the chain stopped at, so that a chain grows through the saved activations it passes (a
+        transformer block's, from the block's input: what checkpointing the block does), up to
+        MAX_REGION_NODES nodes."""
         chain: list[fx.Node] = []
+        in_chain: set[fx.Node] = set()
+        stops: dict[fx.Node, None] = {}   # inputs the chain reads as they are
+        horizon = [len(self.nodes)]       # forward values made at or after this are remade
 
         def storage_chain(s: int) -> list[fx.Node] | None:
             accesses = self.storages.accesses[s]
@@ -149,21 +188,29 @@ class _Step:
             writers = [a.node for a in accesses if a.writes]
             if writers[0] is not creator or any(self.position[w] >= self.backward_start for w in writers):
                 return None
-            for w in writers:   # ATen ops only, writing nothing but this storage: replaying them is pure
+            for w in writers:   # writing nothing but this storage: replaying them is pure
                 if not _replayable(w) or any(o not in (s,) for a in written_args(w) for o in self.storages.of(a)):
                     return None
             return writers
+
+        def remade(i: fx.Node) -> bool:
+            if sid in self.storages.of(i) or not self.available(i, at):
+                return True   # what is on the device at `at` only because of the value being moved is not
+            return self.position[i] >= horizon[0] and _forward_value(i)
 
         def expand(node: fx.Node) -> bool:
             """Add the nodes that make `node`'s storage, and what they need, to the chain."""
             sids = self.storages.of(node)
             if node.op != "call_function" or len(sids) != 1:
                 return False
-            if node.target is operator.getitem:   # one output of a multi-output op (a layer norm's)
+            if node.target is operator.getitem:   # one output of a multi-output op (a layer norm's, attention's)
                 source = node.args[0]
                 writers = [a.node for a in self.storages.accesses[sids[0]] if a.writes]
-                if not _replayable(source) or writers != [source] or written_args(source):
+                if not _replayable(source) or written_args(source):
                     return False
+                if writers != [source]:   # a view among a list of them (split's): on its input
+                    if self.storages.creator[sids[0]] is source or not self.storages.of(source):
+                        return False
                 nodes = [source, node]
             elif not _replayable(node):
                 return False
@@ -173,37 +220,110 @@ class _Step:
                 nodes = storage_chain(sids[0])
             if nodes is None or nodes[-1] is not node:
                 return False
-            chain.extend(n for n in nodes if n not in chain)
-            if len(chain) > MAX_RECOMPUTE_NODES:
+            for n in nodes:
+                if n not in in_chain:
+                    chain.append(n)
+                    in_chain.add(n)
+            if len(chain) > MAX_REGION_NODES:
                 return False
             for n in nodes:
                 for i in n.all_input_nodes:
-                    if i in chain or (n.target is aten.empty_like.default and i is n.args[0]):
+                    if i in in_chain or (n.target is aten.empty_like.default and i is n.args[0]):
                         continue   # empty_like only needs the shape: replayed as empty_strided
-                    # what is on the device at `at` only because of the value being moved is not
-                    if (sid in self.storages.of(i) or not self.available(i, at)) and not expand(i):
+                    if not remade(i):
+                        stops[i] = None
+                    elif not expand(i):
                         return False
             return True
 
-        if not expand(value):
-            return None
-        chain.sort(key=self.position.__getitem__)
-        # one saved generator state replays the chain's draws only when no other random op drew
-        # between its first and its last random op in forward
+        if not all(expand(v) for v in seeds):
+            return
+        while True:
+            yield sorted(chain, key=self.position.__getitem__)
+            further = [i for i in stops if i not in in_chain and _forward_value(i)]
+            if not further:
+                return
+            latest = max(further, key=self.position.__getitem__)
+            horizon[0] = self.position[latest]
+            if not expand(latest):
+                return
+
+    def _draws_replayable(self, chain: list[fx.Node]) -> bool:
+        """One saved generator state replays the chain's draws only when no other random op drew
+        between its first and its last random op in forward."""
         random = [self.position[n] for n in chain if _is_random(n)]
-        if random and any(_is_random(n) and n not in chain
-                          for n in self.storages.nodes[random[0]:random[-1] + 1]):
+        members = set(chain)
+        return not random or not any(_is_random(n) and n not in members
+                                     for n in self.nodes[random[0]:random[-1] + 1])
+
+    def _region(self, seed: fx.Node, chain: list[fx.Node], at: int, seconds: dict[fx.Node, float]) -> Region | None:
+        """What replaying `chain` right before `at` frees: every storage it makes whose backward
+        readers all come at or after `at` and read it through the chain's nodes alone."""
+        st, members = self.storages, set(chain)
+        freed, rewired = [], []
+        for s in dict.fromkeys(s for n in chain for s in st.of(n)):
+            if st.creator[s] not in members or s in st.output_reads:
+                continue
+            accesses = st.accesses[s]
+            later = [a for a in accesses if a.position >= self.backward_start]
+            # a reader of an alias backward made (a detach) reads it through the alias's own access
+            if not later or any(a.writes or a.position < at or a.node.meta.get("phase") != "backward"
+                                or any(s in st.of(i) and i not in members and i.meta.get("phase") != "backward"
+                                       for i in a.node.all_input_nodes)
+                                for a in later):
+                continue
+            holders = [n for n in chain if st.of(n) == [s]]
+            val = next((n.meta["val"] for n in holders if isinstance(n.meta.get("val"), torch.Tensor)), None)
+            if val is None:
+                continue
+            freed.append((s, _storage_bytes(val), max(a.position for a in accesses if a.position < self.backward_start),
+                          later[0].position))
+            rewired += [n.name for n in holders if any(u.meta.get("phase") == "backward" for u in n.users)]
+        if not freed:
             return None
-        return chain
+        return Region(seed.name, tuple(n.name for n in chain), at, tuple(rewired), tuple(freed),
+                      sum(seconds.get(n, 0.0) for n in chain))
+
+    def seeds(self) -> dict[str, int]:
+        """The saved activations a recompute may start from: the name of the node backward reads
+        each through (stable while the graph is edited) -> its storage."""
+        if self.backward_start is None:
+            return {}
+        st, found = self.storages, {}
+        for sid, creator in enumerate(st.creator):
+            if not _forward_value(creator) or sid in st.output_reads:
+                continue
+            later = [a for a in st.accesses[sid] if a.position >= self.backward_start]
+            if not later or any(a.writes or a.node.meta.get("phase") != "backward" for a in later):
+                continue
+            seeds = [i for a in later for i in a.node.all_input_nodes
+                     if sid in st.of(i) and self.position[i] < self.backward_start]
+            if seeds:
+                found[seeds[0].name] = sid
+        return found
+
+    def regions(self, sid: int, seconds: dict[fx.Node, float]) -> list[Region]:
+        """The recomputes grown from the saved activation in storage `sid` (_grow: the shortest
+        first, then the longer ones), with what each frees."""
+        st = self.storages
+        later = [a for a in st.accesses[sid] if a.position >= self.backward_start]
+        seeds = list(dict.fromkeys(i for a in later for i in a.node.all_input_nodes
+                                   if sid in st.of(i) and self.position[i] < self.backward_start))
+        found = []
+        for chain in self._grow(sid, seeds, later[0].position):
+            if self._draws_replayable(chain):
+                region = self._region(seeds[0], chain, later[0].position, seconds)
+                if region is not None:
+                    found.append(region)
+        return found
 
     def saved(self, cal: Calibration, seconds: dict[fx.Node, float]) -> list[SavedActivation]:
-        """Every activation that could leave the device between forward and backward."""
+        """Every activation that could be copied to the host between forward and backward."""
         if self.backward_start is None:
             return []
         st, found = self.storages, []
         for sid, creator in enumerate(st.creator):
-            if creator.op != "call_function" or creator.meta.get("phase") != "forward" or sid in st.output_reads \
-                    or creator.target in _NOT_ACTIVATIONS:
+            if not _forward_value(creator) or sid in st.output_reads:
                 continue
             accesses = st.accesses[sid]
             forward = [a for a in accesses if a.position < self.backward_start]
@@ -219,18 +339,14 @@ class _Step:
                 continue
             nbytes = _storage_bytes(value.meta["val"])
             first = later[0].position
-            chain = self.recompute_chain(sid, value, first) if _replayable(creator) else None
             # the prefetch is issued as far ahead of the reader as the copy takes, within backward
             h2d = nbytes / cal.h2d_bytes_per_s
             prefetch_at, ahead = first, 0.0
             while prefetch_at > self.backward_start and ahead < h2d:
                 prefetch_at -= 1
                 ahead += seconds.get(st.nodes[prefetch_at], 0.0)
-            found.append(SavedActivation(
-                value.name, nbytes, max(a.position for a in forward), first,
-                None if chain is None else tuple(n.name for n in chain),
-                sum(seconds.get(n, 0.0) for n in chain or ()), prefetch_at,
-                nbytes / cal.d2h_bytes_per_s + h2d))
+            found.append(SavedActivation(value.name, nbytes, max(a.position for a in forward), first, prefetch_at,
+                                         nbytes / cal.d2h_bytes_per_s + h2d))
         return found
 
 
@@ -288,14 +404,13 @@ def _offload(graph: TrainGraph, specs: list[InputSpec], act: SavedActivation, pr
     return _Edit([host, ticket, fetched, restored, landed, waited], [(r, value, restored) for r in readers], True)
 
 
-def _recompute(graph: TrainGraph, act: SavedActivation) -> _Edit:
+def _recompute(graph: TrainGraph, region: Region) -> _Edit:
     g = graph.graph
     nodes = [n for n in g.nodes if n.op != "output"]
     by_name = {n.name: n for n in nodes}
-    chain = [by_name[name] for name in act.recompute]
-    value = by_name[act.name]
-    before = nodes[act.first_backward]
-    region = f"activations ({act.name})"
+    chain = [by_name[name] for name in region.nodes]
+    before = nodes[region.at]
+    name = f"activations ({region.seed})"
     copies: dict[fx.Node, fx.Node] = {}
     created: list[fx.Node] = []
     random = [n for n in chain if _is_random(n)]
@@ -322,53 +437,113 @@ def _recompute(graph: TrainGraph, act: SavedActivation) -> _Edit:
             created.append(g.call_function(ops.swap_rng_state.default, (swapped, device)))
     for node in created:
         if node.meta.get("phase") != "forward":
-            node.meta.update({"phase": "backward", "recompute": region})
+            node.meta.update({"phase": "backward", "recompute": name})
     for node, copy in copies.items():
         copy.meta["recompute_of"] = node.name
-    readers = [u for u in value.users if u.meta.get("phase") == "backward" and u not in created]
-    for reader in readers:
-        reader.replace_input_with(value, copies[value])
-    return _Edit(created, [(r, value, copies[value]) for r in readers])
+    made = set(created)
+    rewired = []
+    for value in (by_name[n] for n in region.rewired):
+        for reader in [u for u in value.users if u.meta.get("phase") == "backward" and u not in made]:
+            reader.replace_input_with(value, copies[value])
+            rewired.append((reader, value, copies[value]))
+    return _Edit(created, rewired)
 
 
-def plan_activations(graph: TrainGraph, budget: int, cal: Calibration, device: torch.device) -> ActivationPlan:
+@dataclass(frozen=True)
+class _Timeline:
+    """Predicted start of each node (graph order, the output excluded) and the busy spans of
+    each link (d2h, h2d), with the activation copies chosen so far: what a further offload's
+    copies would wait for."""
+
+    starts: list[float]
+    links: dict[str, list[tuple[float, float]]]
+
+    def prefetch(self, act: SavedActivation, after: int, cal: Calibration) -> tuple[int, float]:
+        """Where to issue `act`'s copy back (after position `after`, the peak), and how long its
+        reader then stalls for it: the copy out takes the first gap on the d2h link after its
+        last forward read, the copy back the latest gap on the h2d link that lands it in time."""
+        out, back = act.nbytes / cal.d2h_bytes_per_s, act.nbytes / cal.h2d_bytes_per_s
+        gone = _first_gap(self.links["d2h"], self.starts[act.last_forward], out) + out
+        due = latest = self.starts[act.first_backward]
+        for b0, b1 in reversed(self.links["h2d"]):   # the latest free slot that ends by `due`
+            if b0 >= latest:
+                continue
+            if b1 <= latest - back:
+                break
+            latest = min(latest, b0)
+        at = min(max(bisect_right(self.starts, latest - back) - 1, after + 1), act.first_backward)
+        begin = _first_gap(self.links["h2d"], max(self.starts[at], gone), back)
+        return at, max(0.0, begin + back - due)
+
+
+def plan_activations(graph: TrainGraph, budget: int, cal: Calibration, device: torch.device,
+                     schedule: Prediction | None = None, planned: Sequence[str] = ()) -> ActivationPlan:
     """Keep, recompute or offload saved activations until the predicted peak fits `budget`
-    (or nothing live at the peak is left to move); the caller checks the result against it."""
+    (or nothing live at the peak is left to move); the caller checks the result against it.
+    `schedule`, `planned`: the optimizer-state plan's timeline and the names of the nodes its
+    `node_start` is indexed by (place_on_schedule), on which an offload's stall is predicted.
+
+    Recomputes are found lazily: growing every saved activation's regions again after each
+    choice took minutes on a 24-block GPT, so each seed waits in a heap under the best ratio of
+    all the bytes its regions free to their time (a bound on what they free at any peak), and
+    only the seeds whose bound beats the best choice found so far are grown again."""
     profile = analyze_memory(graph)
     keep_peak = profile.peak
     choices: dict[str, str] = {}
     specs = list(graph.signature.inputs)
-    tried: set[tuple[str, str]] = set()
+    tried: set[tuple] = set()
     storages = None
     seconds: dict[fx.Node, float] = {}
+    heap: list[tuple[float, int, str]] = []   # (-bound, tie-break, seed)
+    counter = 0
+
+    def push(seed: str, regions: list[Region]) -> None:
+        nonlocal counter
+        if regions:
+            counter += 1
+            heappush(heap, (-max(_bytes(r) / max(r.seconds, 1e-12) for r in regions), counter, seed))
+
     while profile.peak > budget:
         step = _Step(graph, storages)
         for n in step.storages.nodes:   # the graph is edited in place: its nodes' times stay valid
             if n not in seconds:
                 seconds[n] = estimate_seconds(n, cal)
+        seeds = step.seeds()
+        if not counter:
+            for seed, sid in seeds.items():
+                push(seed, step.regions(sid, seconds))
         saved = step.saved(cal, seconds)
         for act in saved:
             choices.setdefault(act.name, "keep")
         at = profile.nodes.index(profile.peak_node)
-        options = []   # (bytes per second of added cost, how, activation, prefetch position, seconds, stall)
+        timeline = _simulate(graph, cal, seconds, schedule, planned)[0]
+        options = []   # (bytes at the peak per second of added time, how, what, prefetch position, seconds)
         for act in saved:
             if not act.last_forward < at < act.first_backward:
                 continue   # not live at the peak: moving it would not lower it
-            if act.recompute is not None:
-                options.append((act.nbytes / max(act.recompute_seconds, 1e-12), "recompute", act, None,
-                                act.recompute_seconds, 0.0))
-            # prefetched as early as the copy takes, but after the peak: when backward's compute
-            # from there to the reader is shorter than the copy, the difference is a stall
-            prefetch_at = max(act.prefetch_at, at + 1)
-            hidden = sum(seconds[n] for n in step.storages.nodes[prefetch_at:act.first_backward])
-            stall = max(0.0, act.nbytes / cal.h2d_bytes_per_s - hidden)
-            cost = act.offload_seconds + stall
-            options.append((act.nbytes / max(cost, 1e-12), "offload", act, prefetch_at, cost, stall))
-        options = [o for o in options if (o[2].name, o[1], o[3]) not in tried]
-        options.sort(key=lambda o: -o[0])
-        for _, how, act, prefetch_at, cost, stall in options:
-            tried.add((act.name, how, prefetch_at))
-            edit = _recompute(graph, act) if how == "recompute" else _offload(graph, specs, act, prefetch_at, device)
+            # its copy back is issued after the peak, on the link as the copies chosen so far
+            # (and the state's transfers) leave it: ranked by the stall it adds to the step, what
+            # backward's compute from there to its reader does not hide
+            prefetch_at, stall = timeline.prefetch(act, at, cal)
+            options.append((act.nbytes / max(stall, 1e-12), "offload", act, prefetch_at, stall))
+        grown: dict[str, list[Region]] = {}
+        chosen = None
+        while chosen is None:
+            best = max((o for o in options if _key(o) not in tried), key=lambda o: (o[0], _bytes(o[2])), default=None)
+            while heap and (best is None or -heap[0][0] > best[0]):
+                seed = heappop(heap)[2]
+                if seed in grown or seed not in seeds:
+                    continue
+                regions = grown[seed] = step.regions(seeds[seed], seconds)
+                options += [(r.bytes_live_at(at) / max(r.seconds, 1e-12), "recompute", r, None, r.seconds)
+                            for r in regions if r.bytes_live_at(at)]
+                best = max((o for o in options if _key(o) not in tried), key=lambda o: (o[0], _bytes(o[2])),
+                           default=None)
+            if best is None:
+                break
+            _, how, what, prefetch_at, cost = best
+            tried.add(_key(best))
+            edit = _recompute(graph, what) if how == "recompute" else _offload(graph, specs, what, prefetch_at, device)
             graph = graph.with_signature(inputs=tuple(specs))   # new host inputs are not device memory
             fill_missing_meta(graph, _PASS)
             storages = StorageMap(graph.graph)
@@ -377,19 +552,30 @@ def plan_activations(graph: TrainGraph, budget: int, cal: Calibration, device: t
                 edit.undo(graph, specs)
                 graph = graph.with_signature(inputs=tuple(specs))
                 storages = None
-            else:
-                profile = after
-                choices[act.name] = how
-                graph.note(_PASS, f"activation {act.name} ({format_bytes(act.nbytes)}): {how}"
-                           + (f" ({len(act.recompute)} nodes, {cost * 1e6:.3g} us)" if how == "recompute"
-                              else f" ({act.offload_seconds * 1e6:.3g} us over the link"
-                              + (f", {stall * 1e6:.3g} us stall before its reader" if stall else "") + ")")
-                           + f"; predicted peak {format_bytes(after.peak)}", "activation",
-                           activation=act.name, choice=how, bytes=act.nbytes, seconds=cost, stall_seconds=stall,
-                           recomputed=act.recompute if how == "recompute" else (), peak_after=after.peak)
-                break
-        else:
+                step = _Step(graph)   # the same positions as before the edit
+                continue
+            chosen, profile = best, after
+        for seed, regions in grown.items():   # back in the heap under their new bounds
+            push(seed, regions)
+        if chosen is None:
             break
+        if how == "recompute":
+            for name in what.rewired:
+                choices[name] = how
+            choices.setdefault(what.seed, how)
+            graph.note(_PASS, f"activations from {what.seed} ({format_bytes(_bytes(what))}): recompute "
+                       f"({len(what.nodes)} nodes, {cost * 1e6:.3g} us, {len(what.freed)} saved tensors freed)"
+                       f"; predicted peak {format_bytes(profile.peak)}", "activation",
+                       activation=what.seed, choice=how, bytes=_bytes(what), seconds=cost, stall_seconds=0.0,
+                       recomputed=what.nodes, rewired=what.rewired, peak_after=profile.peak)
+        else:
+            choices[what.name] = how
+            graph.note(_PASS, f"activation {what.name} ({format_bytes(what.nbytes)}): offload "
+                       f"({what.offload_seconds * 1e6:.3g} us over the link"
+                       + (f", {cost * 1e6:.3g} us stall before its reader" if cost else "") + ")"
+                       f"; predicted peak {format_bytes(profile.peak)}", "activation",
+                       activation=what.name, choice=how, bytes=what.nbytes, seconds=what.offload_seconds,
+                       stall_seconds=cost, recomputed=(), rewired=(), peak_after=profile.peak)
     counts = {c: sum(1 for v in choices.values() if v == c) for c in ("keep", "recompute", "offload")}
     graph.note(_PASS, f"activations: {counts['keep']} kept, {counts['recompute']} recomputed, "
                f"{counts['offload']} offloaded; predicted peak {format_bytes(keep_peak)} -> "
@@ -397,6 +583,16 @@ def plan_activations(graph: TrainGraph, budget: int, cal: Calibration, device: t
                keep_peak_bytes=keep_peak, peak_bytes=profile.peak, budget_bytes=budget, choices=dict(choices),
                **counts)
     return ActivationPlan(graph, keep_peak, profile.peak, profile.peak_node, choices)
+
+
+def _bytes(what: Region | SavedActivation) -> int:
+    return sum(n for _, n, _, _ in what.freed) if isinstance(what, Region) else what.nbytes
+
+
+def _key(option: tuple) -> tuple:
+    """What a tried option is remembered by (a rejected one is not tried again)."""
+    _, how, what, prefetch_at, _ = option
+    return (how, what.seed, what.nodes, what.rewired) if how == "recompute" else (how, what.name, prefetch_at)
 
 
 def _first_gap(busy: list[tuple[float, float]], start: float, seconds: float) -> float:
@@ -410,43 +606,65 @@ def _first_gap(busy: list[tuple[float, float]], start: float, seconds: float) ->
     return start
 
 
-def place_on_schedule(graph: TrainGraph, schedule: Prediction, planned: Sequence[str],
-                      cal: Calibration) -> tuple[Prediction, dict[str, float]]:
-    """The optimizer-state plan's predicted timeline with the activation plan added: each
-    activation copy takes the first gap its link (d2h out, h2d back) leaves between the state's
-    transfers from the node that issues it on; a copy back that lands after its reader starts
-    stalls the compute stream, and recomputed nodes run on it, both pushing what follows back.
-    The state's transfers keep their slots (the bucket plan is made first, not jointly).
-    `planned`: the names of the nodes the schedule's `node_start` is indexed by."""
-    start_of = dict(zip(planned, schedule.node_start))
+def _simulate(graph: TrainGraph, cal: Calibration, seconds: dict[fx.Node, float], schedule: Prediction | None,
+              planned: Sequence[str]) -> tuple[_Timeline, list[Event], dict[str, float], float]:
+    """The step's timeline with the activation plan so far: each node starts where `schedule`
+    put it (without one: after the nodes before it, at their estimated times), later by the
+    recompute and the stalls before it; each activation copy takes the first gap its link (d2h
+    out, h2d back) leaves from the node that issues it on, beside the state's transfers; a copy
+    back that lands after its reader should start stalls the compute stream."""
+    if schedule is not None:
+        start_of = dict(zip(planned, schedule.node_start))
+        events = schedule.events
+    else:
+        start_of, clock, events = {}, 0.0, []
+        for node in graph.graph.nodes:
+            if node.op != "output" and "activation" not in node.meta and \
+                    not str(node.meta.get("recompute", "")).startswith("activations"):
+                start_of[node.name] = clock
+                clock += seconds.get(node) if node in seconds else estimate_seconds(node, cal)
     links: dict[str, list[tuple[float, float]]] = {"d2h": [], "h2d": []}   # busy spans, sorted
-    for e in schedule.events:
+    for e in events:
         if e.track in links:
             insort(links[e.track], (e.start, e.end))
-    events, delay, now = [], 0.0, 0.0
+    added, starts, delay, now = [], [], 0.0, 0.0
     totals = {"recompute_seconds": 0.0, "stall_seconds": 0.0, "link_seconds": 0.0}
     issued: dict[str, float] = {}
     for node in graph.graph.nodes:
+        if node.op == "output":
+            break
         if node.name in start_of:
-            now = start_of[node.name] + delay
+            now = max(now, start_of[node.name] + delay)
         name = node.meta.get("activation")
-        if "recompute" in node.meta and str(node.meta["recompute"]).startswith("activations"):
-            seconds = estimate_seconds(node, cal)
-            delay, now = delay + seconds, now + seconds
-            totals["recompute_seconds"] += seconds
-        elif name and node.target in (ops.copy_to_host.default, ops.prefetch_to_device.default):
-            track = "d2h" if node.target is ops.copy_to_host.default else "h2d"
-            nbytes = sum(t.meta["val"].numel() * t.meta["val"].element_size() for t in node.args[0])
-            seconds = nbytes / (cal.d2h_bytes_per_s if track == "d2h" else cal.h2d_bytes_per_s)
-            begin = _first_gap(links[track], max(now, issued.get(name, 0.0)), seconds)
-            insort(links[track], (begin, begin + seconds))
-            events.append(Event(track, f"activation {name} {'out' if track == 'd2h' else 'back'}", begin,
-                                begin + seconds))
-            issued[name] = begin + seconds
-            totals["link_seconds"] += seconds
-        elif name and node.target is ops.wait_device.default and issued.get(name, 0.0) > now:
+        if name and node.target is ops.wait_device.default and issued.get(name, 0.0) > now:
             stall = issued[name] - now
             delay, now = delay + stall, now + stall
             totals["stall_seconds"] += stall
+        starts.append(now)
+        if str(node.meta.get("recompute", "")).startswith("activations"):
+            took = seconds.get(node) if node in seconds else estimate_seconds(node, cal)
+            delay, now = delay + took, now + took
+            totals["recompute_seconds"] += took
+        elif name and node.target in (ops.copy_to_host.default, ops.prefetch_to_device.default):
+            track = "d2h" if node.target is ops.copy_to_host.default else "h2d"
+            nbytes = sum(t.meta["val"].numel() * t.meta["val"].element_size() for t in node.args[0])
+            took = nbytes / (cal.d2h_bytes_per_s if track == "d2h" else cal.h2d_bytes_per_s)
+            begin = _first_gap(links[track], max(now, issued.get(name, 0.0)), took)
+            insort(links[track], (begin, begin + took))
+            added.append(Event(track, f"activation {name} {'out' if track == 'd2h' else 'back'}", begin,
+                               begin + took))
+            issued[name] = begin + took
+            totals["link_seconds"] += took
+    return _Timeline(starts, links), added, totals, delay
+
+
+def place_on_schedule(graph: TrainGraph, schedule: Prediction, planned: Sequence[str],
+                      cal: Calibration) -> tuple[Prediction, dict[str, float]]:
+    """The optimizer-state plan's predicted timeline with the activation plan added (_simulate):
+    activation copies in the gaps the state's transfers leave on each link, recomputed nodes
+    and late copies back pushing what follows back. The state's transfers keep their slots (the
+    bucket plan is made first, not jointly). `planned`: the names of the nodes the schedule's
+    `node_start` is indexed by."""
+    _, events, totals, delay = _simulate(graph, cal, {}, schedule, planned)
     return replace(schedule, step_seconds=schedule.step_seconds + delay,
                    events=[*schedule.events, *events]), totals

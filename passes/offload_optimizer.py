@@ -458,6 +458,64 @@ def _predicted_peak(graph: TrainGraph, ctx: PassContext) -> int:
     return analyze_memory(out).peak + sum(unseen_device_bytes(out.graph, ctx.device).values())
 
 
+def _plan_activations(graph: TrainGraph, ctx: PassContext,
+                      planned: list[str]) -> tuple[TrainGraph, ActivationPlan | None]:
+    """With Offload(activations="auto"): keep, recompute or offload the saved activations until
+    the predicted peak fits the budget (offload_activations.py), on the state plan's timeline
+    when there is one (`planned`: the names its node times are indexed by)."""
+    offload = ctx.config.offload
+    if offload.activations != "auto":
+        return graph, None
+    unseen = unseen_device_bytes(graph.graph, ctx.device)
+    if ctx.device.type == "cuda":   # an activation's copy out may hold its block a while too
+        unseen["copy_held"] = max(unseen["copy_held"], largest_saved_bytes(graph))
+    cal = offload.calibration or Calibration.load_or_measure(ctx.device, threads=offload.cpu_threads)
+    activations = plan_activations(graph, _planning_budget(ctx, sum(unseen.values())), cal, ctx.device,
+                                   graph.schedule, planned)
+    graph = activations.graph
+    if graph.schedule is not None and activations.choices:
+        graph.schedule, added = place_on_schedule(graph, graph.schedule, planned, cal)
+        graph.note("offload_optimizer", "activations on the schedule: "
+                   f"{added['link_seconds'] * 1e3:.3g} ms of copies in the links' gaps beside the state's "
+                   f"transfers, {added['stall_seconds'] * 1e3:.3g} ms waiting for copies back, "
+                   f"{added['recompute_seconds'] * 1e3:.3g} ms recomputing; predicted step "
+                   f"{graph.schedule.step_seconds * 1e3:.3g} ms", "activations_on_schedule",
+                   step_seconds=graph.schedule.step_seconds, **added)
+    return graph, activations
+
+
+def _check_budget(graph: TrainGraph, ctx: PassContext, device_peak: int, activations: ActivationPlan | None) -> None:
+    """Fail at compile time, with the least the step needs, when the predicted peak (plus what the
+    CUDA allocator holds outside the graph's tensors) is over Offload.gpu_memory_budget."""
+    offload = ctx.config.offload
+    unseen = unseen_device_bytes(graph.graph, ctx.device)
+    if any(unseen.values()):
+        graph.note("offload_optimizer", "device memory no node holds, modelled: " + ", ".join(
+            f"{name.replace('_', ' ')} {format_bytes(b)}" for name, b in unseen.items()))
+    budget = _planning_budget(ctx, sum(unseen.values()))
+    if budget is not None and device_peak > budget:
+        reserve = offload.budget_bytes() - budget
+        kept = (f", plus {format_bytes(reserve)} the CUDA allocator holds outside the graph's tensors ("
+                + ", ".join(f"{name.replace('_', ' ')} {format_bytes(b)}" for name, b in unseen.items() if b)
+                + ")") if reserve else ""
+        raise UnsupportedError(
+            f"gpu_memory_budget {offload.gpu_memory_budget} cannot be met: with its optimizer state "
+            f"offloaded the step still needs at least {format_bytes(device_peak)} ({device_peak:,} bytes) "
+            f"on the device (parameters, activations and gradients in flight){kept}"
+            + (_activations_summary(activations) if activations is not None else
+               "; Offload(activations='auto') may recompute or offload saved activations to fit") +
+            ". Raise the budget, or reduce the batch or sequence length.")
+
+
+def _activations_of_accumulating_call(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
+    """A call that only adds into the running sums holds a micro-batch's activations too: with
+    activations="auto" they are planned under the same budget as in the updating call."""
+    graph, activations = _plan_activations(graph, ctx, [])
+    if activations is not None:
+        _check_budget(graph, ctx, analyze_memory(graph).peak, activations)
+    return graph
+
+
 def offload_optimizer(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
     offload = ctx.config.offload
     kernels = find_update_kernels(graph.graph)
@@ -477,13 +535,13 @@ def offload_optimizer(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
     if not kernels and (host_sums or device_sums):   # an accumulating call
         _note_grad_sums(graph, host_sums, device_sums, {}, ctx)
         if not host_sums:
-            return graph
+            return _activations_of_accumulating_call(graph, ctx)
         refuse_host_sums_read_on_device(graph, host_sums)   # before anything runs, not on the k-th call
         accumulate_on_host(graph, specs, host_sums)   # its gradients go to the host sums
         assign_streams(graph.graph)
         graph = graph.with_signature(inputs=tuple(specs))
         fill_missing_meta(graph, "offload_optimizer")
-        return graph
+        return _activations_of_accumulating_call(graph, ctx)
     kernels = update_kernels_to_rewrite(graph, "offload_optimizer", "offload")
     if not kernels:
         return graph
@@ -578,43 +636,11 @@ def offload_optimizer(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
     assign_streams(g)   # node.meta["stream"]: which copy stream each transfer runs on
     graph = graph.with_signature(inputs=tuple(specs))
     fill_missing_meta(graph, "offload_optimizer")   # the prefetched buffers' sizes count below
-    activations = None
-    if offload.activations == "auto":
-        unseen = unseen_device_bytes(g, ctx.device)
-        if ctx.device.type == "cuda":   # an activation's copy out may hold its block a while too
-            unseen["copy_held"] = max(unseen["copy_held"], largest_saved_bytes(graph))
-        cal = offload.calibration or Calibration.load_or_measure(ctx.device, threads=offload.cpu_threads)
-        activations = plan_activations(graph, _planning_budget(ctx, sum(unseen.values())), cal, ctx.device)
-        graph = activations.graph
-        g = graph.graph
-        if graph.schedule is not None and activations.choices:
-            graph.schedule, added = place_on_schedule(graph, graph.schedule, planned, cal)
-            graph.note("offload_optimizer", "activations on the schedule: "
-                       f"{added['link_seconds'] * 1e3:.3g} ms of copies in the links' gaps beside the state's "
-                       f"transfers, {added['stall_seconds'] * 1e3:.3g} ms waiting for copies back, "
-                       f"{added['recompute_seconds'] * 1e3:.3g} ms recomputing; predicted step "
-                       f"{graph.schedule.step_seconds * 1e3:.3g} ms", "activations_on_schedule",
-                       step_seconds=graph.schedule.step_seconds, **added)
+    graph, activations = _plan_activations(graph, ctx, planned)
     device_peak = analyze_memory(graph).peak
     graph.note("offload_optimizer", f"{len(kernels)} update buckets offloaded: {format_bytes(moved_bytes)} of "
                f"master weights and optimizer state in host memory; predicted device peak "
                f"{format_bytes(device_peak)}", "offloaded", buckets=len(kernels), host_bytes=moved_bytes,
                device_peak_bytes=device_peak)
-    unseen = unseen_device_bytes(g, ctx.device)
-    if any(unseen.values()):
-        graph.note("offload_optimizer", "device memory no node holds, modelled: " + ", ".join(
-            f"{name.replace('_', ' ')} {format_bytes(b)}" for name, b in unseen.items()))
-    budget = _planning_budget(ctx, sum(unseen.values()))
-    if budget is not None and device_peak > budget:
-        reserve = offload.budget_bytes() - budget
-        kept = (f", plus {format_bytes(reserve)} the CUDA allocator holds outside the graph's tensors ("
-                + ", ".join(f"{name.replace('_', ' ')} {format_bytes(b)}" for name, b in unseen.items() if b)
-                + ")") if reserve else ""
-        raise UnsupportedError(
-            f"gpu_memory_budget {offload.gpu_memory_budget} cannot be met: with its optimizer state "
-            f"offloaded the step still needs at least {format_bytes(device_peak)} ({device_peak:,} bytes) "
-            f"on the device (parameters, activations and gradients in flight){kept}"
-            + (_activations_summary(activations) if activations is not None else
-               "; Offload(activations='auto') may recompute or offload saved activations to fit") +
-            ". Raise the budget, or reduce the batch or sequence length.")
+    _check_budget(graph, ctx, device_peak, activations)
     return graph

@@ -8,6 +8,7 @@ moving activations can reach fails with the least peak reached."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ from torch import nn
 import graphoffload
 from graphoffload import Offload, UnsupportedError
 from graphoffload.calibration import Calibration
+from graphoffload.memory import analyze_memory
 
 # a device whose matmuls are slow next to its memory bandwidth: an elementwise chain (GELU,
 # dropout's mask) is cheap to recompute, a matmul's output is cheaper to offload, and its copy
@@ -95,25 +97,43 @@ def test_each_budget_is_met_and_trains_bit_identical_to_eager(fraction, keep_pea
 def test_choices_move_from_keep_to_recompute_and_offload_as_the_budget_shrinks(keep_peak):
     counts = []
     for fraction in FRACTIONS:
-        fields = _activations(_compiled(_step(gpu_memory_budget=int(fraction * keep_peak), activations="auto")))
+        fields = _activations(_compiled(_step(FAST_COMPUTE, gpu_memory_budget=int(fraction * keep_peak),
+                                              activations="auto")))
         counts.append((fields["keep"], fields["recompute"], fields["offload"]))
         assert set(fields["choices"].values()) <= {"keep", "recompute", "offload"}
     kept = [c[0] for c in counts]
     moved = [c[1] + c[2] for c in counts]
     assert kept[0] > kept[1] > kept[2], counts
     assert 0 < moved[0] < moved[1] < moved[2], counts
-    assert counts[0][1] > 0 and counts[-1][2] > 0, counts   # cheap chains recomputed first, offload at the tightest
+    # offloads whose copies back hide behind backward cost no time and go first; past them,
+    # recomputing beats a copy back the reader would wait for
+    assert counts[0][2] > 0 and counts[0][1] > 0 and counts[-1][1] > counts[0][1], counts
+
+
+def test_offloads_are_ranked_by_the_stall_they_add():
+    """Under MIXED (slow compute) every copy back hides behind backward's matmuls: the plan
+    offloads, each with no predicted stall; under FAST_COMPUTE the same copies would stall the
+    reader, and recomputing takes over once the hidden ones are spent."""
+    budget = int(0.7 * _compiled(_step()).train_graph.notes_of("offload_optimizer", "offloaded")[0]
+                 .fields["device_peak_bytes"])
+    slow = _compiled(_step(gpu_memory_budget=budget, activations="auto")).train_graph
+    fast = _compiled(_step(FAST_COMPUTE, gpu_memory_budget=budget, activations="auto")).train_graph
+    slow_notes = slow.notes_of("offload_optimizer", "activation")
+    assert slow_notes and all(n.fields["choice"] == "offload" and n.fields["stall_seconds"] == 0 for n in slow_notes)
+    fast_notes = fast.notes_of("offload_optimizer", "activation")
+    assert {n.fields["choice"] for n in fast_notes} == {"offload", "recompute"}
+    assert all(n.fields["stall_seconds"] == 0 for n in fast_notes if n.fields["choice"] == "offload")
 
 
 def test_each_choice_is_a_note_with_its_bytes_and_cost(keep_peak):
-    step = _compiled(_step(gpu_memory_budget=int(0.5 * keep_peak), activations="auto"))
+    step = _compiled(_step(FAST_COMPUTE, gpu_memory_budget=int(0.5 * keep_peak), activations="auto"))
     notes = step.train_graph.notes_of("offload_optimizer", "activation")
     assert notes and {n.fields["choice"] for n in notes} == {"recompute", "offload"}
     peaks = [n.fields["peak_after"] for n in notes]
     assert peaks == sorted(peaks, reverse=True)
     for n in notes:
         assert n.fields["bytes"] > 0 and n.fields["seconds"] > 0
-        assert bool(n.fields["recomputed"]) == (n.fields["choice"] == "recompute")
+        assert bool(n.fields["recomputed"]) == bool(n.fields["rewired"]) == (n.fields["choice"] == "recompute")
     graph = step.graphs["final"].graph
     recomputed = [n for n in graph.nodes if str(n.meta.get("recompute", "")).startswith("activations")]
     assert recomputed and all(n.meta["phase"] == "backward" for n in recomputed)
@@ -198,7 +218,7 @@ def test_activation_copies_share_the_links_with_the_state_transfers_on_one_timel
     """With a planned schedule the activation copies take the gaps the state's transfers leave
     on each link, and recompute and stalls lengthen the predicted step."""
     step = _compiled(graphoffload.offload_compile(mlp_step, offload=Offload(
-        calibration=MIXED, plan_cache=False, gpu_memory_budget=int(0.5 * keep_peak), activations="auto")))
+        calibration=FAST_COMPUTE, plan_cache=False, gpu_memory_budget=int(0.5 * keep_peak), activations="auto")))
     graph = step.train_graph
     schedule = graph.schedule
     added = graph.notes_of("offload_optimizer", "activations_on_schedule")[0].fields
@@ -217,3 +237,85 @@ def test_activation_copies_share_the_links_with_the_state_transfers_on_one_timel
     trace = tmp_path / "step.json"
     step.timeline(str(trace))
     assert f"activation {offloaded[0]} back" in trace.read_text()
+
+
+def test_accumulating_calls_plan_their_activations_under_the_budget_too():
+    """accumulation_steps=3 (form B): the calls that only add into the running gradient sums hold a
+    micro-batch's activations as the updating call does; with activations="auto" both variants
+    fit the budget, bit-identical to the same step keeping every activation, and train like
+    eager accumulation."""
+    k = 3
+
+    def make(**offload):
+        return graphoffload.offload_compile(mlp_step, accumulation_steps=k, offload=Offload(
+            device_updates="never", calibration=FAST_COMPUTE, **offload))
+
+    model, batches = _model(), _batches(2 * k)
+    keep = make()
+    kept = copy.deepcopy(model)
+    opt_k = adamw(kept)
+    torch.manual_seed(5)
+    losses_k = run_steps(keep, kept, opt_k, batches)
+    peaks = {key[0]: analyze_memory(v.graph).peak for key, v in keep._variants.items()}
+    assert set(peaks) == {False, True}   # an accumulating and an updating variant
+    budget = int(0.7 * peaks[False])
+    step = make(gpu_memory_budget=budget, activations="auto")
+    compiled = copy.deepcopy(model)
+    opt_c = adamw(compiled)
+    torch.manual_seed(5)
+    losses_c = run_steps(step, compiled, opt_c, batches)
+    assert_training_matches(kept, opt_k, losses_k, compiled, opt_c, losses_c, exact=True, offloaded=True)
+    for updates, variant in ((key[0], v) for key, v in step._variants.items()):
+        fields = variant.graph.notes_of("offload_optimizer", "activations")[0].fields
+        assert fields["keep_peak_bytes"] == peaks[updates] and fields["recompute"] + fields["offload"] > 0
+        assert analyze_memory(variant.graph).peak <= budget, updates
+    # eager accumulation: the mean of the micro-batches' gradients, the same dropout masks
+    eager = copy.deepcopy(model)
+    opt_e = adamw(eager)
+    torch.manual_seed(5)
+    for i, b in enumerate(batches):
+        (eager(b["x"], b["y"]) / k).backward()
+        if i % k == k - 1:
+            opt_e.step()
+            opt_e.zero_grad()
+    for (name, pe), pc in zip(eager.named_parameters(), compiled.parameters()):
+        torch.testing.assert_close(pc.detach(), pe.detach(), rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_a_region_replayed_once_frees_several_saved_tensors_with_dropout_bit_identical():
+    """When copies back would stall (a slow link), the plan recomputes; in a GPT with dropout
+    some chosen region replays a layer norm, the qkv matmul and its split at once and frees every
+    saved tensor backward reads through it (q, k and v), and training stays bit-identical."""
+    slow_link = dataclasses.replace(FAST_COMPUTE, h2d_bytes_per_s=1e8, d2h_bytes_per_s=1e8, duplex_bytes_per_s=1.5e8)
+    model = tiny_gpt(dropout=0.1, seq_len=32)
+    batches = token_batches(3, seq=32, batch=4)
+
+    def make(**offload):
+        return graphoffload.offload_compile(train_step, offload=Offload(device_updates="never", calibration=slow_link,
+                                                                        **offload))
+
+    plain = make()
+    compiled = copy.deepcopy(model)
+    plain.compile(compiled, adamw(compiled), batches[0])
+    keep = plain.train_graph.notes_of("offload_optimizer", "offloaded")[0].fields["device_peak_bytes"]
+    step = make(gpu_memory_budget=int(0.6 * keep), activations="auto")
+    eager, compiled = copy.deepcopy(model), copy.deepcopy(model)
+    opt_e, opt_c = adamw(eager), adamw(compiled)
+    torch.manual_seed(3)
+    losses_e = run_steps(train_step, eager, opt_e, batches)
+    torch.manual_seed(3)
+    losses_c = run_steps(step, compiled, opt_c, batches)
+    assert_training_matches(eager, opt_e, losses_e, compiled, opt_c, losses_c, exact=True, offloaded=True)
+    notes = step.train_graph.notes_of("offload_optimizer", "activation")
+    assert notes and all(n.fields["choice"] == "recompute" for n in notes)
+    widest = max(notes, key=lambda n: len(n.fields["rewired"]))
+    assert len(widest.fields["rewired"]) >= 3 and len(widest.fields["recomputed"]) > 6, widest.fields
+    graph = step.graphs["final"].graph
+    region = [n for n in graph.nodes if n.meta.get("recompute") == f"activations ({widest.fields['activation']})"]
+    assert {n.target for n in region} >= {torch.ops.aten.native_layer_norm.default, torch.ops.aten.addmm.default,
+                                          torch.ops.aten.split.Tensor}
+    # the dropout masks the plan replays draw what forward drew (bit-identical above); each replay
+    # of random ops swaps the generator's state in and back out
+    replayed = [n for n in graph.nodes if n.target is torch.ops.aten.bernoulli_.float and "recompute" in n.meta]
+    swaps = [n for n in graph.nodes if n.target is torch.ops.graphoffload.swap_rng_state.default]
+    assert replayed and len(swaps) == 2 * len({n.meta["recompute"] for n in replayed})
