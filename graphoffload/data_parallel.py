@@ -40,9 +40,10 @@ class ZeRO(OverGroup):
         group: the torch.distributed process group; None: the default (world) group.
         bucket_numel: most elements of gradients one collective covers (buckets follow the
             order gradients are produced in backward); ownership is balanced within each bucket.
-        timeout_s: seconds a rank waits for the others to start a step before raising
-            `RankTimeoutError`, so a rank that failed or never calls makes the others fail
-            rather than hang.
+        timeout_s: seconds a rank waits for the others to start a step, and in each collective
+            of the step (they run over a group of the step's own with this timeout), before
+            raising `RankTimeoutError`, so a rank that failed, never calls, or fails inside the
+            step makes the others fail rather than hang.
     """
 
     stage: int = 1
