@@ -5,7 +5,7 @@
 #
 #   benchmarks/gpu_suite.sh OUT_DIR [PART ...]
 #
-# PART: tests fuse fuse-clip offload-b4 offload-b12 ring (default: all, in that order; the
+# PART: tests fuse fuse-clip offload-b4 offload-b12 ring zero (default: all, in that order; the
 # offload runs are the long ones, ~5-10 min each on an H100). Each part is capped by
 # PART_TIMEOUT seconds (default 570). With WHEELS=DIR, torchao and deepspeed are installed
 # from the wheels in DIR first (offline), for the offload baselines.
@@ -14,7 +14,7 @@ cd "$(dirname "$0")/.."
 out=${1:?usage: benchmarks/gpu_suite.sh OUT_DIR [PART ...]}
 shift
 parts=("$@")
-[ ${#parts[@]} -eq 0 ] && parts=(tests fuse fuse-clip offload-b4 offload-b12 ring)
+[ ${#parts[@]} -eq 0 ] && parts=(tests fuse fuse-clip offload-b4 offload-b12 ring zero)
 limit=${PART_TIMEOUT:-570}
 mkdir -p "$out"
 
@@ -46,6 +46,7 @@ for part in "${parts[@]}"; do
         offload-b4) run offload-b4 python benchmarks/offload.py --batch 4 --out "$out/offload_b4.json" ;;
         offload-b12) run offload-b12 python benchmarks/offload.py --batch 12 --out "$out/offload_b12.json" ;;
         ring) run ring python benchmarks/ring_attention.py --gpu --out "$out/ring_attention_gpu.json" ;;
-        *) echo "unknown part $part (tests fuse fuse-clip offload-b4 offload-b12 ring)" ;;
+        zero) run zero python benchmarks/zero.py --device cuda --out "$out/zero_cuda.json" ;;   # N up to the GPUs present
+        *) echo "unknown part $part (tests fuse fuse-clip offload-b4 offload-b12 ring zero)" ;;
     esac
 done

@@ -23,8 +23,9 @@ from typing import TYPE_CHECKING
 from graphoffload import ops  # noqa: F401  (the graphoffload:: op vocabulary, declared before any layer uses it)
 from graphoffload.config import CompileConfig, FuseOptimizer, Offload
 from graphoffload.data_parallel import ZeRO
-from graphoffload.errors import (CaptureError, GraphOffloadError, PartialUpdateError, PassError, RankTimeoutError,
-                                 RingTimeoutError, StateError, StepRunError, UnsupportedError)
+from graphoffload.errors import (CaptureError, GraphOffloadError, PartialUpdateError, PassError,
+                                 RankFailedMidUpdateError, RankTimeoutError, RingTimeoutError, StateError, StepRunError,
+                                 UnsupportedError)
 from graphoffload.graph import GraphSignature, InputSpec, Note, OutputSpec, TrainGraph
 from graphoffload.memory import MemoryProfile, analyze_memory
 from graphoffload.sequence_parallel import SequenceParallel
@@ -51,7 +52,7 @@ def __dir__() -> list[str]:
 __all__ = [
     "CaptureError", "CompileConfig", "CompiledStep", "FuseOptimizer", "GraphOffloadError", "GraphSignature", "InputSpec",
     "MemoryProfile", "Note", "Offload", "OutputSpec", "PartialUpdateError", "Pass", "PassContext", "PassError",
-    "PassManager", "RankTimeoutError", "RingTimeoutError", "SequenceParallel", "StateError", "StepRunError",
+    "PassManager", "RankFailedMidUpdateError", "RankTimeoutError", "RingTimeoutError", "SequenceParallel", "StateError", "StepRunError",
     "TrainGraph", "UnsupportedError", "ZeRO",
     "analyze_memory", "offload_compile",
 ]

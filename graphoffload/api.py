@@ -14,13 +14,14 @@ from dataclasses import dataclass
 from typing import Any, overload
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from graphoffload import inspection, timeline
 from graphoffload.capture import Accumulation, Capture, StepBindings, capture_step, find_bindings
 from graphoffload.checkpoint import load_optimizer_state_exactly
 from graphoffload.config import CompileConfig, Offload
-from graphoffload.errors import PartialUpdateError, StateError
+from graphoffload.errors import PartialUpdateError, RankFailedMidUpdateError, RankTimeoutError, StateError
 from graphoffload.graph import TrainGraph
 from graphoffload.interruption import InterruptionGuard, Snapshot
 from graphoffload.optimizer_lowering import first_step_params
@@ -121,6 +122,10 @@ class CompiledStep:
         self._runtimes = SharedRuntimes(self, self.config.offload, self.config.sanitize)
         # made on the first call of a step over a process group (sequence or data parallel)
         self._rank_agreement: RankAgreement | None = None
+        # the group the graph's collectives run over (`OverGroup.step_group`), held weakly:
+        # torch keeps it until destroy_process_group(), after which a step must not keep it
+        # alive (gloo's threads abort the process when it is freed at interpreter exit)
+        self._step_group: weakref.ref | None = None
         self.trace_count = 0
         self._skipped: Tensor | None = None   # sum of the skip flags (skip_nonfinite), on the device
         self._interruption = InterruptionGuard()
@@ -170,7 +175,7 @@ class CompiledStep:
         dropped, and the optimizer state its capture created with it, so nothing changes."""
         capture = capture_step(self.fn, args, kwargs, self.config, self._accumulation[update])
         try:
-            self.pass_manager.run(capture.graph, PassContext(self.config, capture.bindings.device,
+            self.pass_manager.run(capture.graph, PassContext(self._pass_config(), capture.bindings.device,
                                                              grad_sum_placement=placement))
         finally:
             capture.discard_created_state()
@@ -193,7 +198,7 @@ class CompiledStep:
                 f"graphoffload traced {self._name} {self.trace_count} times: each new input shape, "
                 "dtype, train/eval mode or optimizer setting re-traces the step. Pad inputs to fixed "
                 "shapes to avoid it.", stacklevel=3)
-        ctx = PassContext(self.config, capture.bindings.device, grad_sum_placement=placement)
+        ctx = PassContext(self._pass_config(), capture.bindings.device, grad_sum_placement=placement)
         try:
             graph, stages = self.pass_manager.run(capture.graph, ctx)
             if self.config.data_parallel is not None:   # state for this rank's chunks only
@@ -206,10 +211,32 @@ class CompiledStep:
         bindings = capture.bindings
         owner = (tuple(id(p) for p in bindings.params.values()), tuple(id(o) for o in bindings.optimizers))
         executor = Executor(graph, capture, self.config.offload, host_state=self._host_states.get(owner),
-                            sanitize=self.config.sanitize, runtime_for=self._runtimes.get)
+                            sanitize=self.config.sanitize, runtime_for=self._runtimes.get,
+                            collective_failed=self._collective_failed())
         if executor.host_state is not None:
             self._host_states.setdefault(owner, executor.host_state)
         return CompiledVariant(capture, graph, stages, executor, dict(ctx.timings))
+
+    def _pass_config(self) -> CompileConfig:
+        """The config the passes see. A parallel step's collectives run over a group of its own
+        (`OverGroup.step_group`: the same ranks, the config's `timeout_s`), so a rank that fails
+        inside the step makes the others fail within `timeout_s`; it is made on the first
+        compile, on every rank of the group at once (each compiles on its first call)."""
+        field = "sequence_parallel" if self.config.sequence_parallel is not None else "data_parallel"
+        parallel = getattr(self.config, field)
+        if parallel is None or not dist.is_available() or not dist.is_initialized():
+            return self.config   # one process, or (for inspection) a config that needs no group
+        group = self._step_group() if self._step_group is not None else None
+        if group is None:
+            group = parallel.step_group()
+            self._step_group = weakref.ref(group)
+        return dataclasses.replace(self.config, **{field: dataclasses.replace(parallel, group=group)})
+
+    def _collective_failed(self) -> Callable[[BaseException, str], Exception] | None:
+        """What the executor raises when a collective of the graph fails (the config's
+        `rank_failed`; not a method of the step, which the executor must not keep alive)."""
+        parallel = self.config.sequence_parallel or self.config.data_parallel
+        return None if parallel is None else parallel.rank_failed
 
     def _variant(self, args: tuple, kwargs: dict,
                  bindings: StepBindings | None = None) -> tuple[Any, CompiledVariant]:
@@ -266,6 +293,11 @@ class CompiledStep:
                 self._forget_unrun_variant()
                 raise    # nothing the user holds changed: retrying is safe
             message = self._interruption.interrupted(exc, updated, bindings, self._name)
+            if isinstance(exc, RankTimeoutError):   # the group is gone: say so first
+                raise RankFailedMidUpdateError(
+                    f"{exc} Before it failed, this rank's fused optimizer updates had changed "
+                    f"{self._interruption.shown()}, and not the rest: restore the model and optimizer from "
+                    "that checkpoint (a retry in this process refuses to run until they are)") from exc
             if isinstance(exc, Exception):
                 raise PartialUpdateError(message) from exc
             exc.add_note("graphoffload: " + message)   # KeyboardInterrupt, SystemExit stay what they are
@@ -344,14 +376,15 @@ class CompiledStep:
 
     def _replan(self, key: Any, old: CompiledVariant, node_seconds: dict[str, float], measured: float) -> None:
         """Run the passes again on the captured graph with measured node times."""
-        ctx = PassContext(self.config, old.executor.device, measured_node_seconds=node_seconds,
+        ctx = PassContext(self._pass_config(), old.executor.device, measured_node_seconds=node_seconds,
                           grad_sum_placement=self._sum_placement(key))
         graph, stages = self.pass_manager.run(old.stages["captured"].copy(), ctx)
         for g in {id(graph): graph, id(stages["final"]): stages["final"]}.values():
             g.note("offload_optimizer", f"re-planned from measured node times: the last plan predicted "
                    f"{old.graph.schedule.step_seconds * 1e3:.3g} ms a step, {measured * 1e3:.3g} ms were measured")
         executor = Executor(graph, old.capture, self.config.offload, host_state=old.executor.host_state,
-                            sanitize=self.config.sanitize, runtime_for=self._runtimes.get)
+                            sanitize=self.config.sanitize, runtime_for=self._runtimes.get,
+                            collective_failed=self._collective_failed())
         new = CompiledVariant(old.capture, graph, stages, executor, dict(ctx.timings), replans=old.replans + 1)
         self._variants[key] = new    # `last` stays the variant that ran until the next call
 

@@ -49,9 +49,10 @@ class ZeRO(OverGroup):
         bucket_numel: most elements of gradients one collective covers (buckets follow the
             order gradients are produced in backward); per bucket, one gradient collective
             and one all-gather.
-        timeout_s: seconds a rank waits for the others to start a step before raising
-            `RankTimeoutError`, so a rank that failed or never calls makes the others fail
-            rather than hang.
+        timeout_s: seconds a rank waits for the others to start a step, and in each collective
+            of the step (they run over a group of the step's own with this timeout), before
+            raising `RankTimeoutError`, so a rank that failed, never calls, or fails inside the
+            step makes the others fail rather than hang.
     """
 
     stage: int = 1

@@ -46,6 +46,12 @@ class RingTimeoutError(RankTimeoutError):
     the step or one of its ring exchanges. Raised on the ranks that waited, instead of a hang."""
 
 
+class RankFailedMidUpdateError(RankTimeoutError, PartialUpdateError):
+    """A rank of a parallel step's group failed inside the step after this rank's fused updates
+    had changed part of the model and optimizer: both a `RankTimeoutError` (the group is gone:
+    restart the job) and a `PartialUpdateError` (the message names what changed)."""
+
+
 class StepRunError(GraphOffloadError):
     """An op of the compiled graph failed while the step ran (bad input values, such as token
     ids beyond an embedding table). The message names the op and the user's source line it

@@ -82,10 +82,13 @@ class InterruptionGuard:
                 self._handles.append(obj.register_load_state_dict_post_hook(lambda opt: restored(opt)))
         return self.message(step_name)
 
+    def shown(self) -> str:
+        """The tensors the interrupted step changed, the first eight by name."""
+        return ", ".join(self.updated[:8]) + (f" and {len(self.updated) - 8} more" if len(self.updated) > 8 else "")
+
     def message(self, step_name: str) -> str:
-        shown = ", ".join(self.updated[:8]) + (f" and {len(self.updated) - 8} more" if len(self.updated) > 8 else "")
         return (f"{step_name} was interrupted part-way ({self.cause}) after its fused optimizer updates had "
-                f"changed {shown}; the rest of the model and optimizer were not updated. Restore the model "
+                f"changed {self.shown()}; the rest of the model and optimizer were not updated. Restore the model "
                 "and optimizer from a checkpoint (their load_state_dict, or the step's for the optimizers) "
                 "and retry, or call step.accept_partial_update() to train on as they are")
 

@@ -48,8 +48,9 @@ class SequenceParallel(OverGroup):
         batch: ``"full"`` (every rank passes the whole batch) or ``"sharded"`` (each rank
             passes ``sp.shard(batch)``).
         seq_dim: the sequence dimension of the batch's tensors.
-        timeout_s: seconds a rank waits for a ring exchange before raising, so a failed rank
-            makes every rank fail rather than hang.
+        timeout_s: seconds a rank waits for the others to start a step, for a ring exchange
+            and in each gradient all-reduce (they run over a group of the step's own with this
+            timeout) before raising, so a failed rank makes every rank fail rather than hang.
         bucket_numel: most elements of parameter gradients one all-reduce covers (buckets
             follow the order gradients are produced, so updates can start inside backward).
     """

@@ -36,8 +36,12 @@ if TYPE_CHECKING:
 class Executor:
     def __init__(self, graph: TrainGraph, capture: Capture, offload: Offload | None = None,
                  host_state: HostState | None = None, sanitize: bool = False,
-                 runtime_for: Callable[[torch.device], OffloadRuntime] | None = None):
+                 runtime_for: Callable[[torch.device], OffloadRuntime] | None = None,
+                 collective_failed: Callable[[BaseException, str], Exception] | None = None):
         self.graph = graph
+        # a parallel step's: the error for a collective of the graph that failed (another rank
+        # failed inside the step, or timed out), from the backend's error and the node
+        self.collective_failed = collective_failed
         self.capture = capture
         self.gm = graph.gm
         self.vals = {n.name: n.meta.get("val") for n in graph.graph.nodes if n.op == "placeholder"}
@@ -169,12 +173,16 @@ class Executor:
         name = code.split("=", 1)[0].split(",")[0].strip() if "=" in code else ""
         return next((n for n in self.graph.graph.nodes if n.name == name), None)
 
-    def run_error(self, exc: Exception) -> StepRunError:
+    def run_error(self, exc: Exception) -> Exception:
         """`exc`, raised by an op while the graph ran, as an error that names the op and the
-        user's source line it came from (as capture errors do)."""
+        user's source line it came from (as capture errors do); raised by a collective of a
+        parallel step, as the parallel config's `RankTimeoutError`."""
         from graphoffload.diagnostics import user_line_of_stack_trace
 
         node = self.failed_node(exc)
+        if node is not None and self.collective_failed is not None and \
+                getattr(node.target, "namespace", None) == "_c10d_functional":
+            return self.collective_failed(exc, f"{node.target}, node {node.name}")
         if node is None:
             return StepRunError(f"the compiled step failed while it ran: {describe(exc)}")
         where = user_line_of_stack_trace(node.meta.get("stack_trace"))

@@ -67,3 +67,15 @@ def test_compile_time_smoke_run_reports_every_stage(tmp_path):
         assert row["make_fx_s"] > 0 and row["capture_s"] > 0 and row["planning_s"] is not None
         assert {"fuse_optimizer", "offload_optimizer"} <= set(row["passes_s"])
         assert row["buckets"] > 0 and row["nodes"] > row["make_fx_nodes"]
+
+
+@pytest.mark.slow   # spawns 2 ranks twice
+def test_zero_benchmark_smoke_run_measures_each_rank(tmp_path):
+    result = _run("zero.py", "--smoke", "--worlds", "2", "--modes", "zero2", "ddp", out=tmp_path / "z.json")
+    rows = {r["mode"]: r for r in result["rows"]}
+    assert all(r["status"] == "ok" for r in rows.values()), rows
+    # measured: ZeRO keeps half the optimizer state on each of 2 ranks (up to the largest parameter), DDP all of it
+    assert rows["ddp"]["state_share"] == 1.0
+    assert 0.3 < rows["zero2"]["state_share"] < 0.7 and sum(rows["zero2"]["state_MiB_each"]) == \
+        pytest.approx(rows["ddp"]["state_MiB"])
+    assert all(r["step_ms"] > 0 and r["peak_MiB"] > 0 for r in rows.values())
