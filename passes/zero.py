@@ -29,7 +29,13 @@ the reduce-scatter gives each rank the sum), every rank updates it alike, its st
 replicated (plain tensors), and it is not gathered. Gradients are averaged (summed, then
 divided by the ranks: gloo has no average); the loss the step returns stays the rank's own.
 Collectives are emitted in bucket order at positions every rank's graph shares, so all ranks
-issue them in the same order. What the pass cannot shard yet (gradients read besides the
+issue them in the same order.
+
+With `accumulation_steps=k` the pass has nothing to do on the accumulating calls (their graphs
+hold no update): each rank adds its own gradients into its running sums, full-size local
+partial sums, with no collective at all. On the updating call the gradient the update reads is
+the sum plus the last micro-batch's gradient, so the bucket collectives above reduce the whole
+window's sums, once per update, not once per micro-batch. What the pass cannot shard yet (gradients read besides the
 update: clipping, GradScaler, skip_nonfinite; with stage 2, `.grad` left set after the step)
 is refused with `UnsupportedError`.
 """

@@ -335,7 +335,6 @@ def test_stage_3_is_refused_as_not_supported_yet():
 @pytest.mark.parametrize("extra, named", [
     ({"offload": graphoffload.Offload()}, "offload="),
     ({"sequence_parallel": graphoffload.SequenceParallel()}, "sequence_parallel="),
-    ({"accumulation_steps": 2}, "accumulation_steps > 1"),
 ])
 def test_combinations_not_supported_yet_are_refused(extra, named):
     with pytest.raises(graphoffload.UnsupportedError, match=f"ZeRO data parallelism with {named} is not supported yet"):
