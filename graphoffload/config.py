@@ -229,6 +229,6 @@ class CompileConfig:
                 if given]
             if not_yet:
                 raise UnsupportedError(f"ZeRO data parallelism with {' and '.join(not_yet)} is not supported yet: "
-                                       "ZeRO stages 1 and 2 run with accumulation_steps but not "
+                                       "ZeRO stages 1 and 2 run with accumulation_steps and clip_grad_norm_ but not "
                                        f"with {' and '.join(not_yet)} for now; drop {' and '.join(not_yet)} or "
                                        "data_parallel=")
