@@ -664,7 +664,7 @@ def capture_step(fn: Callable, args: tuple, kwargs: dict, config: CompileConfig,
     except BaseException:
         _discard_state(fresh)
         raise
-    capture.created_state = _drop_unread_state(capture, fresh)
+    capture.created_state = _drop_unread_state(capture, fresh, config.data_parallel is not None)
     if accumulation is not None:
         _drop_unused_grad_sums(capture, accumulation, config.offload is not None
                                and config.offload.accumulate_on == "host")
@@ -691,12 +691,17 @@ def _drop_unused_grad_sums(capture: Capture, accumulation: Accumulation, on_host
                        + ("in host memory (fp32), kept between calls" if on_host else "on the device, kept between calls"))
 
 
-def _drop_unread_state(capture: Capture, fresh: list[tuple[torch.optim.Optimizer, list[Tensor]]]
-                       ) -> list[tuple[torch.optim.Optimizer, list[Tensor]]]:
+def _drop_unread_state(capture: Capture, fresh: list[tuple[torch.optim.Optimizer, list[Tensor]]],
+                       deferred: bool = False) -> list[tuple[torch.optim.Optimizer, list[Tensor]]]:
     """Optimizer state is created before tracing, for every parameter that may get a gradient.
     torch.optim creates it only for parameters that had one when `step()` ran: drop what this
     step never reads again (an unused layer's state would otherwise show in `state_dict()` and
-    be offloaded for nothing). Returns `fresh` less what was dropped."""
+    be offloaded for nothing). Returns `fresh` less what was dropped.
+
+    `deferred` (ZeRO): the state was traced whole, and only the `zero` pass gives what an update
+    reads this rank's chunk's shape; a placeholder nothing reads (every state placeholder of an
+    accumulating call, which does not update) is dropped from the graph too, whether or not the
+    state exists, so the step never binds a rank's DTensor chunk to a whole-parameter input."""
     bindings, graph = capture.bindings, capture.graph
     placeholders = graph.placeholders()
     read = {s.target[0] for s in graph.signature.inputs
@@ -708,6 +713,8 @@ def _drop_unread_state(capture: Capture, fresh: list[tuple[torch.optim.Optimizer
         _discard_state([(opt, unread)])
         dropped.update(bindings.param_names[id(p)] for p in unread)
         kept.append((opt, [p for p in params if bindings.param_names[id(p)] not in dropped]))
+    if deferred:
+        dropped.update(s.target[0] for s in graph.signature.inputs if s.kind == "state" and s.target[0] not in read)
     if dropped:
         inputs = []
         for s in graph.signature.inputs:

@@ -225,9 +225,10 @@ class CompileConfig:
         object.__setattr__(self, "disable_passes", tuple(self.disable_passes))
         if self.data_parallel is not None:
             not_yet = [what for what, given in (
-                ("offload=", self.offload is not None), ("sequence_parallel=", self.sequence_parallel is not None),
-                ("accumulation_steps > 1", self.accumulation_steps > 1)) if given]
+                ("offload=", self.offload is not None), ("sequence_parallel=", self.sequence_parallel is not None))
+                if given]
             if not_yet:
                 raise UnsupportedError(f"ZeRO data parallelism with {' and '.join(not_yet)} is not supported yet: "
-                                       "ZeRO stages 1 and 2 run on their own for now; drop "
-                                       f"{' and '.join(not_yet)} or data_parallel=")
+                                       "ZeRO stages 1 and 2 run with accumulation_steps and clip_grad_norm_ but not "
+                                       f"with {' and '.join(not_yet)} for now; drop {' and '.join(not_yet)} or "
+                                       "data_parallel=")

@@ -21,8 +21,9 @@ values, cause not found yet; plain tensors do).
 This module holds the layout both the pass (which rewrites the graph to the chunks) and capture
 (which creates the state) use, so they cannot disagree.
 
-Not yet: stage 3, ZeRO with `offload=`, `sequence_parallel=` or `accumulation_steps`; each is
-refused with an `UnsupportedError` that says so.
+`accumulation_steps=k` works: gradients are reduced once per update (the `zero` pass). Not yet:
+stage 3, ZeRO with `offload=` or `sequence_parallel=`; each is refused with an
+`UnsupportedError` that says so.
 """
 
 from __future__ import annotations

@@ -29,9 +29,25 @@ the reduce-scatter gives each rank the sum), every rank updates it alike, its st
 replicated (plain tensors), and it is not gathered. Gradients are averaged (summed, then
 divided by the ranks: gloo has no average); the loss the step returns stays the rank's own.
 Collectives are emitted in bucket order at positions every rank's graph shares, so all ranks
-issue them in the same order. What the pass cannot shard yet (gradients read besides the
-update: clipping, GradScaler, skip_nonfinite; with stage 2, `.grad` left set after the step)
-is refused with `UnsupportedError`.
+issue them in the same order.
+
+With `accumulation_steps=k` the pass has nothing to do on the accumulating calls (their graphs
+hold no update): each rank adds its own gradients into its running sums, full-size local
+partial sums, with no collective at all. On the updating call the gradient the update reads is
+the sum plus the last micro-batch's gradient, so the bucket collectives above reduce the whole
+window's sums, once per update, not once per micro-batch.
+
+**Clipping** (`clip_grad_norm_`, L2, in its per-tensor or foreach form): the step's norms of the
+gradients are pointed at this rank's chunks of the averages (on stage 1 too, which holds every
+average, so no rank norms all N chunks), so the total it computes is the norm of this rank's
+chunks; its square is all-reduced (one scalar, after every bucket's collective) and its root
+replaces the total for everything that read it: the clip coefficient, which the step's `mul_`s
+apply to the chunks before the update, and the norm the step returns, the same on every rank.
+A 0-dim parameter's gradient is whole on every rank, so only rank 0 counts it.
+
+What the pass cannot shard yet (other reads or writes of the gradients besides the update:
+another norm, a GradScaler, skip_nonfinite; `.grad` left set after clipping; with stage 2,
+`.grad` left set at all) is refused with `UnsupportedError`.
 """
 
 from __future__ import annotations
@@ -127,8 +143,32 @@ class _Emitter:
         return node
 
 
-def _items(kernels: list[UpdateKernel], output: fx.Node, stage: int) -> list[_Item]:
-    """Every parameter the kernels update, after checking that nothing else reads its gradient."""
+def _scaled_in_place(node: fx.Node) -> bool:
+    """`grad.mul_(c)` or `_foreach_mul_(grads, c)` by a number or a 0-dim tensor (clipping's
+    coefficient): scaling commutes with the reduction, so it may scale this rank's chunk."""
+    if node.target not in (aten.mul_.Tensor, aten.mul_.Scalar, aten._foreach_mul_.Tensor, aten._foreach_mul_.Scalar):
+        return False
+    factor = node.args[1]
+    return not node.kwargs and (not isinstance(factor, fx.Node) or factor.meta["val"].dim() == 0)
+
+
+def _l2(node: fx.Node) -> bool:
+    """An L2 norm of the whole tensor(s): `linalg_vector_norm(g, 2)` or `_foreach_norm(gs, 2)`."""
+    if node.target is aten.linalg_vector_norm.default:
+        return len(node.args) == 2 and node.args[1] == 2 and not node.kwargs
+    return node.target is aten._foreach_norm.Scalar and node.args[1:] in ((), (2,)) and not node.kwargs
+
+
+def _underlying(read: fx.Node) -> fx.Node:
+    """The backward gradient an update kernel reads: `read` itself, or, when the kernel reads what
+    clipping's `mul_` returned, the gradient the `mul_` scaled."""
+    return read.args[0] if read.target in (aten.mul_.Tensor, aten.mul_.Scalar) else read
+
+
+def _items(kernels: list[UpdateKernel], output: fx.Node, stage: int) -> tuple[list[_Item], _Clip | None]:
+    """Every parameter the kernels update, after checking that what else reads its gradient is
+    what the pass can shard: the output (stage 1: `.grad` left set) and `clip_grad_norm_`'s norms
+    and in-place scaling (`_clipping`)."""
     readers = set().union(*({k.node, *k.nodes} for k in kernels))
     items = []
     for k in kernels:
@@ -136,28 +176,85 @@ def _items(kernels: list[UpdateKernel], output: fx.Node, stage: int) -> list[_It
             raise UnsupportedError("ZeRO data parallelism with a GradScaler or skip_nonfinite=True is not "
                                    "supported yet: the inf checks would need every rank's gradients")
         names = k.node.meta.get("param") or tuple(f"#{i}" for i in range(len(k.params)))
-        for i, (param, grad) in enumerate(zip(k.params, k.grads)):
-            if grad.meta.get("phase") != "backward" or written_args(grad):   # e.g. clipping's mul_
+        for i, (param, read) in enumerate(zip(k.params, k.grads)):
+            grad = _underlying(read)
+            if grad.meta.get("phase") != "backward" or written_args(grad) or (read is not grad
+                                                                            and not _scaled_in_place(read)):
+                changer = read if read is not grad else grad
                 raise UnsupportedError(
-                    f"ZeRO data parallelism: the gradient of {names[i]} is changed by {grad.name} ({grad.target}) at "
-                    f"{_line(grad)} between backward and optimizer.step() (e.g. clip_grad_norm_); changing or "
-                    "reading gradients inside a ZeRO step is not supported yet")
-            for user in grad.users:
-                if user in readers:
-                    continue
-                if user is output and stage == 1:   # .grad left set: the averaged gradient, as DDP leaves it
-                    continue
-                if user is output:
-                    raise UnsupportedError(
-                        f"ZeRO stage 2 keeps only this rank's own gradients, but the step leaves {names[i]}.grad "
-                        "set after it returns: call optimizer.zero_grad() at the end of the step, or use "
-                        "ZeRO(stage=1)")
-                raise UnsupportedError(
-                    f"ZeRO data parallelism: the gradient of {names[i]} is read by {user.name} ({user.target}) at "
-                    f"{_line(user)} besides optimizer.step() (e.g. clip_grad_norm_); changing or reading gradients "
-                    "inside a ZeRO step is not supported yet")
+                    f"ZeRO data parallelism: the gradient of {names[i]} is changed by {changer.name} ({changer.target}) "
+                    f"at {_line(changer)} between backward and optimizer.step(); besides clip_grad_norm_ (an L2 "
+                    "norm, then scaling by a number) changing gradients inside a ZeRO step is not supported yet")
             items.append(_Item(k, i, names[i], param, grad))
-    return items
+    clip = _clipping(items, readers, output, stage)
+    return items, clip
+
+
+@dataclass
+class _Clip:
+    """`clip_grad_norm_` (L2) as the step traced it: per-gradient norms (`terms`, each the norm of
+    one item's gradient), stacked and normed again into `total`, from which the step computes a
+    coefficient that `mul_`/`_foreach_mul_` (`scales`) apply to the gradients in place."""
+
+    terms: dict[fx.Node, _Item]
+    total: fx.Node
+    scales: list[fx.Node]
+
+
+def _clipping(items: list[_Item], readers: set[fx.Node], output: fx.Node, stage: int) -> _Clip | None:
+    by_grad = {it.grad: it for it in items}
+    terms: dict[fx.Node, _Item] = {}
+    scales: dict[fx.Node, None] = {}
+    for it in items:
+        for user in it.grad.users:
+            if user in readers or user in terms or user in scales:
+                continue
+            if user is output and stage == 1:   # .grad left set: the averaged gradient, as DDP leaves it
+                continue
+            if user is output:
+                raise UnsupportedError(
+                    f"ZeRO stage 2 keeps only this rank's own gradients, but the step leaves {it.name}.grad "
+                    "set after it returns: call optimizer.zero_grad() at the end of the step, or use "
+                    "ZeRO(stage=1)")
+            if _l2(user) and user.target is aten.linalg_vector_norm.default:
+                terms[user] = it
+                continue
+            if _l2(user) and all(g in by_grad for g in user.args[0]):
+                getitems = [u for u in user.users]
+                if all(u.target is operator.getitem for u in getitems):
+                    terms.update((u, by_grad[user.args[0][u.args[1]]]) for u in getitems)
+                    continue
+            if _scaled_in_place(user) and all(g in by_grad for g in
+                                              (user.args[0] if isinstance(user.args[0], list) else [user.args[0]])):
+                scales[user] = None
+                continue
+            raise UnsupportedError(
+                f"ZeRO data parallelism: the gradient of {it.name} is read by {user.name} ({user.target}) at "
+                f"{_line(user)} besides optimizer.step(); ZeRO shards the gradients, and besides "
+                "clip_grad_norm_ (L2 norm) reading gradients inside a ZeRO step is not supported yet")
+    if not terms and not scales:
+        return None
+    stacks = {u for t in terms for u in t.users}
+    stack = next(iter(stacks)) if len(stacks) == 1 else None
+    totals = list(stack.users) if stack is not None else []
+    if (stack is None or stack.target is not aten.stack.default or set(stack.args[0]) != set(terms)
+            or len(totals) != 1 or not _l2(totals[0]) or totals[0].target is not aten.linalg_vector_norm.default):
+        where = next(iter(terms or scales))
+        raise UnsupportedError(
+            f"ZeRO data parallelism: the gradients are normed or scaled at {_line(where)} in a way other than "
+            "clip_grad_norm_'s (one L2 norm of the per-gradient L2 norms, then scaling by a number): ZeRO "
+            "computes the global norm from each rank's chunks, and this form is not supported yet")
+    if any(output in scale.users for scale in scales):   # .grad left set, read after clipping scaled it
+        raise UnsupportedError(
+            f"ZeRO stage {stage} with clip_grad_norm_ and .grad left set after the step is not supported yet (the "
+            "update clips this rank's chunks only, so .grad would hold unclipped rows): call optimizer.zero_grad() "
+            "at the end of the step")
+    if stage == 1 and any(n is output for it in items for n in it.grad.users):
+        raise UnsupportedError(
+            "ZeRO stage 1 with clip_grad_norm_ and .grad left set after the step is not supported yet (the update "
+            "clips this rank's chunks only, so .grad would hold unclipped rows): call optimizer.zero_grad() at "
+            "the end of the step")
+    return _Clip(terms, totals[0], list(scales))
 
 
 def _line(node: fx.Node) -> str:
@@ -238,6 +335,28 @@ def _reduce_gradients(emit: _Emitter, bucket: _Bucket, stage: int, rank: int, wo
     return averaged
 
 
+def _global_norm(emit: _Emitter, clip: _Clip, rank: int, group: str) -> None:
+    """Make clipping's total norm global. Its per-gradient norms now read this rank's chunks
+    (the readers of each gradient were pointed at them), so the norm the step computes is the L2
+    norm of this rank's chunks: square it, all-reduce the scalar (a sum) and take the root, for
+    everything that read it (the coefficient, the step's outputs). A 0-dim parameter's gradient is
+    whole on every rank: counted on rank 0 alone."""
+    stack, total = clip.total.args[0], clip.total
+    if rank:
+        for term, it in clip.terms.items():
+            if it.scalar:
+                with emit.graph.inserting_before(term.next):
+                    zeroed = emit(aten.mul.Tensor, (term, 0.0), term, phase="optimizer", param=(it.name,))
+                stack.replace_input_with(term, zeroed)
+    users = list(total.users)
+    with emit.graph.inserting_before(total.next):   # (inserting_after would put each new node first)
+        square = emit(aten.mul.Tensor, (total, total), total, phase="optimizer")
+        summed = emit(c10d.wait_tensor.default, (emit(c10d.all_reduce.default, (square, "sum", group), total),), total)
+        norm = emit(aten.sqrt.default, (summed,), total, phase="optimizer")
+    for user in users:
+        user.replace_input_with(total, norm)
+
+
 def _gather_parameters(emit: _Emitter, bucket: _Bucket, chunks: dict[fx.Node, fx.Node], rank: int, world: int,
                        group: str) -> int:
     """All-gather the bucket's updated chunks; overwrite every (non 0-dim) parameter from them."""
@@ -288,7 +407,7 @@ def zero(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
     g = graph.graph
     rank, world, group = dp.rank, dp.world_size, dp.group_name
     output = next(n for n in g.nodes if n.op == "output")
-    items = _items(kernels, output, dp.stage)
+    items, clip = _items(kernels, output, dp.stage)
     position = {n: i for i, n in enumerate(g.nodes)}
     buckets = _layout(items, position, dp.bucket_numel, world)
     emit = _Emitter(g)
@@ -315,6 +434,9 @@ def zero(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
             for user in readers[grad]:
                 user.replace_input_with(grad, whole if user is output else local)
 
+    if clip is not None:
+        _global_norm(emit, clip, rank, group)
+
     # parameters: gathered after the last update, in bucket order
     last_kernel = max((k.node for k in kernels), key=position.__getitem__)
     copied = 0
@@ -339,6 +461,11 @@ def zero(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
                stage=dp.stage, rank=rank, world=world, buckets=len(buckets), gradient_collective=collective,
                params=len(items), local_numel=local, numel=total, state_numel=state_numel,
                bucket_parts=tuple(b.part for b in buckets), padded_numel=padded)
+    if clip is not None:
+        graph.note("zero", f"clip_grad_norm_: the global L2 norm of {len(clip.terms)} gradients from this rank's "
+                   "chunks of their averages (squares summed, one all-reduce of a scalar), the clip coefficient "
+                   f"applied to the chunks by {len(clip.scales)} in-place scalings", "clip",
+                   terms=len(clip.terms), scales=len(clip.scales), total=clip.total.name)
     if padded > 1.25 * total:
         graph.note("zero", f"the padded buffers hold {padded:,} elements for {total:,} parameter elements: "
                    f"parameters with fewer rows (dim 0) than about {world} ranks, or 0-dim ones, are padded "

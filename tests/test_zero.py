@@ -219,6 +219,105 @@ def test_zero_stage_2_trains_as_eager_world4():
     run_ranks(_world4, 4, deadline_s=400)
 
 
+MAX_NORM = 0.05   # below the tiny GPT's gradient norms (about 0.3 to 1 here): every update clips
+
+
+def _clip_step(model, optimizer, batch):
+    """clip_grad_norm_ as it runs on the CPU: one norm per gradient, their norm, one mul_ each."""
+    loss = model(batch["input_ids"], labels=batch["labels"])
+    loss.backward()
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss, norm
+
+
+def _foreach_clip_step(model, optimizer, batch):
+    """clip_grad_norm_ as its foreach (GPU) path runs it: one _foreach_norm, one _foreach_mul_ (reads
+    .grad itself, so not with accumulation_steps, whose accumulating calls leave .grad None)."""
+    loss = model(batch["input_ids"], labels=batch["labels"])
+    loss.backward()
+    grads = [p.grad for p in model.parameters()]
+    norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2.0)), 2.0)
+    torch._foreach_mul_(grads, torch.clamp(MAX_NORM / (norm + 1e-6), max=1.0))
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss, norm
+
+
+def _clips_as_eager(rank, world, stage, optimizer, step_fn, k):
+    """`step_fn` under ZeRO, `k` micro-batches a window (accumulation_steps), against eager on the
+    whole batches: the same norm on every rank, eager's, and eager's parameters."""
+    eager = _gpt()
+    model = copy.deepcopy(eager)
+    opt_e, opt = _optimizer(optimizer, eager), _optimizer(optimizer, model)
+    step = graphoffload.offload_compile(step_fn, accumulation_steps=k,
+                                        data_parallel=graphoffload.ZeRO(stage=stage, bucket_numel=4096, timeout_s=60))
+    batches = _batches(world)
+    for start in range(0, len(batches) - k + 1, k):
+        for batch in batches[start:start + k]:
+            rows = batch["input_ids"].shape[0] // world
+            (eager(batch["input_ids"], labels=batch["labels"]) / k).backward()
+            _, norm = step(model, opt, {key: v[rank * rows:(rank + 1) * rows] for key, v in batch.items()})
+        want = torch.nn.utils.clip_grad_norm_(eager.parameters(), MAX_NORM)
+        opt_e.step()
+        opt_e.zero_grad()
+        assert want > 2 * MAX_NORM   # the update clipped
+        norms = [torch.zeros((), dtype=norm.dtype) for _ in range(world)]
+        dist.all_gather(norms, norm.detach())
+        assert all(torch.equal(n, norms[0]) for n in norms), norms   # one value on every rank
+        assert torch.allclose(norm, want, rtol=RTOL, atol=0), (norm, want)
+        for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+            err = ((p - q).abs().max() / q.abs().max()).item()
+            assert err <= RTOL, f"stage {stage} {optimizer} {step_fn.__name__} k={k}: {name} is {err:.3g} from eager"
+    graph = step.last.graph
+    assert graph.notes_of("zero", "clip")
+    targets = [n.target for n in graph.gm.graph.nodes]
+    assert targets.count(c10d.all_reduce.default) == 1   # the norm's squares: one scalar all-reduce
+
+
+def _uneven_clip_step(model, optimizer, batch):
+    loss = model(batch["x"], batch["y"])
+    loss.backward()
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+    optimizer.step()
+    optimizer.zero_grad()
+    return norm
+
+
+def _uneven_clips_as_eager(rank, world, stage):
+    """Uneven chunks (rank 1 holds fewer rows) and a 0-dim parameter, whose whole gradient every
+    rank holds: counted once in the global norm."""
+    eager = _Uneven().double()
+    model = copy.deepcopy(eager)
+    opt_e, opt = _optimizer("adamw", eager), _optimizer("adamw", model)
+    step = graphoffload.offload_compile(_uneven_clip_step, data_parallel=graphoffload.ZeRO(stage=stage, timeout_s=60))
+    for batch in _uneven_batches():
+        want = _uneven_clip_step(eager, opt_e, batch)
+        norm = step(model, opt, _micro(batch, rank, world))
+        assert want > 2 * MAX_NORM
+        norms = [torch.zeros((), dtype=norm.dtype) for _ in range(world)]
+        dist.all_gather(norms, norm)
+        assert all(torch.equal(n, norms[0]) for n in norms), norms
+        assert torch.allclose(norm, want, rtol=RTOL, atol=0), (norm, want)
+        for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+            err = ((p - q).abs().max() / q.abs().max()).item()
+            assert err <= RTOL, f"stage {stage}: {name} is {err:.3g} from eager"
+
+
+def _clipping_world2(rank, world):
+    for stage, optimizer, step_fn, k in ((1, "adamw", _clip_step, 1), (2, "sgd", _foreach_clip_step, 1),
+                                         (2, "adamw", _clip_step, 3), (1, "sgd", _clip_step, 3)):
+        _clips_as_eager(rank, world, stage, optimizer, step_fn, k)
+    for stage in (1, 2):
+        _uneven_clips_as_eager(rank, world, stage)
+
+
+@pytest.mark.slow   # several processes
+def test_clip_grad_norm_under_zero_uses_the_global_norm_world2():
+    run_ranks(_clipping_world2, 2, deadline_s=300)
+
+
 def _full(model, opt) -> dict:
     """Parameters and optimizer state, whole (DTensors gathered: a collective on every rank)."""
     names = {p: n for n, p in model.named_parameters()}
@@ -335,7 +434,6 @@ def test_stage_3_is_refused_as_not_supported_yet():
 @pytest.mark.parametrize("extra, named", [
     ({"offload": graphoffload.Offload()}, "offload="),
     ({"sequence_parallel": graphoffload.SequenceParallel()}, "sequence_parallel="),
-    ({"accumulation_steps": 2}, "accumulation_steps > 1"),
 ])
 def test_combinations_not_supported_yet_are_refused(extra, named):
     with pytest.raises(graphoffload.UnsupportedError, match=f"ZeRO data parallelism with {named} is not supported yet"):
@@ -474,14 +572,60 @@ def test_full_state_loaded_before_the_first_call_is_narrowed_to_this_ranks_chunk
             assert torch.equal(state[key].to_local(), full[p][key][start:start + rows])
 
 
-def test_clipping_is_refused_and_nothing_is_left_behind(one_process_group):
+def _inf_norm_clipped_step(model, optimizer, batch):
+    loss = model(batch["input_ids"], labels=batch["labels"])
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5, norm_type=float("inf"))
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss
+
+
+def _clipped_keeping_grad_step(model, optimizer, batch):
+    optimizer.zero_grad()
+    loss = model(batch["input_ids"], labels=batch["labels"])
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+    optimizer.step()
+    return loss
+
+
+def _grad_doubling_step(model, optimizer, batch):
+    loss = model(batch["input_ids"], labels=batch["labels"])
+    loss.backward()
+    for p in model.parameters():
+        p.grad.add_(p.grad)
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss
+
+
+@pytest.mark.parametrize("step_fn, stage, match", [
+    (_inf_norm_clipped_step, 2, r"read by .* besides optimizer.step\(\).*clip_grad_norm_ \(L2 norm\).*not supported yet"),
+    (_clipped_keeping_grad_step, 1, r"stage 1 with clip_grad_norm_ and .grad left set.*zero_grad\(\) at the end"),
+    (_clipped_keeping_grad_step, 2, r"stage 2 with clip_grad_norm_ and .grad left set.*zero_grad\(\) at the end"),
+    (_grad_doubling_step, 1, r"changed by .* between backward and optimizer.step\(\).*not supported yet"),
+])
+def test_gradient_reads_zero_cannot_shard_are_refused_and_nothing_is_left_behind(step_fn, stage, match,
+                                                                                 one_process_group):
     model = _gpt()
     opt = _optimizer("adamw", model)
-    step = graphoffload.offload_compile(clipped_step, data_parallel=AsRank(stage=1))
-    with pytest.raises(graphoffload.UnsupportedError,
-                       match="changed by .* between backward and optimizer.step.*not supported yet"):
+    step = graphoffload.offload_compile(step_fn, data_parallel=AsRank(stage=stage))
+    with pytest.raises(graphoffload.UnsupportedError, match=match):
         step.compile(model, opt, {k: v[:2] for k, v in _batches(1)[0].items()})
     assert not opt.state
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_clipping_makes_one_scalar_all_reduce_after_the_gradient_collectives(stage, one_process_group):
+    graph = _compile_as(1, 2, stage, step_fn=clipped_step)[0]
+    nodes = list(graph.gm.graph.nodes)
+    gradient = c10d.all_reduce_coalesced.default if stage == 1 else c10d.reduce_scatter_tensor.default
+    norm = [i for i, n in enumerate(nodes) if n.target is c10d.all_reduce.default]
+    assert len(norm) == 1 and nodes[norm[0]].meta["val"].dim() == 0
+    assert max(i for i, n in enumerate(nodes) if n.target is gradient) < norm[0]
+    fields = graph.notes_of("zero", "clip")[0].fields
+    assert fields["terms"] == fields["scales"] == len(list(_gpt().parameters()))
 
 
 def test_stage_2_refuses_a_step_that_leaves_grad_set(one_process_group):
