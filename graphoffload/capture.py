@@ -44,8 +44,8 @@ from graphoffload.recompute import CheckpointRegions, mark_recomputed, refuse_re
 from graphoffload.torch_private import (GRAD_SCALER_STATE_ATTRIBUTES, DataDependentOutputException,
                                        DynamicOutputShapeException, FakeTensorMode, ShapeEnv, functorch_config,
                                        grad_fn_sequence_number, grad_fn_sequence_numbers_supported,
-                                       grad_scaler_state, make_fx, pytree, reset_grad_fn_sequence_number,
-                                       set_grad_fn_sequence_number)
+                                       grad_scaler_state, make_fx, pytree, rename_node,
+                                       reset_grad_fn_sequence_number, set_grad_fn_sequence_number)
 from graphoffload.ops import grouped_mm as _grouped_mm
 from graphoffload.ops import register_fused_optimizer_meta_kernels
 from graphoffload.ops.fused_optimizer_meta import is_fused_update
@@ -558,7 +558,10 @@ def _translate_trace_error(exc: Exception) -> GraphOffloadError:
 
 @dataclass
 class Capture:
-    """A captured step: its graph, and how to bind and unbind it to the user's objects."""
+    """A captured step: its graph, and how to bind and unbind it to the user's objects.
+
+    The graph's module code is not generated here: the pass manager generates it once, after
+    the last pass (call `graph.gm.recompile()` to run a captured graph directly)."""
 
     graph: TrainGraph
     bindings: StepBindings
@@ -630,7 +633,6 @@ def _drop_unused_grad_sums(capture: Capture, accumulation: Accumulation, on_host
     if unused:
         for name in unused:
             graph.graph.erase_node(placeholders[name])
-        graph.gm.recompile()
         accumulation.discard({s.target for s in graph.signature.inputs if s.name in unused})
         capture.graph = graph.with_signature(inputs=tuple(s for s in graph.signature.inputs if s.name not in unused))
     sums = [placeholders[s.name].meta["val"] for s in capture.graph.signature.inputs if s.kind == "grad_sum"]
@@ -665,7 +667,6 @@ def _drop_unread_state(capture: Capture, fresh: list[tuple[torch.optim.Optimizer
                 graph.graph.erase_node(placeholders[s.name])
             else:
                 inputs.append(s)
-        graph.gm.recompile()
         capture.graph = graph.with_signature(inputs=tuple(inputs))
     return kept
 
@@ -856,22 +857,15 @@ def _reject_scalar_reads(gm: fx.GraphModule) -> None:
 
 
 def _rename_placeholders(gm: fx.GraphModule, names: list[str]) -> fx.GraphModule:
-    graph = fx.Graph()
-    val_map: dict[fx.Node, fx.Node] = {}
-    old_placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    for old, name in zip(old_placeholders, names):
-        new = graph.placeholder(name)
-        new.meta = dict(old.meta)
-        val_map[old] = new
-    for node in gm.graph.nodes:
-        if node.op == "placeholder":
-            continue
-        if node.op == "output":
-            graph.output(fx.map_arg(node.args[0], lambda n: val_map[n]))
-            graph.output_node().meta = dict(node.meta)
-            continue
-        val_map[node] = graph.node_copy(node, lambda n: val_map[n])
-    return fx.GraphModule(gm, graph)
+    """Give make_fx's placeholders (`arg0_1`, ...) the signature's names, in place: a copy of
+    the graph and a second code generation would cost a deep model's compile a few tenths of a
+    second. The module's Python code is left as traced; the pass manager generates it once,
+    after the last pass."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for node, name in zip(placeholders, names):
+        node.target = name   # the argument's name in the generated code, as graph.placeholder(name) sets it
+        rename_node(node, name)
+    return gm
 
 
 def _annotate(gm: fx.GraphModule, input_specs: list[InputSpec]) -> None:

@@ -28,6 +28,9 @@ the library imports a private torch module). Supported: torch 2.11 and 2.13.
   `_unregister_create_node_hook`, which `Graph.create_node` calls for every node created in a
   graph owned by the module (what `torch.fx.passes.graph_transform_observer` uses to follow a
   pass's changes). The pass manager records provenance with it.
+- `rename_node`: `Node._rename`, which renames a node through its graph's namespace (so the
+  name stays unique and a later node cannot take it). Capture gives make_fx's placeholders the
+  signature's names with it instead of copying the whole graph.
 """
 
 from __future__ import annotations
@@ -108,6 +111,12 @@ def resolve_process_group(group_name: str) -> Any:
     from torch.distributed.distributed_c10d import _resolve_process_group
 
     return _resolve_process_group(group_name)
+
+
+def rename_node(node: fx.Node, name: str) -> str:
+    """Rename `node` to `name` (or the unique name fx derives from it); returns the name given."""
+    node._rename(name)
+    return node.name
 
 
 @contextlib.contextmanager
