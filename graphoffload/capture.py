@@ -347,6 +347,17 @@ def _backward_provenance(outputs: Any, mode: _StepMode | None = None, where: str
             h.remove()
 
 
+# Tensor metadata reads: they trace no op, so the mode passes them straight through, without
+# looking up the user's line or the checkpoint region (most of the calls the mode sees are
+# these: shapes, devices, `.grad` and strides read by torch's own Python code and the lowering)
+_METADATA_READS = frozenset(
+    [getattr(Tensor, name).__get__ for name in ("shape", "dtype", "device", "requires_grad", "is_leaf", "grad_fn",
+                                                "grad", "ndim", "layout", "is_cuda", "is_cpu", "is_meta", "is_sparse",
+                                                "is_quantized", "is_nested", "itemsize", "nbytes", "_base")]
+    + [Tensor.size, Tensor.stride, Tensor.numel, Tensor.dim, Tensor.storage_offset, Tensor.element_size,
+       Tensor.is_floating_point, Tensor.is_complex, Tensor.get_device, torch.sym_max, torch.sym_min, torch.device])
+
+
 class _StepMode(TorchFunctionMode):
     """Routes SDPA to graphoffload's attention op (and fp32/fp16 grouped matmuls to its grouped_mm,
     graphoffload/ops/grouped_mm.py) and tags backward; everything else passes."""
@@ -360,6 +371,12 @@ class _StepMode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        try:
+            reads_metadata = func in _METADATA_READS
+        except TypeError:   # an unhashable callable
+            reads_metadata = False
+        if reads_metadata:
+            return func(*args, **kwargs)
         # make_fx records stack traces only inside modules' forward(); this covers the rest of
         # the step (loss, clipping, optimizer.step()) with the user's calling line
         source = calling_user_line()
