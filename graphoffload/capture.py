@@ -329,16 +329,28 @@ def _backward_provenance(outputs: Any, mode: _StepMode | None = None, where: str
     handler, where backward is called. (A checkpointed block's recompute needs it.)"""
     roots = [t.grad_fn for t in pytree.tree_leaves(outputs) if isinstance(t, Tensor)]
     handles = []
-    if mode is not None:
-        for node in _autograd_nodes(roots):
-            refuse_reentrant(node, user_line_of_stack_trace(where))
-            handles.append(node.register_prehook(lambda _g: mode.__enter__() and None))
-            handles.append(node.register_hook(lambda _gi, _go: mode.__exit__(None, None, None)))
-    if grad_fn_sequence_numbers_supported():
-        for node in _autograd_nodes(roots):
-            seq = grad_fn_sequence_number(node)
-            handles.append(node.register_prehook(lambda _g, seq=seq: set_grad_fn_sequence_number(seq)))
-            handles.append(node.register_hook(lambda _gi, _go: reset_grad_fn_sequence_number()))
+    numbered = grad_fn_sequence_numbers_supported()
+    line = user_line_of_stack_trace(where) if mode is not None else None
+    # one pre-hook and one hook per autograd node (a deep model has thousands, each hook a Python
+    # call in backward): the mode goes on before the node's number is set, off before it is reset
+    for node in _autograd_nodes(roots) if mode is not None or numbered else ():
+        if mode is not None:
+            refuse_reentrant(node, line)
+        seq = grad_fn_sequence_number(node) if numbered else None
+
+        def before(_grads: Any, seq: int | None = seq) -> None:
+            if mode is not None:
+                mode.__enter__()
+            if seq is not None:
+                set_grad_fn_sequence_number(seq)
+
+        def after(_grad_inputs: Any, _grad_outputs: Any, seq: int | None = seq) -> None:
+            if mode is not None:
+                mode.__exit__(None, None, None)
+            if seq is not None:
+                reset_grad_fn_sequence_number()
+        handles.append(node.register_prehook(before))
+        handles.append(node.register_hook(after))
     try:
         with fx_traceback.annotate({"phase": "backward"}):
             yield
