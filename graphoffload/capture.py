@@ -21,6 +21,7 @@ import dataclasses
 import inspect
 import os
 import re
+import sys
 import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -45,7 +46,8 @@ from graphoffload.torch_private import (GRAD_SCALER_STATE_ATTRIBUTES, DataDepend
                                        DynamicOutputShapeException, FakeTensorMode, ShapeEnv, functorch_config,
                                        grad_fn_sequence_number, grad_fn_sequence_numbers_supported,
                                        grad_scaler_state, make_fx, pytree, rename_node,
-                                       reset_grad_fn_sequence_number, set_grad_fn_sequence_number)
+                                       reset_grad_fn_sequence_number, set_grad_fn_sequence_number,
+                                       stack_trace_recording)
 from graphoffload.ops import grouped_mm as _grouped_mm
 from graphoffload.ops import register_fused_optimizer_meta_kernels
 from graphoffload.ops.fused_optimizer_meta import is_fused_update
@@ -370,6 +372,23 @@ _METADATA_READS = frozenset(
        Tensor.is_floating_point, Tensor.is_complex, Tensor.get_device, torch.sym_max, torch.sym_min, torch.device])
 
 
+_TORCH_INIT = os.path.join(os.path.dirname(torch.__file__), "__init__.py")
+
+
+def _frame_kept_in_stack_traces() -> bool:
+    """Whether the Python stack holds a frame make_fx keeps in a node's recorded stack trace: a
+    function named `forward`, or torch/__init__.py (its filter). Backward runs without one,
+    so its nodes get no recorded trace (capture gives them their forward node's) and recording
+    them, half the trace's nodes, only cost time."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == "forward" or code.co_filename == _TORCH_INIT:
+            return True
+        frame = frame.f_back
+    return False
+
+
 class _StepMode(TorchFunctionMode):
     """Routes SDPA to graphoffload's attention op (and fp32/fp16 grouped matmuls to its grouped_mm,
     graphoffload/ops/grouped_mm.py) and tags backward; everything else passes."""
@@ -380,6 +399,7 @@ class _StepMode(TorchFunctionMode):
         self.events = events
         self.regions = regions
         self.sums = sums
+        self.traces_paused = False   # backward without a frame a stack trace keeps (see _backward)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -389,6 +409,12 @@ class _StepMode(TorchFunctionMode):
             reads_metadata = False
         if reads_metadata:
             return func(*args, **kwargs)
+        if self.traces_paused and _frame_kept_in_stack_traces():   # a checkpoint's recompute, say
+            with self._stack_traces(True):
+                return self._traced(func, args, kwargs)
+        return self._traced(func, args, kwargs)
+
+    def _traced(self, func, args, kwargs):
         # make_fx records stack traces only inside modules' forward(); this covers the rest of
         # the step (loss, clipping, optimizer.step()) with the user's calling line
         source = calling_user_line()
@@ -432,10 +458,23 @@ class _StepMode(TorchFunctionMode):
     def _backward(self) -> Iterator[None]:
         self.regions.in_backward = True
         try:
-            yield
+            # make_fx would record a stack trace per node and keep none of it; a torch function
+            # called under a kept frame (a checkpointed block's recompute) records again
+            with self._stack_traces(_frame_kept_in_stack_traces()):
+                yield
         finally:
             self.regions.in_backward = False
             self.regions.release()
+
+    @contextlib.contextmanager
+    def _stack_traces(self, recorded: bool) -> Iterator[None]:
+        paused = self.traces_paused
+        with stack_trace_recording(recorded) as switched:
+            self.traces_paused = switched and not recorded
+            try:
+                yield
+            finally:
+                self.traces_paused = paused
 
 
 @dataclass(frozen=True)
