@@ -12,7 +12,7 @@ plans CPU or device updates per bucket (`device_updates="auto"`) under a calibra
 compiler that captures a whole step cannot go under), `capture` (graphoffload's trace of the
 whole step, optimizer included), one row per pass from the step's own timings (each includes the graph's
 verification after it), `planning` (the planner inside `offload_optimizer`, as it logs it),
-`other` (stage snapshots, executor set-up) and `total` (wall time of the compile).
+`other` (verifying the captured graph, generating the module's code, stage snapshots, executor set-up) and `total` (wall time of the compile).
 Both traces run in the same process, back to back, for each size.
 """
 
@@ -114,7 +114,7 @@ def table(rows: list[dict]) -> list[dict]:
     stages = [("make_fx (fwd+bwd)", lambda r: r["make_fx_s"]), ("capture", lambda r: r["capture_s"])]
     stages += [(f"pass {name}", lambda r, name=name: r["passes_s"].get(name)) for name in passes]
     stages += [("planning (inside offload_optimizer)", lambda r: r["planning_s"]),
-               ("other (stage snapshots, executor)", lambda r: r["other_s"]),
+               ("other (code generation, checks, snapshots, executor)", lambda r: r["other_s"]),
                ("total compile", lambda r: r["total_s"]),
                ("total compile, plan reused from disk", lambda r: r.get("total_plan_reused_s")),
                ("total / make_fx", lambda r: r["vs_make_fx"])]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import operator
 from collections import defaultdict
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import fx
@@ -81,7 +82,7 @@ _UNDECLARED_VIEWS = {torch.ops.aten._unsafe_view.default}
 
 def _aliased_arg(node: fx.Node, ret_index: int, facts: _OpFacts | None) -> object:
     """The argument (node or list of nodes) output `ret_index` of `node` aliases, if any."""
-    if node.target in _UNDECLARED_VIEWS:
+    if any(node.target is view for view in _UNDECLARED_VIEWS):   # by identity: OpOverload hashes in Python
         return node.args[0]
     if facts is None or ret_index >= len(facts.aliases):
         return None
@@ -92,41 +93,52 @@ def _aliased_arg(node: fx.Node, ret_index: int, facts: _OpFacts | None) -> objec
     return None
 
 
-@dataclass(frozen=True)
-class Access:
+class Access(NamedTuple):
+    """One node's access to a storage (a named tuple: a deep graph has tens of thousands)."""
+
     position: int
     node: fx.Node
     writes: bool          # creates the storage or writes into it
 
 
 class StorageMap:
-    """Storage ids of every node output, and every access to each storage in node order."""
+    """Storage ids of every node output, and every access to each storage in node order.
 
-    def __init__(self, graph: fx.Graph):
+    Built after every pass (verification) and by most passes, so it is kept lean: schema facts
+    are looked up once per op (by the op object's id: an OpOverload hashes in Python), and
+    `accesses=False` builds the storage ids alone, for callers that ask which storages nodes
+    write (`written_placeholders`)."""
+
+    def __init__(self, graph: fx.Graph, accesses: bool = True):
         self.nodes = [n for n in graph.nodes if n.op != "output"]
         self.position = {n: i for i, n in enumerate(self.nodes)}
         self.ids: dict[fx.Node, list[int | None]] = {}
         self.creator: list[fx.Node] = []
-        self._facts: dict[object, _OpFacts | None] = {}   # per op: a graph repeats a few ops many times
+        # per op (by id: the graph keeps its targets alive): a graph repeats a few ops many times
+        self._facts: dict[int, _OpFacts | None] = {}
         for node in self.nodes:
             self.ids[node] = self._storages_of(node)
         self.accesses: dict[int, list[Access]] = defaultdict(list)
-        for i, node in enumerate(self.nodes):
-            written = {s for w in _written(node, self._facts_of(node.target)) for s in self.of(w)}
-            created = {s for s in self.ids[node] if s is not None and self.creator[s] is node}
-            read = {s for inp in node.all_input_nodes for s in self.of(inp)}
-            for s in read | written | created:
-                self.accesses[s].append(Access(i, node, s in written or s in created))
+        if accesses:
+            self._record_accesses()
         self.output_reads = {s for inp in graph.output_node().all_input_nodes for s in self.of(inp)}
 
+    def _record_accesses(self) -> None:
+        ids, creator, accesses = self.ids, self.creator, self.accesses
+        for i, node in enumerate(self.nodes):
+            written = {s for w in _written(node, self._facts_of(node.target)) for s in ids.get(w, ()) if s is not None}
+            created = {s for s in ids[node] if s is not None and creator[s] is node}
+            read = {s for inp in node.all_input_nodes for s in ids.get(inp, ()) if s is not None}
+            for s in read | written | created:
+                accesses[s].append(Access(i, node, s in written or s in created))
+
     def _facts_of(self, target: object) -> _OpFacts | None:
+        key = id(target)
         try:
-            return self._facts[target]
+            return self._facts[key]
         except KeyError:
-            facts = self._facts[target] = _op_facts(target)
+            facts = self._facts[key] = _op_facts(target)
             return facts
-        except TypeError:   # an unhashable target
-            return _op_facts(target)
 
     def _new(self, node: fx.Node) -> int:
         self.creator.append(node)
@@ -162,6 +174,13 @@ class StorageMap:
 
 def written_placeholders(graph: fx.Graph) -> set[str]:
     """Names of the placeholders some node writes into, directly or through a view."""
-    storages = StorageMap(graph)
-    return {n.name for n in graph.nodes if n.op == "placeholder"
-            and any(a.writes and a.node is not n for sid in storages.of(n) for a in storages.accesses[sid])}
+    storages = StorageMap(graph, accesses=False)   # only writes matter: no access lists
+    owner = {sid: n for n in storages.nodes if n.op == "placeholder" for sid in storages.of(n)}
+    written: set[str] = set()
+    for node in storages.nodes:
+        for target in _written(node, storages._facts_of(node.target)):
+            for sid in storages.of(target):
+                placeholder = owner.get(sid)
+                if placeholder is not None and placeholder is not node:
+                    written.add(placeholder.name)
+    return written

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
+import gc
 import logging
 import statistics
 import time
 import warnings
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, overload
 
@@ -71,6 +73,23 @@ def _optimizer_key(opt: torch.optim.Optimizer) -> Any:
         options = tuple(sorted((k, repr(v)) for k, v in g.items() if k not in ("params", "lr", "initial_lr")))
         groups.append((options, tuple(id(p) for p in g["params"])))
     return (type(opt), tuple(groups), tuple(id(p) for p in first_step_params(opt)))
+
+
+@contextlib.contextmanager
+def _cycle_collection_paused() -> Iterator[None]:
+    """Python's cycle collector off while a step compiles, back on (if it was) afterwards.
+
+    A compile creates a few hundred thousand long-lived objects (fx nodes, their meta, fake
+    tensors), so the collector's full collections keep rescanning a heap that only grows: they
+    took about a fifth of the 24-layer benchmark GPT's compile. What a compile leaves as cyclic
+    garbage is small (about 65,000 objects, 5 MiB there), and the next collection frees it."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def _remove_hooks(handles: list[Any]) -> None:
@@ -181,6 +200,10 @@ class CompiledStep:
             capture.discard_created_state()
 
     def _compile(self, args: tuple, kwargs: dict, placement: SumPlacement | None = None) -> CompiledVariant:
+        with _cycle_collection_paused():
+            return self._trace_and_transform(args, kwargs, placement)
+
+    def _trace_and_transform(self, args: tuple, kwargs: dict, placement: SumPlacement | None) -> CompiledVariant:
         start = time.perf_counter()
         accumulation = self._next_accumulation()
         if placement is not None and placement.host is None and placement.budget is not None:

@@ -22,6 +22,7 @@ import functools
 import inspect
 import os
 import re
+import sys
 import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -46,8 +47,9 @@ from graphoffload.recompute import CheckpointRegions, mark_recomputed, refuse_re
 from graphoffload.torch_private import (GRAD_SCALER_STATE_ATTRIBUTES, DataDependentOutputException,
                                        DynamicOutputShapeException, FakeTensorMode, ShapeEnv, functorch_config,
                                        grad_fn_sequence_number, grad_fn_sequence_numbers_supported,
-                                       grad_scaler_state, make_fx, pytree, reset_grad_fn_sequence_number,
-                                       set_grad_fn_sequence_number)
+                                       grad_scaler_state, make_fx, pytree, rename_node,
+                                       reset_grad_fn_sequence_number, set_grad_fn_sequence_number,
+                                       stack_trace_recording)
 from graphoffload.ops import grouped_mm as _grouped_mm
 from graphoffload.ops import register_fused_optimizer_meta_kernels
 from graphoffload.ops.fused_optimizer_meta import is_fused_update
@@ -363,16 +365,28 @@ def _backward_provenance(outputs: Any, mode: _StepMode | None = None, where: str
     handler, where backward is called. (A checkpointed block's recompute needs it.)"""
     roots = [t.grad_fn for t in pytree.tree_leaves(outputs) if isinstance(t, Tensor)]
     handles = []
-    if mode is not None:
-        for node in _autograd_nodes(roots):
-            refuse_reentrant(node, user_line_of_stack_trace(where))
-            handles.append(node.register_prehook(lambda _g: mode.__enter__() and None))
-            handles.append(node.register_hook(lambda _gi, _go: mode.__exit__(None, None, None)))
-    if grad_fn_sequence_numbers_supported():
-        for node in _autograd_nodes(roots):
-            seq = grad_fn_sequence_number(node)
-            handles.append(node.register_prehook(lambda _g, seq=seq: set_grad_fn_sequence_number(seq)))
-            handles.append(node.register_hook(lambda _gi, _go: reset_grad_fn_sequence_number()))
+    numbered = grad_fn_sequence_numbers_supported()
+    line = user_line_of_stack_trace(where) if mode is not None else None
+    # one pre-hook and one hook per autograd node (a deep model has thousands, each hook a Python
+    # call in backward): the mode goes on before the node's number is set, off before it is reset
+    for node in _autograd_nodes(roots) if mode is not None or numbered else ():
+        if mode is not None:
+            refuse_reentrant(node, line)
+        seq = grad_fn_sequence_number(node) if numbered else None
+
+        def before(_grads: Any, seq: int | None = seq) -> None:
+            if mode is not None:
+                mode.__enter__()
+            if seq is not None:
+                set_grad_fn_sequence_number(seq)
+
+        def after(_grad_inputs: Any, _grad_outputs: Any, seq: int | None = seq) -> None:
+            if mode is not None:
+                mode.__exit__(None, None, None)
+            if seq is not None:
+                reset_grad_fn_sequence_number()
+        handles.append(node.register_prehook(before))
+        handles.append(node.register_hook(after))
     try:
         with fx_traceback.annotate({"phase": "backward"}):
             yield
@@ -382,6 +396,33 @@ def _backward_provenance(outputs: Any, mode: _StepMode | None = None, where: str
 
 
 _GRAD_GETTER = Tensor.grad.__get__   # what a TorchFunctionMode sees when code reads `tensor.grad`
+
+# Tensor metadata reads: they trace no op, so the mode passes them straight through, without
+# looking up the user's line or the checkpoint region (most of the calls the mode sees are
+# these: shapes, devices, `.grad` and strides read by torch's own Python code and the lowering)
+_METADATA_READS = frozenset(
+    [getattr(Tensor, name).__get__ for name in ("shape", "dtype", "device", "requires_grad", "is_leaf", "grad_fn",
+                                                "grad", "ndim", "layout", "is_cuda", "is_cpu", "is_meta", "is_sparse",
+                                                "is_quantized", "is_nested", "itemsize", "nbytes", "_base")]
+    + [Tensor.size, Tensor.stride, Tensor.numel, Tensor.dim, Tensor.storage_offset, Tensor.element_size,
+       Tensor.is_floating_point, Tensor.is_complex, Tensor.get_device, torch.sym_max, torch.sym_min, torch.device])
+
+
+_TORCH_INIT = os.path.join(os.path.dirname(torch.__file__), "__init__.py")
+
+
+def _frame_kept_in_stack_traces() -> bool:
+    """Whether the Python stack holds a frame make_fx keeps in a node's recorded stack trace: a
+    function named `forward`, or torch/__init__.py (its filter). Backward runs without one,
+    so its nodes get no recorded trace (capture gives them their forward node's) and recording
+    them, half the trace's nodes, only cost time."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == "forward" or code.co_filename == _TORCH_INIT:
+            return True
+        frame = frame.f_back
+    return False
 
 
 class _StepMode(TorchFunctionMode):
@@ -395,14 +436,27 @@ class _StepMode(TorchFunctionMode):
         self.regions = regions
         self.sums = sums
         self.leaf_names = leaf_names or {}   # id(traced parameter) -> its name
+        self.traces_paused = False   # backward without a frame a stack trace keeps (see _backward)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        try:
+            reads_metadata = func in _METADATA_READS
+        except TypeError:   # an unhashable callable
+            reads_metadata = False
+        if reads_metadata:
+            if func == _GRAD_GETTER:
+                self._grad_read(args[0])
+            return func(*args, **kwargs)
+        if self.traces_paused and _frame_kept_in_stack_traces():   # a checkpoint's recompute, say
+            with self._stack_traces(True):
+                return self._traced(func, args, kwargs)
+        return self._traced(func, args, kwargs)
+
+    def _traced(self, func, args, kwargs):
         # make_fx records stack traces only inside modules' forward(); this covers the rest of
         # the step (loss, clipping, optimizer.step()) with the user's calling line
         source = calling_user_line()
-        if func == _GRAD_GETTER:
-            self._grad_read(args[0], source)
         with fx_traceback.annotate({"source": source, **self.regions.tag()}):
             if func is F.scaled_dot_product_attention:
                 return sdpa_via_attention(*args, **kwargs)
@@ -427,12 +481,14 @@ class _StepMode(TorchFunctionMode):
                     return func(*args, **kwargs)
             return func(*args, **kwargs)
 
-    def _grad_read(self, tensor: Any, source: str | None) -> None:
+    def _grad_read(self, tensor: Any) -> None:
         """The step's own code reads a parameter's `.grad` after a backward (clip_grad_norm_,
-        a gradient's norm for logging): recorded (StepEvents.grad_reads)."""
+        a gradient's norm for logging): recorded (StepEvents.grad_reads), with the user's line
+        looked up only then (the mode sees many `.grad` reads of torch's own code)."""
         name = self.leaf_names.get(id(tensor))
-        if name is not None and "backward" in self.events.order and not self.events.own_code:
-            self.events.grad_reads.setdefault(name, (source, "reads .grad"))
+        if name is not None and "backward" in self.events.order and not self.events.own_code \
+                and name not in self.events.grad_reads:
+            self.events.grad_reads[name] = (calling_user_line(), "reads .grad")
 
     def _backward_called(self, source: str | None) -> None:
         """Several backward calls accumulate into `.grad` (micro-batches); one after an
@@ -450,10 +506,23 @@ class _StepMode(TorchFunctionMode):
     def _backward(self) -> Iterator[None]:
         self.regions.in_backward = True
         try:
-            yield
+            # make_fx would record a stack trace per node and keep none of it; a torch function
+            # called under a kept frame (a checkpointed block's recompute) records again
+            with self._stack_traces(_frame_kept_in_stack_traces()):
+                yield
         finally:
             self.regions.in_backward = False
             self.regions.release()
+
+    @contextlib.contextmanager
+    def _stack_traces(self, recorded: bool) -> Iterator[None]:
+        paused = self.traces_paused
+        with stack_trace_recording(recorded) as switched:
+            self.traces_paused = switched and not recorded
+            try:
+                yield
+            finally:
+                self.traces_paused = paused
 
 
 @dataclass(frozen=True)
@@ -605,7 +674,10 @@ def _translate_trace_error(exc: Exception) -> GraphOffloadError:
 
 @dataclass
 class Capture:
-    """A captured step: its graph, and how to bind and unbind it to the user's objects."""
+    """A captured step: its graph, and how to bind and unbind it to the user's objects.
+
+    The graph's module code is not generated here: the pass manager generates it once, after
+    the last pass (call `graph.gm.recompile()` to run a captured graph directly)."""
 
     graph: TrainGraph
     bindings: StepBindings
@@ -680,7 +752,6 @@ def _drop_unused_grad_sums(capture: Capture, accumulation: Accumulation, on_host
     if unused:
         for name in unused:
             graph.graph.erase_node(placeholders[name])
-        graph.gm.recompile()
         accumulation.discard({s.target for s in graph.signature.inputs if s.name in unused})
         capture.graph = graph.with_signature(inputs=tuple(s for s in graph.signature.inputs if s.name not in unused))
     sums = [placeholders[s.name].meta["val"] for s in capture.graph.signature.inputs if s.kind == "grad_sum"]
@@ -722,7 +793,6 @@ def _drop_unread_state(capture: Capture, fresh: list[tuple[torch.optim.Optimizer
                 graph.graph.erase_node(placeholders[s.name])
             else:
                 inputs.append(s)
-        graph.gm.recompile()
         capture.graph = graph.with_signature(inputs=tuple(inputs))
     return kept
 
@@ -921,22 +991,15 @@ def _reject_scalar_reads(gm: fx.GraphModule) -> None:
 
 
 def _rename_placeholders(gm: fx.GraphModule, names: list[str]) -> fx.GraphModule:
-    graph = fx.Graph()
-    val_map: dict[fx.Node, fx.Node] = {}
-    old_placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    for old, name in zip(old_placeholders, names):
-        new = graph.placeholder(name)
-        new.meta = dict(old.meta)
-        val_map[old] = new
-    for node in gm.graph.nodes:
-        if node.op == "placeholder":
-            continue
-        if node.op == "output":
-            graph.output(fx.map_arg(node.args[0], lambda n: val_map[n]))
-            graph.output_node().meta = dict(node.meta)
-            continue
-        val_map[node] = graph.node_copy(node, lambda n: val_map[n])
-    return fx.GraphModule(gm, graph)
+    """Give make_fx's placeholders (`arg0_1`, ...) the signature's names, in place: a copy of
+    the graph and a second code generation would cost a deep model's compile a few tenths of a
+    second. The module's Python code is left as traced; the pass manager generates it once,
+    after the last pass."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for node, name in zip(placeholders, names):
+        node.target = name   # the argument's name in the generated code, as graph.placeholder(name) sets it
+        rename_node(node, name)
+    return gm
 
 
 def _annotate(gm: fx.GraphModule, input_specs: list[InputSpec]) -> None:

@@ -136,17 +136,28 @@ class TrainGraph:
     def deferred_copy(self) -> Callable[[], TrainGraph]:
         """A copy of the graph as it is now, whose GraphModule is built when first asked for.
 
-        The nodes, their meta, the notes and the tensor constants the graph reads are taken now;
-        generating and compiling the module's Python code (most of a copy's cost) waits. The pass
-        manager keeps a snapshot of every stage this way, and a compile reads only the last."""
-        graph = fx.Graph()
-        out = graph.graph_copy(self.graph, {})
-        graph.output(out)
-        for old, new in zip(self.graph.nodes, graph.nodes):
-            new.meta = dict(old.meta)
-        constants = {n.target: _attribute(self.gm, n.target) for n in graph.nodes if n.op == "get_attr"}
+        What each node is now (its op, target, arguments, name and a copy of its meta), the notes
+        and the tensor constants the graph reads are taken now; building the fx graph from them
+        and generating the module's Python code wait. A node's arguments are immutable in fx (a
+        pass that edits them sets new ones), so they are shared, not copied. The pass manager
+        keeps a snapshot of every stage this way, and a compile reads only the last."""
+        nodes = [(n, n.op, n.target, n.args, n.kwargs, n.name, n.type, dict(n.meta)) for n in self.graph.nodes]
+        constants = {n.target: _attribute(self.gm, n.target) for n in self.graph.nodes if n.op == "get_attr"}
         signature, notes, schedule = self.signature, {k: list(v) for k, v in self.notes.items()}, self.schedule
-        return lambda: TrainGraph(fx.GraphModule(constants, graph), signature, notes, schedule)
+
+        def build() -> TrainGraph:
+            graph = fx.Graph()
+            copied: dict[fx.Node, fx.Node] = {}
+            for node, op, target, args, kwargs, name, type_, meta in nodes:
+                if op == "output":   # as graph_copy + graph.output() make it
+                    new = graph.output(fx.map_arg(args[0], copied.__getitem__))
+                else:
+                    new = graph.create_node(op, target, fx.map_arg(args, copied.__getitem__),
+                                            fx.map_arg(kwargs, copied.__getitem__), name, type_)
+                new.meta = dict(meta)
+                copied[node] = new
+            return TrainGraph(fx.GraphModule(constants, graph), signature, notes, schedule)
+        return build
 
     def with_signature(self, **changes: Any) -> TrainGraph:
         return TrainGraph(self.gm, replace(self.signature, **changes), self.notes, self.schedule)

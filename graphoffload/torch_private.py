@@ -28,6 +28,14 @@ the library imports a private torch module). Supported: torch 2.11 and 2.13.
   `_unregister_create_node_hook`, which `Graph.create_node` calls for every node created in a
   graph owned by the module (what `torch.fx.passes.graph_transform_observer` uses to follow a
   pass's changes). The pass manager records provenance with it.
+- `stack_trace_recording`: the `record_stack_traces` flag of the tracer behind the proxy mode
+  of the make_fx trace in progress (`proxy_tensor.get_proxy_mode().tracer`), which that tracer
+  reads for every node it creates, and `torch.fx.proxy._STACK_TRACE_ANCHORS` (functions whose
+  frames it keeps besides `forward`); capture skips recording where no frame would be kept.
+  Where torch lays them out otherwise, recording stays on (slower, same graph).
+- `rename_node`: `Node._rename`, which renames a node through its graph's namespace (so the
+  name stays unique and a later node cannot take it). Capture gives make_fx's placeholders the
+  signature's names with it instead of copying the whole graph.
 """
 
 from __future__ import annotations
@@ -108,6 +116,32 @@ def resolve_process_group(group_name: str) -> Any:
     from torch.distributed.distributed_c10d import _resolve_process_group
 
     return _resolve_process_group(group_name)
+
+
+@contextlib.contextmanager
+def stack_trace_recording(enabled: bool) -> Iterator[bool]:
+    """Switch the stack-trace recording of the make_fx trace in progress on or off until the
+    block ends (then restore it); yields whether it could. It stays on while functions are
+    registered as stack-trace anchors (their frames would be kept outside `forward` too)."""
+    from torch.fx.experimental.proxy_tensor import get_proxy_mode
+
+    tracer = getattr(get_proxy_mode(), "tracer", None)
+    if tracer is None or not isinstance(getattr(tracer, "record_stack_traces", None), bool) or \
+            (not enabled and getattr(fx.proxy, "_STACK_TRACE_ANCHORS", None)):
+        yield False
+        return
+    before = tracer.record_stack_traces
+    tracer.record_stack_traces = enabled
+    try:
+        yield True
+    finally:
+        tracer.record_stack_traces = before
+
+
+def rename_node(node: fx.Node, name: str) -> str:
+    """Rename `node` to `name` (or the unique name fx derives from it); returns the name given."""
+    node._rename(name)
+    return node.name
 
 
 @contextlib.contextmanager

@@ -117,6 +117,7 @@ class PassManager:
         if unknown:
             raise PassError(f"cannot disable unknown pass(es) {sorted(unknown)}; built-in passes: {sorted(known)}")
         self.passes = [p for p in builtin if p.name not in disable] + [Pass.of(p) for p in user_passes]
+        self.builtin_count = len(self.passes) - len(user_passes)
         validate_schedule(self.passes, registry.known_capabilities())
 
     def run(self, graph: TrainGraph, ctx: PassContext) -> tuple[TrainGraph, Stages]:
@@ -125,8 +126,10 @@ class PassManager:
             verify_train_graph(graph, "capture")
         stages = Stages()
         stages.record("captured", graph)
-        for p in self.passes:
+        for i, p in enumerate(self.passes):
             start = time.perf_counter()
+            if i >= self.builtin_count:
+                graph.gm.recompile()   # a user pass may run or print the module it is given
             before = snapshot_inputs(graph)
             try:
                 with recording_created_nodes(graph.gm) as created:
@@ -148,11 +151,13 @@ class PassManager:
                 if ctx.config.verify:
                     verify_train_graph(graph, p.name)
                 raise
-            graph.gm.recompile()
             if ctx.config.verify:
                 verify_train_graph(graph, p.name)
             ctx.timings[p.name] = time.perf_counter() - start
             log.info("pass %s: %.2f s, %d nodes", p.name, ctx.timings[p.name], len(graph.graph.nodes))
             stages.record(p.name, graph)
         stages.alias("final", self.passes[-1].name if self.passes else "captured")
+        # the module's Python code, generated once for the graph the runtime runs (the built-in
+        # passes edit the fx graph only; each stage generates its own when first read)
+        graph.gm.recompile()
         return graph, stages

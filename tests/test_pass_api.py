@@ -232,3 +232,46 @@ def test_the_registry_is_the_one_list_of_built_in_passes():
     for spec in BUILTIN_PASS_SPECS:
         assert set(spec.requires) <= provided, spec.name
         provided |= {spec.name, *spec.provides}
+
+
+def test_a_user_pass_is_given_a_module_whose_code_is_its_graph_and_stages_keep_their_own():
+    # the built-in passes leave code generation to the end; a user pass still runs the module
+    seen = {}
+
+    def run_module(graph, ctx):
+        seen["code"] = graph.gm.code
+        placeholders = [n for n in graph.graph.nodes if n.op == "placeholder"]
+        seen["args"] = [n.target for n in placeholders]
+        return graph
+
+    step, model, opt, losses = compile_and_run(passes=[run_module])
+    # the code takes the signature's placeholders (renamed at capture), not make_fx's arg0_1...
+    assert seen["args"] == [s.name for s in step.last.stages["fuse_optimizer"].signature.inputs]
+    assert all(f"{name}," in seen["code"] or f"{name})" in seen["code"] for name in seen["args"])
+    assert "arg0_1" not in seen["code"]
+    # each stage is the graph as it was after its pass, however later passes changed the nodes
+    captured, fused = step.last.stages["captured"], step.last.stages["fuse_optimizer"]
+    assert "bucket" not in {k for n in captured.graph.nodes for k in n.meta}
+    assert any("bucket" in n.meta for n in fused.graph.nodes)
+    assert captured.gm.code != fused.gm.code
+    assert torch.isfinite(losses[0])
+
+
+def test_compiling_pauses_the_cycle_collector_and_restores_it():
+    import gc
+
+    states = []
+
+    def record(graph, ctx):
+        states.append(gc.isenabled())
+        return graph
+
+    assert gc.isenabled()
+    compile_and_run(passes=[record])
+    assert states == [False] and gc.isenabled()
+    gc.disable()
+    try:
+        compile_and_run(passes=[record])
+        assert states == [False, False] and not gc.isenabled()   # a user's choice is kept
+    finally:
+        gc.enable()

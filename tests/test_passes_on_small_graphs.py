@@ -4,6 +4,8 @@ exactly what changed, beside the end-to-end equality tests that train real model
 
 from __future__ import annotations
 
+import operator
+
 import torch
 from torch import fx
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -233,3 +235,32 @@ def test_fuse_optimizer_moves_each_update_right_after_its_gradient_and_the_last_
     for a, b in zip(got, expected):
         assert torch.equal(a, b)                    # moved, split: the same bits
     assert not torch.equal(got[0], eager_w[0])      # and the update did run
+
+
+def test_written_placeholders_sees_writes_through_views_as_the_access_lists_do():
+    from graphoffload.aliasing import StorageMap, written_placeholders
+
+    graph = fx.Graph()
+    a, b, c, d = (graph.placeholder(name) for name in "abcd")
+    with FakeTensorMode() as mode:
+        for p in (a, b, c, d):
+            p.meta["val"] = mode.from_tensor(torch.zeros(4, 2))
+    flat = graph.call_function(aten.view.default, (a, [8]))
+    graph.call_function(aten.add_.Tensor, (flat, 1.0))                  # a, through a declared view
+    raw = graph.call_function(aten._unsafe_view.default, (b, [8]))
+    graph.call_function(aten.mul_.Tensor, (raw, 2.0))                   # b, through _unsafe_view
+    parts = graph.call_function(aten.split.Tensor, (c, 2))
+    first = graph.call_function(operator.getitem, (parts, 0))
+    graph.call_function(aten.zero_.default, (first,))                   # c, through split's list
+    total = graph.call_function(aten.add.Tensor, (d, d))                # d only read
+    graph.output((total,))
+    for node in graph.nodes:
+        if node.op == "call_function":
+            with mode:
+                node.meta["val"] = node.target(*fx.map_arg(node.args, lambda n: n.meta["val"]))
+
+    full, lean = StorageMap(graph), StorageMap(graph, accesses=False)
+    assert lean.ids == full.ids and not lean.accesses
+    from_accesses = {p.name for p in (a, b, c, d)
+                     if any(acc.writes and acc.node is not p for s in full.of(p) for acc in full.accesses[s])}
+    assert written_placeholders(graph) == from_accesses == {"a", "b", "c"}
