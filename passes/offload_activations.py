@@ -150,12 +150,14 @@ class _Step:
         self.nodes = self.storages.nodes
         backward = [self.position[n] for n in self.storages.nodes if n.meta.get("phase") == "backward"]
         self.backward_start = min(backward) if backward else None
+        self._storage_facts: dict[int, tuple[int, int, frozenset] | None] = {}
+        self._of: dict[fx.Node, list[int]] = {}
 
     def available(self, node: fx.Node, at: int) -> bool:
         """Whether `node`'s value is on the device, unchanged, at position `at` anyway."""
         if node.op == "get_attr":
             return True
-        sids = self.storages.of(node)
+        sids = self.of(node)
         if not sids or node.meta.get("val") is None:
             return False
         here = self.position[node]
@@ -189,18 +191,18 @@ class _Step:
             if writers[0] is not creator or any(self.position[w] >= self.backward_start for w in writers):
                 return None
             for w in writers:   # writing nothing but this storage: replaying them is pure
-                if not _replayable(w) or any(o not in (s,) for a in written_args(w) for o in self.storages.of(a)):
+                if not _replayable(w) or any(o not in (s,) for a in written_args(w) for o in self.of(a)):
                     return None
             return writers
 
         def remade(i: fx.Node) -> bool:
-            if sid in self.storages.of(i) or not self.available(i, at):
+            if sid in self.of(i) or not self.available(i, at):
                 return True   # what is on the device at `at` only because of the value being moved is not
             return self.position[i] >= horizon[0] and _forward_value(i)
 
         def expand(node: fx.Node) -> bool:
             """Add the nodes that make `node`'s storage, and what they need, to the chain."""
-            sids = self.storages.of(node)
+            sids = self.of(node)
             if node.op != "call_function" or len(sids) != 1:
                 return False
             if node.target is operator.getitem:   # one output of a multi-output op (a layer norm's, attention's)
@@ -209,7 +211,7 @@ class _Step:
                 if not _replayable(source) or written_args(source):
                     return False
                 if writers != [source]:   # a view among a list of them (split's): on its input
-                    if self.storages.creator[sids[0]] is source or not self.storages.of(source):
+                    if self.storages.creator[sids[0]] is source or not self.of(source):
                         return False
                 nodes = [source, node]
             elif not _replayable(node):
@@ -256,29 +258,58 @@ class _Step:
         return not random or not any(_is_random(n) and n not in members
                                      for n in self.nodes[random[0]:random[-1] + 1])
 
+    def _facts(self, s: int) -> tuple[int, int, frozenset] | None:
+        """What freeing storage `s` by a replay needs, whatever the chain (cached: every chain
+        grown on this step asks again): its first backward access, the latest backward access
+        a replay may come at, its last forward access, and the forward nodes (aliases of it)
+        backward reads it through; None if backward writes it or reads it outside backward."""
+        try:
+            return self._storage_facts[s]
+        except KeyError:
+            pass
+        st, facts = self.storages, None
+        accesses = st.accesses[s]
+        later = [a for a in accesses if a.position >= self.backward_start]
+        if later and s not in st.output_reads and not any(a.writes or a.node.meta.get("phase") != "backward"
+                                                          for a in later):
+            # a reader of an alias backward made (a detach) reads it through the alias's own access
+            through = frozenset(i for a in later for i in a.node.all_input_nodes
+                                if i.meta.get("phase") != "backward" and s in self.of(i))
+            facts = (later[0].position, max(a.position for a in accesses if a.position < self.backward_start),
+                     through)
+        self._storage_facts[s] = facts
+        return facts
+
+    def of(self, node: fx.Node) -> list[int]:
+        try:
+            return self._of[node]
+        except KeyError:
+            found = self._of[node] = self.storages.of(node)
+            return found
+
     def _region(self, seed: fx.Node, chain: list[fx.Node], at: int, seconds: dict[fx.Node, float]) -> Region | None:
         """What replaying `chain` right before `at` frees: every storage it makes whose backward
         readers all come at or after `at` and read it through the chain's nodes alone."""
         st, members = self.storages, set(chain)
+        holders: dict[int, list[fx.Node]] = {}
+        for n in chain:
+            sids = self.of(n)
+            for s in sids:
+                holders.setdefault(s, [])
+            if len(sids) == 1:
+                holders[sids[0]].append(n)
         freed, rewired = [], []
-        for s in dict.fromkeys(s for n in chain for s in st.of(n)):
-            if st.creator[s] not in members or s in st.output_reads:
+        for s, held in holders.items():
+            if st.creator[s] not in members:
                 continue
-            accesses = st.accesses[s]
-            later = [a for a in accesses if a.position >= self.backward_start]
-            # a reader of an alias backward made (a detach) reads it through the alias's own access
-            if not later or any(a.writes or a.position < at or a.node.meta.get("phase") != "backward"
-                                or any(s in st.of(i) and i not in members and i.meta.get("phase") != "backward"
-                                       for i in a.node.all_input_nodes)
-                                for a in later):
+            facts = self._facts(s)
+            if facts is None or facts[0] < at or not facts[2] <= members:
                 continue
-            holders = [n for n in chain if st.of(n) == [s]]
-            val = next((n.meta["val"] for n in holders if isinstance(n.meta.get("val"), torch.Tensor)), None)
+            val = next((n.meta["val"] for n in held if isinstance(n.meta.get("val"), torch.Tensor)), None)
             if val is None:
                 continue
-            freed.append((s, _storage_bytes(val), max(a.position for a in accesses if a.position < self.backward_start),
-                          later[0].position))
-            rewired += [n.name for n in holders if any(u.meta.get("phase") == "backward" for u in n.users)]
+            freed.append((s, _storage_bytes(val), facts[1], facts[0]))
+            rewired += [n.name for n in held if any(u.meta.get("phase") == "backward" for u in n.users)]
         if not freed:
             return None
         return Region(seed.name, tuple(n.name for n in chain), at, tuple(rewired), tuple(freed),
