@@ -106,6 +106,7 @@ class ActivationPlan:
     peak: int
     peak_node: str
     choices: dict[str, str]    # every saved activation considered -> "keep" | "recompute" | "offload"
+    merged: int = 0            # chosen recomputes that extended earlier replays (merged with them)
 
 
 def _is_random(node: fx.Node) -> bool:
@@ -398,13 +399,51 @@ class _Edit:
     rewired: list[tuple[fx.Node, fx.Node, fx.Node]]    # (reader, value it read, value it reads now)
     host_input: bool = False
 
-    def undo(self, graph: TrainGraph, specs: list[InputSpec]) -> None:
+    def undo(self, graph: TrainGraph, specs: list[InputSpec], gone: set[fx.Node]) -> None:
+        """`gone`: the nodes undone edits erased (a later replay may have rewired one of an
+        earlier replay's nodes, which a merge then erased), added to."""
         for reader, old, new in self.rewired:
-            reader.replace_input_with(new, old)
+            if reader not in gone:
+                reader.replace_input_with(new, old)
         for node in reversed(self.created):
             graph.graph.erase_node(node)
+        gone.update(self.created)
         if self.host_input:
             specs.pop()
+
+
+@dataclass(frozen=True)
+class _Replay:
+    """A recompute region chosen so far: what a later region that replays some of the same
+    nodes extends (undone and replayed again as one region, once)."""
+
+    region: Region
+    edit: _Edit
+    seeds: tuple[str, ...]     # the saved activations of the regions merged into it
+
+
+def _replay(graph: TrainGraph, seeds: Sequence[str], names: set[str],
+            seconds: dict[fx.Node, float]) -> tuple[Region, _Edit] | None:
+    """Replay the forward nodes `names` as one region, right before the first backward reader
+    of any of `seeds` (the regions merged into it), on the graph as it is now."""
+    step = _Step(graph)
+    by_name = {n.name: n for n in step.nodes}
+    chain = sorted((by_name[n] for n in names), key=step.position.__getitem__)
+    if not step._draws_replayable(chain):
+        return None
+    firsts = []
+    for name in seeds:
+        sids = step.of(by_name[name])
+        facts = step._facts(sids[0]) if len(sids) == 1 else None
+        if facts is not None:
+            firsts.append((facts[0], name))
+    if not firsts:
+        return None
+    at, seed = min(firsts)
+    region = step._region(by_name[seed], chain, at, seconds)
+    if region is None:
+        return None
+    return region, _recompute(graph, region)
 
 
 def _offload(graph: TrainGraph, specs: list[InputSpec], act: SavedActivation, prefetch_at: int,
@@ -518,6 +557,25 @@ def plan_activations(graph: TrainGraph, budget: int, cal: Calibration, device: t
     choice took minutes on a 24-block GPT, so each seed waits in a heap under the best ratio of
     all the bytes its regions free to their time (a bound on what they free at any peak), and
     only the seeds whose bound beats the best choice found so far are grown again."""
+    retry = graph.deferred_copy()
+    plan = _plan(graph, budget, cal, device, schedule, planned, merge=True)
+    if plan.peak > budget:
+        # greedy choices can strand the peak: a merged replay comes before the first reader of
+        # any saved tensor it frees, so what it remakes is live longer in backward, and costing
+        # on the timeline picks other choices than the per-choice estimate. Plan again as the
+        # planner did before both (separate replays, each choice at its own estimate) and keep
+        # the lower peak
+        again = _plan(retry(), budget, cal, device, schedule, planned, merge=False)
+        if again.peak < plan.peak:
+            return again
+    return plan
+
+
+def _plan(graph: TrainGraph, budget: int, cal: Calibration, device: torch.device, schedule: Prediction | None,
+          planned: Sequence[str], merge: bool) -> ActivationPlan:
+    """One greedy plan; `merge`: recomputes extend the chosen replays they overlap, and every
+    choice is costed again on the step's timeline (what it adds to the predicted step, stalls
+    of earlier copies included) before it is taken."""
     profile = analyze_memory(graph)
     keep_peak = profile.peak
     choices: dict[str, str] = {}
@@ -525,20 +583,40 @@ def plan_activations(graph: TrainGraph, budget: int, cal: Calibration, device: t
     tried: set[tuple] = set()
     storages = None
     seconds: dict[fx.Node, float] = {}
+    named: dict[str, float] = {}   # the forward nodes' times by name (a region names its nodes)
     heap: list[tuple[float, int, str]] = []   # (-bound, tie-break, seed)
-    counter = 0
+    latest: dict[str, int] = {}    # each seed's newest heap entry (older ones are stale)
+    last_grown: dict[str, list[Region]] = {}
+    replays: dict[int, _Replay] = {}   # the recompute regions chosen so far
+    gone: set[fx.Node] = set()
+    counter = merged_count = 0
+
+    def extension(region: Region) -> tuple[float, tuple[int, ...]]:
+        """What replaying `region` adds to the step, and the chosen replays it extends: the
+        replays that already replay some of its nodes are merged with it into one region,
+        replayed once, so only its other nodes' time is added."""
+        nodes = set(region.nodes)
+        over = tuple(k for k, rep in replays.items() if merge and nodes.intersection(rep.region.nodes))
+        if not over:
+            return region.seconds, ()
+        covered = set().union(*(replays[k].region.nodes for k in over))
+        return sum(named.get(n, 0.0) for n in nodes - covered), over
 
     def push(seed: str, regions: list[Region]) -> None:
         nonlocal counter
+        last_grown[seed] = regions
         if regions:
             counter += 1
-            heappush(heap, (-max(_bytes(r) / max(r.seconds, 1e-12) for r in regions), counter, seed))
+            latest[seed] = counter
+            heappush(heap, (-max(_bytes(r) / max(extension(r)[0], 1e-12) for r in regions), counter, seed))
 
     while profile.peak > budget:
         step = _Step(graph, storages)
         for n in step.storages.nodes:   # the graph is edited in place: its nodes' times stay valid
             if n not in seconds:
                 seconds[n] = estimate_seconds(n, cal)
+                if n.meta.get("phase") == "forward":
+                    named[n.name] = seconds[n]
         seeds = step.seeds()
         if not counter:
             for seed, sid in seeds.items():
@@ -547,8 +625,10 @@ def plan_activations(graph: TrainGraph, budget: int, cal: Calibration, device: t
         for act in saved:
             choices.setdefault(act.name, "keep")
         at = profile.nodes.index(profile.peak_node)
-        timeline = _simulate(graph, cal, seconds, schedule, planned)[0]
-        options = []   # (bytes at the peak per second of added time, how, what, prefetch position, seconds)
+        timeline, _, _, delay = _simulate(graph, cal, seconds, schedule, planned)
+        # (bytes at the peak per second of added time, how, what, prefetch position or the
+        # replays a recompute extends, seconds)
+        options = []
         for act in saved:
             if not act.last_forward < at < act.first_backward:
                 continue   # not live at the peak: moving it would not lower it
@@ -558,47 +638,104 @@ def plan_activations(graph: TrainGraph, budget: int, cal: Calibration, device: t
             prefetch_at, stall = timeline.prefetch(act, at, cal)
             options.append((act.nbytes / max(stall, 1e-12), "offload", act, prefetch_at, stall))
         grown: dict[str, list[Region]] = {}
-        chosen = None
+        chosen, again = None, False
+        recosted: set[tuple] = set()   # options costed again on the timeline with them
         while chosen is None:
             best = max((o for o in options if _key(o) not in tried), key=lambda o: (o[0], _bytes(o[2])), default=None)
             while heap and (best is None or -heap[0][0] > best[0]):
-                seed = heappop(heap)[2]
-                if seed in grown or seed not in seeds:
+                _, entry, seed = heappop(heap)
+                if seed in grown or seed not in seeds or latest.get(seed) != entry:
                     continue
                 regions = grown[seed] = step.regions(seeds[seed], seconds)
-                options += [(r.bytes_live_at(at) / max(r.seconds, 1e-12), "recompute", r, None, r.seconds)
-                            for r in regions if r.bytes_live_at(at)]
+                for r in regions:
+                    if r.bytes_live_at(at):
+                        added, over = extension(r)
+                        options.append((r.bytes_live_at(at) / max(added, 1e-12), "recompute", r, over, added))
                 best = max((o for o in options if _key(o) not in tried), key=lambda o: (o[0], _bytes(o[2])),
                            default=None)
             if best is None:
                 break
-            _, how, what, prefetch_at, cost = best
+            _, how, what, where, cost = best
             tried.add(_key(best))
-            edit = _recompute(graph, what) if how == "recompute" else _offload(graph, specs, what, prefetch_at, device)
+            merged: list[_Replay] = []
+            if how == "recompute" and where:   # undo the replays it extends, replay them with it once
+                merged = [replays.pop(k) for k in where]
+                for rep in reversed(merged):
+                    rep.edit.undo(graph, specs, gone)
+                made = _replay(graph, (what.seed, *(s for rep in merged for s in rep.seeds)),
+                               set(what.nodes).union(*(rep.region.nodes for rep in merged)), seconds)
+                if made is None:
+                    for rep in _restore(graph, merged, seconds):
+                        counter += 1
+                        replays[counter] = rep
+                    again = True
+                    break
+                what, edit = made
+            elif how == "recompute":
+                edit = _recompute(graph, what)
+            else:
+                edit = _offload(graph, specs, what, where, device)
             graph = graph.with_signature(inputs=tuple(specs))   # new host inputs are not device memory
             fill_missing_meta(graph, _PASS)
             storages = StorageMap(graph.graph)
             after = analyze_memory(graph, storages)
             if not (after.peak <= profile.peak and after.live_at(profile.peak_node) < profile.peak):
-                edit.undo(graph, specs)
+                edit.undo(graph, specs, gone)
                 graph = graph.with_signature(inputs=tuple(specs))
                 storages = None
+                if merged:   # the positions may differ from the step's: plan again from the graph
+                    for rep in _restore(graph, merged, seconds):
+                        counter += 1
+                        replays[counter] = rep
+                    again = True
+                    break
                 step = _Step(graph)   # the same positions as before the edit
                 continue
+            # what it costs on the step's timeline, the choices so far included: a copy back
+            # issued before theirs on the link delays them, a stall its own ranking did not see
+            added = _simulate(graph, cal, seconds, schedule, planned)[3] - delay
+            if merge and added > cost * 1.01 + 1e-6 and best not in recosted and not merged:
+                edit.undo(graph, specs, gone)
+                graph = graph.with_signature(inputs=tuple(specs))
+                storages = None
+                step = _Step(graph)
+                tried.discard(_key(best))
+                options.remove(best)
+                freed = what.bytes_live_at(at) if how == "recompute" else what.nbytes
+                best = (freed / max(added, 1e-12), how, what, where, added)
+                recosted.add(best)
+                options.append(best)
+                continue
             chosen, profile = best, after
+            if how == "recompute":
+                counter += 1
+                replays[counter] = _Replay(what, edit, (what.seed, *(s for rep in merged for s in rep.seeds)))
         for seed, regions in grown.items():   # back in the heap under their new bounds
             push(seed, regions)
         if chosen is None:
+            if again:
+                fill_missing_meta(graph, _PASS)
+                profile = analyze_memory(graph)
+                storages = None
+                continue
             break
         if how == "recompute":
+            nodes = set(what.nodes)
+            for seed, regions in list(last_grown.items()):   # cheaper now: extensions of this replay
+                if seed not in grown and any(nodes.intersection(r.nodes) for r in regions):
+                    push(seed, regions)
             for name in what.rewired:
                 choices[name] = how
             choices.setdefault(what.seed, how)
+            extends = sorted({s for rep in merged for s in rep.seeds})
+            merged_count += bool(merged)
             graph.note(_PASS, f"activations from {what.seed} ({format_bytes(_bytes(what))}): recompute "
-                       f"({len(what.nodes)} nodes, {cost * 1e6:.3g} us, {len(what.freed)} saved tensors freed)"
-                       f"; predicted peak {format_bytes(profile.peak)}", "activation",
-                       activation=what.seed, choice=how, bytes=_bytes(what), seconds=cost, stall_seconds=0.0,
-                       recomputed=what.nodes, rewired=what.rewired, peak_after=profile.peak)
+                       f"({len(what.nodes)} nodes, {what.seconds * 1e6:.3g} us"
+                       + (f", {cost * 1e6:.3g} us more than the {len(merged)} replays it extends" if merged else "")
+                       + f", {len(what.freed)} saved tensors freed); predicted peak {format_bytes(profile.peak)}",
+                       "activation", activation=what.seed, choice=how, bytes=_bytes(what), seconds=what.seconds,
+                       added_seconds=cost, stall_seconds=0.0, recomputed=what.nodes, rewired=what.rewired,
+                       extends=tuple(extends), peak_after=profile.peak)
         else:
             choices[what.name] = how
             graph.note(_PASS, f"activation {what.name} ({format_bytes(what.nbytes)}): offload "
@@ -606,14 +743,21 @@ def plan_activations(graph: TrainGraph, budget: int, cal: Calibration, device: t
                        + (f", {cost * 1e6:.3g} us stall before its reader" if cost else "") + ")"
                        f"; predicted peak {format_bytes(profile.peak)}", "activation",
                        activation=what.name, choice=how, bytes=what.nbytes, seconds=what.offload_seconds,
-                       stall_seconds=cost, recomputed=(), rewired=(), peak_after=profile.peak)
+                       added_seconds=cost, stall_seconds=cost, recomputed=(), rewired=(), extends=(),
+                       peak_after=profile.peak)
     counts = {c: sum(1 for v in choices.values() if v == c) for c in ("keep", "recompute", "offload")}
     graph.note(_PASS, f"activations: {counts['keep']} kept, {counts['recompute']} recomputed, "
                f"{counts['offload']} offloaded; predicted peak {format_bytes(keep_peak)} -> "
                f"{format_bytes(profile.peak)} (budget {format_bytes(budget)})", "activations",
                keep_peak_bytes=keep_peak, peak_bytes=profile.peak, budget_bytes=budget, choices=dict(choices),
                **counts)
-    return ActivationPlan(graph, keep_peak, profile.peak, profile.peak_node, choices)
+    return ActivationPlan(graph, keep_peak, profile.peak, profile.peak_node, choices, merged_count)
+
+
+def _restore(graph: TrainGraph, merged: list[_Replay], seconds: dict[fx.Node, float]) -> list[_Replay]:
+    """Replay again, each as it was, the regions a rejected merge undid."""
+    made = [(_replay(graph, rep.seeds, set(rep.region.nodes), seconds), rep.seeds) for rep in merged]
+    return [_Replay(m[0], m[1], seeds) for m, seeds in made if m is not None]
 
 
 def _bytes(what: Region | SavedActivation) -> int:
