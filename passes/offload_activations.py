@@ -27,10 +27,15 @@ The choice is greedy: among the choices that free memory live at the current pea
 frees the most bytes per second of added step time goes first (recompute: the replayed nodes'
 compute time from the calibration's roofline; offload: the stall its copy back adds, what
 backward's compute does not hide, so a copy that hides goes first), and every choice is checked
-on the memory analysis of the rewritten graph. When nothing live at the peak can move any more,
-the peak reached is the least this plan can do and the pass fails with it. Greedy means short
-cheap recomputes (a GELU, a layer norm) go before whole blocks, and a later region replays again
-what an earlier one replays: regions are not merged.
+on the memory analysis of the rewritten graph. A region that replays nodes some chosen region
+already replays extends it: the chosen ones are undone and the union is replayed once, before
+the first backward reader of any of them, costed by its new nodes' time alone, so once a
+block's short replays are chosen, growing them to the block's input is the cheap choice it is
+(what checkpointing the block does). When nothing live at the peak can move any more, the peak
+reached is the least this plan can do; since merged replays keep what they remake live longer
+in backward, the plan without merging is then made too, the lower peak kept, and the pass
+fails with it if it is still over the budget. An offload's stall is estimated alone: a copy
+back issued ahead of earlier ones on the link delays them, which its ranking does not see.
 
 The memory is shared exactly: both plans are checked against the same liveness analysis, the
 prefetched optimizer state included. The link is shared on one timeline, but not jointly
@@ -561,10 +566,8 @@ def plan_activations(graph: TrainGraph, budget: int, cal: Calibration, device: t
     plan = _plan(graph, budget, cal, device, schedule, planned, merge=True)
     if plan.peak > budget:
         # greedy choices can strand the peak: a merged replay comes before the first reader of
-        # any saved tensor it frees, so what it remakes is live longer in backward, and costing
-        # on the timeline picks other choices than the per-choice estimate. Plan again as the
-        # planner did before both (separate replays, each choice at its own estimate) and keep
-        # the lower peak
+        # any saved tensor it frees, so what it remakes is live longer in backward. Plan again
+        # with separate replays and keep the lower peak
         again = _plan(retry(), budget, cal, device, schedule, planned, merge=False)
         if again.peak < plan.peak:
             return again
@@ -573,9 +576,7 @@ def plan_activations(graph: TrainGraph, budget: int, cal: Calibration, device: t
 
 def _plan(graph: TrainGraph, budget: int, cal: Calibration, device: torch.device, schedule: Prediction | None,
           planned: Sequence[str], merge: bool) -> ActivationPlan:
-    """One greedy plan; `merge`: recomputes extend the chosen replays they overlap, and every
-    choice is costed again on the step's timeline (what it adds to the predicted step, stalls
-    of earlier copies included) before it is taken."""
+    """One greedy plan; `merge`: recomputes extend the chosen replays they overlap."""
     profile = analyze_memory(graph)
     keep_peak = profile.peak
     choices: dict[str, str] = {}
@@ -625,7 +626,7 @@ def _plan(graph: TrainGraph, budget: int, cal: Calibration, device: torch.device
         for act in saved:
             choices.setdefault(act.name, "keep")
         at = profile.nodes.index(profile.peak_node)
-        timeline, _, _, delay = _simulate(graph, cal, seconds, schedule, planned)
+        timeline = _simulate(graph, cal, seconds, schedule, planned)[0]
         # (bytes at the peak per second of added time, how, what, prefetch position or the
         # replays a recompute extends, seconds)
         options = []
@@ -639,7 +640,6 @@ def _plan(graph: TrainGraph, budget: int, cal: Calibration, device: torch.device
             options.append((act.nbytes / max(stall, 1e-12), "offload", act, prefetch_at, stall))
         grown: dict[str, list[Region]] = {}
         chosen, again = None, False
-        recosted: set[tuple] = set()   # options costed again on the timeline with them
         while chosen is None:
             best = max((o for o in options if _key(o) not in tried), key=lambda o: (o[0], _bytes(o[2])), default=None)
             while heap and (best is None or -heap[0][0] > best[0]):
@@ -690,21 +690,6 @@ def _plan(graph: TrainGraph, budget: int, cal: Calibration, device: torch.device
                     again = True
                     break
                 step = _Step(graph)   # the same positions as before the edit
-                continue
-            # what it costs on the step's timeline, the choices so far included: a copy back
-            # issued before theirs on the link delays them, a stall its own ranking did not see
-            added = _simulate(graph, cal, seconds, schedule, planned)[3] - delay
-            if merge and added > cost * 1.01 + 1e-6 and best not in recosted and not merged:
-                edit.undo(graph, specs, gone)
-                graph = graph.with_signature(inputs=tuple(specs))
-                storages = None
-                step = _Step(graph)
-                tried.discard(_key(best))
-                options.remove(best)
-                freed = what.bytes_live_at(at) if how == "recompute" else what.nbytes
-                best = (freed / max(added, 1e-12), how, what, where, added)
-                recosted.add(best)
-                options.append(best)
                 continue
             chosen, profile = best, after
             if how == "recompute":
