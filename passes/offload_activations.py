@@ -27,10 +27,15 @@ The choice is greedy: among the choices that free memory live at the current pea
 frees the most bytes per second of added step time goes first (recompute: the replayed nodes'
 compute time from the calibration's roofline; offload: the stall its copy back adds, what
 backward's compute does not hide, so a copy that hides goes first), and every choice is checked
-on the memory analysis of the rewritten graph. When nothing live at the peak can move any more,
-the peak reached is the least this plan can do and the pass fails with it. Greedy means short
-cheap recomputes (a GELU, a layer norm) go before whole blocks, and a later region replays again
-what an earlier one replays: regions are not merged.
+on the memory analysis of the rewritten graph. A region that replays nodes some chosen region
+already replays extends it: the chosen ones are undone and the union is replayed once, before
+the first backward reader of any of them, costed by its new nodes' time alone, so once a
+block's short replays are chosen, growing them to the block's input is the cheap choice it is
+(what checkpointing the block does). When nothing live at the peak can move any more, the peak
+reached is the least this plan can do; since merged replays keep what they remake live longer
+in backward, the plan without merging is then made too, the lower peak kept, and the pass
+fails with it if it is still over the budget. An offload's stall is estimated alone: a copy
+back issued ahead of earlier ones on the link delays them, which its ranking does not see.
 
 The memory is shared exactly: both plans are checked against the same liveness analysis, the
 prefetched optimizer state included. The link is shared on one timeline, but not jointly
@@ -106,6 +111,7 @@ class ActivationPlan:
     peak: int
     peak_node: str
     choices: dict[str, str]    # every saved activation considered -> "keep" | "recompute" | "offload"
+    merged: int = 0            # chosen recomputes that extended earlier replays (merged with them)
 
 
 def _is_random(node: fx.Node) -> bool:
@@ -150,12 +156,14 @@ class _Step:
         self.nodes = self.storages.nodes
         backward = [self.position[n] for n in self.storages.nodes if n.meta.get("phase") == "backward"]
         self.backward_start = min(backward) if backward else None
+        self._storage_facts: dict[int, tuple[int, int, frozenset] | None] = {}
+        self._of: dict[fx.Node, list[int]] = {}
 
     def available(self, node: fx.Node, at: int) -> bool:
         """Whether `node`'s value is on the device, unchanged, at position `at` anyway."""
         if node.op == "get_attr":
             return True
-        sids = self.storages.of(node)
+        sids = self.of(node)
         if not sids or node.meta.get("val") is None:
             return False
         here = self.position[node]
@@ -189,18 +197,18 @@ class _Step:
             if writers[0] is not creator or any(self.position[w] >= self.backward_start for w in writers):
                 return None
             for w in writers:   # writing nothing but this storage: replaying them is pure
-                if not _replayable(w) or any(o not in (s,) for a in written_args(w) for o in self.storages.of(a)):
+                if not _replayable(w) or any(o not in (s,) for a in written_args(w) for o in self.of(a)):
                     return None
             return writers
 
         def remade(i: fx.Node) -> bool:
-            if sid in self.storages.of(i) or not self.available(i, at):
+            if sid in self.of(i) or not self.available(i, at):
                 return True   # what is on the device at `at` only because of the value being moved is not
             return self.position[i] >= horizon[0] and _forward_value(i)
 
         def expand(node: fx.Node) -> bool:
             """Add the nodes that make `node`'s storage, and what they need, to the chain."""
-            sids = self.storages.of(node)
+            sids = self.of(node)
             if node.op != "call_function" or len(sids) != 1:
                 return False
             if node.target is operator.getitem:   # one output of a multi-output op (a layer norm's, attention's)
@@ -209,7 +217,7 @@ class _Step:
                 if not _replayable(source) or written_args(source):
                     return False
                 if writers != [source]:   # a view among a list of them (split's): on its input
-                    if self.storages.creator[sids[0]] is source or not self.storages.of(source):
+                    if self.storages.creator[sids[0]] is source or not self.of(source):
                         return False
                 nodes = [source, node]
             elif not _replayable(node):
@@ -256,29 +264,58 @@ class _Step:
         return not random or not any(_is_random(n) and n not in members
                                      for n in self.nodes[random[0]:random[-1] + 1])
 
+    def _facts(self, s: int) -> tuple[int, int, frozenset] | None:
+        """What freeing storage `s` by a replay needs, whatever the chain (cached: every chain
+        grown on this step asks again): its first backward access, the latest backward access
+        a replay may come at, its last forward access, and the forward nodes (aliases of it)
+        backward reads it through; None if backward writes it or reads it outside backward."""
+        try:
+            return self._storage_facts[s]
+        except KeyError:
+            pass
+        st, facts = self.storages, None
+        accesses = st.accesses[s]
+        later = [a for a in accesses if a.position >= self.backward_start]
+        if later and s not in st.output_reads and not any(a.writes or a.node.meta.get("phase") != "backward"
+                                                          for a in later):
+            # a reader of an alias backward made (a detach) reads it through the alias's own access
+            through = frozenset(i for a in later for i in a.node.all_input_nodes
+                                if i.meta.get("phase") != "backward" and s in self.of(i))
+            facts = (later[0].position, max(a.position for a in accesses if a.position < self.backward_start),
+                     through)
+        self._storage_facts[s] = facts
+        return facts
+
+    def of(self, node: fx.Node) -> list[int]:
+        try:
+            return self._of[node]
+        except KeyError:
+            found = self._of[node] = self.storages.of(node)
+            return found
+
     def _region(self, seed: fx.Node, chain: list[fx.Node], at: int, seconds: dict[fx.Node, float]) -> Region | None:
         """What replaying `chain` right before `at` frees: every storage it makes whose backward
         readers all come at or after `at` and read it through the chain's nodes alone."""
         st, members = self.storages, set(chain)
+        holders: dict[int, list[fx.Node]] = {}
+        for n in chain:
+            sids = self.of(n)
+            for s in sids:
+                holders.setdefault(s, [])
+            if len(sids) == 1:
+                holders[sids[0]].append(n)
         freed, rewired = [], []
-        for s in dict.fromkeys(s for n in chain for s in st.of(n)):
-            if st.creator[s] not in members or s in st.output_reads:
+        for s, held in holders.items():
+            if st.creator[s] not in members:
                 continue
-            accesses = st.accesses[s]
-            later = [a for a in accesses if a.position >= self.backward_start]
-            # a reader of an alias backward made (a detach) reads it through the alias's own access
-            if not later or any(a.writes or a.position < at or a.node.meta.get("phase") != "backward"
-                                or any(s in st.of(i) and i not in members and i.meta.get("phase") != "backward"
-                                       for i in a.node.all_input_nodes)
-                                for a in later):
+            facts = self._facts(s)
+            if facts is None or facts[0] < at or not facts[2] <= members:
                 continue
-            holders = [n for n in chain if st.of(n) == [s]]
-            val = next((n.meta["val"] for n in holders if isinstance(n.meta.get("val"), torch.Tensor)), None)
+            val = next((n.meta["val"] for n in held if isinstance(n.meta.get("val"), torch.Tensor)), None)
             if val is None:
                 continue
-            freed.append((s, _storage_bytes(val), max(a.position for a in accesses if a.position < self.backward_start),
-                          later[0].position))
-            rewired += [n.name for n in holders if any(u.meta.get("phase") == "backward" for u in n.users)]
+            freed.append((s, _storage_bytes(val), facts[1], facts[0]))
+            rewired += [n.name for n in held if any(u.meta.get("phase") == "backward" for u in n.users)]
         if not freed:
             return None
         return Region(seed.name, tuple(n.name for n in chain), at, tuple(rewired), tuple(freed),
@@ -367,13 +404,51 @@ class _Edit:
     rewired: list[tuple[fx.Node, fx.Node, fx.Node]]    # (reader, value it read, value it reads now)
     host_input: bool = False
 
-    def undo(self, graph: TrainGraph, specs: list[InputSpec]) -> None:
+    def undo(self, graph: TrainGraph, specs: list[InputSpec], gone: set[fx.Node]) -> None:
+        """`gone`: the nodes undone edits erased (a later replay may have rewired one of an
+        earlier replay's nodes, which a merge then erased), added to."""
         for reader, old, new in self.rewired:
-            reader.replace_input_with(new, old)
+            if reader not in gone:
+                reader.replace_input_with(new, old)
         for node in reversed(self.created):
             graph.graph.erase_node(node)
+        gone.update(self.created)
         if self.host_input:
             specs.pop()
+
+
+@dataclass(frozen=True)
+class _Replay:
+    """A recompute region chosen so far: what a later region that replays some of the same
+    nodes extends (undone and replayed again as one region, once)."""
+
+    region: Region
+    edit: _Edit
+    seeds: tuple[str, ...]     # the saved activations of the regions merged into it
+
+
+def _replay(graph: TrainGraph, seeds: Sequence[str], names: set[str],
+            seconds: dict[fx.Node, float]) -> tuple[Region, _Edit] | None:
+    """Replay the forward nodes `names` as one region, right before the first backward reader
+    of any of `seeds` (the regions merged into it), on the graph as it is now."""
+    step = _Step(graph)
+    by_name = {n.name: n for n in step.nodes}
+    chain = sorted((by_name[n] for n in names), key=step.position.__getitem__)
+    if not step._draws_replayable(chain):
+        return None
+    firsts = []
+    for name in seeds:
+        sids = step.of(by_name[name])
+        facts = step._facts(sids[0]) if len(sids) == 1 else None
+        if facts is not None:
+            firsts.append((facts[0], name))
+    if not firsts:
+        return None
+    at, seed = min(firsts)
+    region = step._region(by_name[seed], chain, at, seconds)
+    if region is None:
+        return None
+    return region, _recompute(graph, region)
 
 
 def _offload(graph: TrainGraph, specs: list[InputSpec], act: SavedActivation, prefetch_at: int,
@@ -487,6 +562,21 @@ def plan_activations(graph: TrainGraph, budget: int, cal: Calibration, device: t
     choice took minutes on a 24-block GPT, so each seed waits in a heap under the best ratio of
     all the bytes its regions free to their time (a bound on what they free at any peak), and
     only the seeds whose bound beats the best choice found so far are grown again."""
+    retry = graph.deferred_copy()
+    plan = _plan(graph, budget, cal, device, schedule, planned, merge=True)
+    if plan.peak > budget:
+        # greedy choices can strand the peak: a merged replay comes before the first reader of
+        # any saved tensor it frees, so what it remakes is live longer in backward. Plan again
+        # with separate replays and keep the lower peak
+        again = _plan(retry(), budget, cal, device, schedule, planned, merge=False)
+        if again.peak < plan.peak:
+            return again
+    return plan
+
+
+def _plan(graph: TrainGraph, budget: int, cal: Calibration, device: torch.device, schedule: Prediction | None,
+          planned: Sequence[str], merge: bool) -> ActivationPlan:
+    """One greedy plan; `merge`: recomputes extend the chosen replays they overlap."""
     profile = analyze_memory(graph)
     keep_peak = profile.peak
     choices: dict[str, str] = {}
@@ -494,20 +584,40 @@ def plan_activations(graph: TrainGraph, budget: int, cal: Calibration, device: t
     tried: set[tuple] = set()
     storages = None
     seconds: dict[fx.Node, float] = {}
+    named: dict[str, float] = {}   # the forward nodes' times by name (a region names its nodes)
     heap: list[tuple[float, int, str]] = []   # (-bound, tie-break, seed)
-    counter = 0
+    latest: dict[str, int] = {}    # each seed's newest heap entry (older ones are stale)
+    last_grown: dict[str, list[Region]] = {}
+    replays: dict[int, _Replay] = {}   # the recompute regions chosen so far
+    gone: set[fx.Node] = set()
+    counter = merged_count = 0
+
+    def extension(region: Region) -> tuple[float, tuple[int, ...]]:
+        """What replaying `region` adds to the step, and the chosen replays it extends: the
+        replays that already replay some of its nodes are merged with it into one region,
+        replayed once, so only its other nodes' time is added."""
+        nodes = set(region.nodes)
+        over = tuple(k for k, rep in replays.items() if merge and nodes.intersection(rep.region.nodes))
+        if not over:
+            return region.seconds, ()
+        covered = set().union(*(replays[k].region.nodes for k in over))
+        return sum(named.get(n, 0.0) for n in nodes - covered), over
 
     def push(seed: str, regions: list[Region]) -> None:
         nonlocal counter
+        last_grown[seed] = regions
         if regions:
             counter += 1
-            heappush(heap, (-max(_bytes(r) / max(r.seconds, 1e-12) for r in regions), counter, seed))
+            latest[seed] = counter
+            heappush(heap, (-max(_bytes(r) / max(extension(r)[0], 1e-12) for r in regions), counter, seed))
 
     while profile.peak > budget:
         step = _Step(graph, storages)
         for n in step.storages.nodes:   # the graph is edited in place: its nodes' times stay valid
             if n not in seconds:
                 seconds[n] = estimate_seconds(n, cal)
+                if n.meta.get("phase") == "forward":
+                    named[n.name] = seconds[n]
         seeds = step.seeds()
         if not counter:
             for seed, sid in seeds.items():
@@ -517,7 +627,9 @@ def plan_activations(graph: TrainGraph, budget: int, cal: Calibration, device: t
             choices.setdefault(act.name, "keep")
         at = profile.nodes.index(profile.peak_node)
         timeline = _simulate(graph, cal, seconds, schedule, planned)[0]
-        options = []   # (bytes at the peak per second of added time, how, what, prefetch position, seconds)
+        # (bytes at the peak per second of added time, how, what, prefetch position or the
+        # replays a recompute extends, seconds)
+        options = []
         for act in saved:
             if not act.last_forward < at < act.first_backward:
                 continue   # not live at the peak: moving it would not lower it
@@ -527,47 +639,88 @@ def plan_activations(graph: TrainGraph, budget: int, cal: Calibration, device: t
             prefetch_at, stall = timeline.prefetch(act, at, cal)
             options.append((act.nbytes / max(stall, 1e-12), "offload", act, prefetch_at, stall))
         grown: dict[str, list[Region]] = {}
-        chosen = None
+        chosen, again = None, False
         while chosen is None:
             best = max((o for o in options if _key(o) not in tried), key=lambda o: (o[0], _bytes(o[2])), default=None)
             while heap and (best is None or -heap[0][0] > best[0]):
-                seed = heappop(heap)[2]
-                if seed in grown or seed not in seeds:
+                _, entry, seed = heappop(heap)
+                if seed in grown or seed not in seeds or latest.get(seed) != entry:
                     continue
                 regions = grown[seed] = step.regions(seeds[seed], seconds)
-                options += [(r.bytes_live_at(at) / max(r.seconds, 1e-12), "recompute", r, None, r.seconds)
-                            for r in regions if r.bytes_live_at(at)]
+                for r in regions:
+                    if r.bytes_live_at(at):
+                        added, over = extension(r)
+                        options.append((r.bytes_live_at(at) / max(added, 1e-12), "recompute", r, over, added))
                 best = max((o for o in options if _key(o) not in tried), key=lambda o: (o[0], _bytes(o[2])),
                            default=None)
             if best is None:
                 break
-            _, how, what, prefetch_at, cost = best
+            _, how, what, where, cost = best
             tried.add(_key(best))
-            edit = _recompute(graph, what) if how == "recompute" else _offload(graph, specs, what, prefetch_at, device)
+            merged: list[_Replay] = []
+            if how == "recompute" and where:   # undo the replays it extends, replay them with it once
+                merged = [replays.pop(k) for k in where]
+                for rep in reversed(merged):
+                    rep.edit.undo(graph, specs, gone)
+                made = _replay(graph, (what.seed, *(s for rep in merged for s in rep.seeds)),
+                               set(what.nodes).union(*(rep.region.nodes for rep in merged)), seconds)
+                if made is None:
+                    for rep in _restore(graph, merged, seconds):
+                        counter += 1
+                        replays[counter] = rep
+                    again = True
+                    break
+                what, edit = made
+            elif how == "recompute":
+                edit = _recompute(graph, what)
+            else:
+                edit = _offload(graph, specs, what, where, device)
             graph = graph.with_signature(inputs=tuple(specs))   # new host inputs are not device memory
             fill_missing_meta(graph, _PASS)
             storages = StorageMap(graph.graph)
             after = analyze_memory(graph, storages)
             if not (after.peak <= profile.peak and after.live_at(profile.peak_node) < profile.peak):
-                edit.undo(graph, specs)
+                edit.undo(graph, specs, gone)
                 graph = graph.with_signature(inputs=tuple(specs))
                 storages = None
+                if merged:   # the positions may differ from the step's: plan again from the graph
+                    for rep in _restore(graph, merged, seconds):
+                        counter += 1
+                        replays[counter] = rep
+                    again = True
+                    break
                 step = _Step(graph)   # the same positions as before the edit
                 continue
             chosen, profile = best, after
+            if how == "recompute":
+                counter += 1
+                replays[counter] = _Replay(what, edit, (what.seed, *(s for rep in merged for s in rep.seeds)))
         for seed, regions in grown.items():   # back in the heap under their new bounds
             push(seed, regions)
         if chosen is None:
+            if again:
+                fill_missing_meta(graph, _PASS)
+                profile = analyze_memory(graph)
+                storages = None
+                continue
             break
         if how == "recompute":
+            nodes = set(what.nodes)
+            for seed, regions in list(last_grown.items()):   # cheaper now: extensions of this replay
+                if seed not in grown and any(nodes.intersection(r.nodes) for r in regions):
+                    push(seed, regions)
             for name in what.rewired:
                 choices[name] = how
             choices.setdefault(what.seed, how)
+            extends = sorted({s for rep in merged for s in rep.seeds})
+            merged_count += bool(merged)
             graph.note(_PASS, f"activations from {what.seed} ({format_bytes(_bytes(what))}): recompute "
-                       f"({len(what.nodes)} nodes, {cost * 1e6:.3g} us, {len(what.freed)} saved tensors freed)"
-                       f"; predicted peak {format_bytes(profile.peak)}", "activation",
-                       activation=what.seed, choice=how, bytes=_bytes(what), seconds=cost, stall_seconds=0.0,
-                       recomputed=what.nodes, rewired=what.rewired, peak_after=profile.peak)
+                       f"({len(what.nodes)} nodes, {what.seconds * 1e6:.3g} us"
+                       + (f", {cost * 1e6:.3g} us more than the {len(merged)} replays it extends" if merged else "")
+                       + f", {len(what.freed)} saved tensors freed); predicted peak {format_bytes(profile.peak)}",
+                       "activation", activation=what.seed, choice=how, bytes=_bytes(what), seconds=what.seconds,
+                       added_seconds=cost, stall_seconds=0.0, recomputed=what.nodes, rewired=what.rewired,
+                       extends=tuple(extends), peak_after=profile.peak)
         else:
             choices[what.name] = how
             graph.note(_PASS, f"activation {what.name} ({format_bytes(what.nbytes)}): offload "
@@ -575,14 +728,21 @@ def plan_activations(graph: TrainGraph, budget: int, cal: Calibration, device: t
                        + (f", {cost * 1e6:.3g} us stall before its reader" if cost else "") + ")"
                        f"; predicted peak {format_bytes(profile.peak)}", "activation",
                        activation=what.name, choice=how, bytes=what.nbytes, seconds=what.offload_seconds,
-                       stall_seconds=cost, recomputed=(), rewired=(), peak_after=profile.peak)
+                       added_seconds=cost, stall_seconds=cost, recomputed=(), rewired=(), extends=(),
+                       peak_after=profile.peak)
     counts = {c: sum(1 for v in choices.values() if v == c) for c in ("keep", "recompute", "offload")}
     graph.note(_PASS, f"activations: {counts['keep']} kept, {counts['recompute']} recomputed, "
                f"{counts['offload']} offloaded; predicted peak {format_bytes(keep_peak)} -> "
                f"{format_bytes(profile.peak)} (budget {format_bytes(budget)})", "activations",
                keep_peak_bytes=keep_peak, peak_bytes=profile.peak, budget_bytes=budget, choices=dict(choices),
                **counts)
-    return ActivationPlan(graph, keep_peak, profile.peak, profile.peak_node, choices)
+    return ActivationPlan(graph, keep_peak, profile.peak, profile.peak_node, choices, merged_count)
+
+
+def _restore(graph: TrainGraph, merged: list[_Replay], seconds: dict[fx.Node, float]) -> list[_Replay]:
+    """Replay again, each as it was, the regions a rejected merge undid."""
+    made = [(_replay(graph, rep.seeds, set(rep.region.nodes), seconds), rep.seeds) for rep in merged]
+    return [_Replay(m[0], m[1], seeds) for m, seeds in made if m is not None]
 
 
 def _bytes(what: Region | SavedActivation) -> int:
