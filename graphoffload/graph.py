@@ -261,6 +261,15 @@ def fake_mode_of(graph: fx.Graph):
     return detect_fake_mode([n.meta.get("val") for n in graph.nodes if n.op == "placeholder"])
 
 
+def fake_value(node: fx.Node, fake_mode: Any = None) -> Any:
+    """`node`'s value on the graph's fake tensors: its target run on its inputs' `meta["val"]`,
+    under `fake_mode` (the graph's, `fake_mode_of`, when not given). What a pass stores as
+    `meta["val"]` of a node it makes (as Inductor fills it when a node is made)."""
+    args, kwargs = fx.map_arg((node.args, node.kwargs), lambda n: n.meta["val"])
+    with fake_mode or fake_mode_of(node.graph):
+        return node.target(*args, **kwargs)
+
+
 def fill_missing_meta(graph: TrainGraph, pass_name: str) -> None:
     """Stamp nodes a pass created: `pass`, `val` (the op run on fake tensors) and `phase`
     (the latest phase among its inputs). Passes call it before analysing what they built."""

@@ -282,13 +282,13 @@ def _replay_random(graph: fx.Graph, forward: list[fx.Node], recomputed: list[fx.
     get, swap = torch.ops.graphoffload.rng_state.default, torch.ops.graphoffload.swap_rng_state.default
     with graph.inserting_before(first):
         state = graph.call_function(get, (_device_of(first),))
-    _stamp(state, first, get)
+    _stamp(state, first)
     with graph.inserting_before(begin):
         before = graph.call_function(swap, (state, _device_of(begin)))
-    _stamp(before, begin, swap)
+    _stamp(before, begin)
     with graph.inserting_after(last):
         after = graph.call_function(swap, (before, _device_of(last)))
-    _stamp(after, last, swap)
+    _stamp(after, last)
     return len(recomputed)
 
 
@@ -299,12 +299,10 @@ def _device_of(node: fx.Node) -> torch.device:
     return tensor_vals(node)[0].device
 
 
-def _stamp(node: fx.Node, beside: fx.Node, op: Any) -> None:
-    from graphoffload.graph import fake_mode_of
+def _stamp(node: fx.Node, beside: fx.Node) -> None:
+    from graphoffload.graph import fake_value
 
-    args = fx.map_arg(node.args, lambda n: n.meta["val"])
-    with fake_mode_of(beside.graph):
-        node.meta["val"] = op(*args)
+    node.meta["val"] = fake_value(node)
     node.meta.update({"pass": "capture", "phase": beside.meta["phase"]})
     if beside.meta.get("stack_trace"):
         node.meta["stack_trace"] = beside.meta["stack_trace"]

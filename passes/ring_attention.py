@@ -39,7 +39,7 @@ from torch import fx
 from graphoffload.aliasing import written_args
 from graphoffload.bucketing import greedy_buckets
 from graphoffload.errors import UnsupportedError, describe
-from graphoffload.graph import TrainGraph, fake_mode_of
+from graphoffload.graph import TrainGraph, fake_mode_of, fake_value
 from graphoffload.ops.attention import ATTENTION
 from graphoffload.ops.ring_attention import chunk_ranges
 from graphoffload.passes.ring_attention_rules import PARTIAL, REPLICATED, Rule, Shard, Spec, rule_for, user_line
@@ -128,9 +128,7 @@ class _Sharder:
     def new_node(self, target: Any, args: tuple, kwargs: dict | None = None, phase: str | None = None,
                  like: fx.Node | None = None) -> fx.Node:
         node = self.graph.call_function(target, args, kwargs or {})
-        fake_args, fake_kwargs = fx.map_arg((node.args, node.kwargs), lambda n: n.meta["val"])
-        with self.fake_mode:
-            node.meta["val"] = target(*fake_args, **fake_kwargs)
+        node.meta["val"] = fake_value(node, self.fake_mode)
         if phase:
             node.meta["phase"] = phase
         if like is not None:

@@ -43,6 +43,7 @@ from torch import fx
 
 from graphoffload.diagnostics import user_line_of_stack_trace
 from graphoffload.errors import UnsupportedError
+from graphoffload.graph import fake_value
 from graphoffload.ops.attention import ATTENTION, ATTENTION_BACKWARD
 
 aten = torch.ops.aten
@@ -297,9 +298,7 @@ def ring_attention_rewrite(sharding: Sharding, node: fx.Node) -> None:
     node.target = RING_OPS[node.target]
     node.args = (*local, *extra)
     node.kwargs = {}
-    fake_args = fx.map_arg(node.args, lambda n: n.meta["val"])
-    with sharding.fake_mode:
-        node.meta["val"] = node.target(*fake_args)
+    node.meta["val"] = fake_value(node, sharding.fake_mode)
     sharding.set_spec(node, tuple(Shard(v.dim() - (1 if forward and i == 1 else 2))
                                   for i, v in enumerate(node.meta["val"])))
     sharding.counts["fwd" if forward else "bwd"] += 1

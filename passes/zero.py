@@ -64,7 +64,7 @@ from graphoffload.bucketing import greedy_buckets
 from graphoffload.data_parallel import shard_rows
 from graphoffload.diagnostics import user_line_of_stack_trace
 from graphoffload.errors import UnsupportedError
-from graphoffload.graph import TrainGraph, fake_mode_of
+from graphoffload.graph import TrainGraph, fake_mode_of, fake_value
 from graphoffload.passes.update_kernels import UpdateKernel, update_kernels_to_rewrite
 
 if TYPE_CHECKING:
@@ -132,9 +132,7 @@ class _Emitter:
     def __call__(self, target: Any, args: tuple, like: fx.Node, phase: str = "comm",
                  param: tuple[str, ...] | None = None) -> fx.Node:
         node = self.graph.call_function(target, args)
-        fake_args = fx.map_arg(node.args, lambda n: n.meta["val"])
-        with self.fake_mode:
-            node.meta["val"] = target(*fake_args)
+        node.meta["val"] = fake_value(node, self.fake_mode)
         node.meta["phase"] = phase
         if "stack_trace" in like.meta:
             node.meta["stack_trace"] = like.meta["stack_trace"]
