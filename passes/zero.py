@@ -115,6 +115,10 @@ class _Item:
             return []
         return [shard_rows(self.shape[0], world, rank)[1], *self.shape[1:]]
 
+    def local_numel(self, world: int, rank: int) -> int:
+        """Elements of this rank's chunk."""
+        return 1 if self.scalar else shard_rows(self.shape[0], world, rank)[1] * self.row
+
 
 @dataclass
 class _Bucket:
@@ -218,7 +222,7 @@ def _clipping(items: list[_Item], readers: set[fx.Node], output: fx.Node, stage:
                 terms[user] = it
                 continue
             if _l2(user) and all(g in by_grad for g in user.args[0]):
-                getitems = [u for u in user.users]
+                getitems = list(user.users)
                 if all(u.target is operator.getitem for u in getitems):
                     terms.update((u, by_grad[user.args[0][u.args[1]]]) for u in getitems)
                     continue
@@ -242,16 +246,13 @@ def _clipping(items: list[_Item], readers: set[fx.Node], output: fx.Node, stage:
             f"ZeRO data parallelism: the gradients are normed or scaled at {_line(where)} in a way other than "
             "clip_grad_norm_'s (one L2 norm of the per-gradient L2 norms, then scaling by a number): ZeRO "
             "computes the global norm from each rank's chunks, and this form is not supported yet")
-    if any(output in scale.users for scale in scales):   # .grad left set, read after clipping scaled it
+    # .grad left set: read after clipping scaled it, or (stage 1) the average the output keeps
+    if any(output in scale.users for scale in scales) or \
+            (stage == 1 and any(output in it.grad.users for it in items)):
         raise UnsupportedError(
             f"ZeRO stage {stage} with clip_grad_norm_ and .grad left set after the step is not supported yet (the "
             "update clips this rank's chunks only, so .grad would hold unclipped rows): call optimizer.zero_grad() "
             "at the end of the step")
-    if stage == 1 and any(n is output for it in items for n in it.grad.users):
-        raise UnsupportedError(
-            "ZeRO stage 1 with clip_grad_norm_ and .grad left set after the step is not supported yet (the update "
-            "clips this rank's chunks only, so .grad would hold unclipped rows): call optimizer.zero_grad() at "
-            "the end of the step")
     return _Clip(terms, totals[0], list(scales))
 
 
@@ -323,10 +324,9 @@ def _reduce_gradients(emit: _Emitter, bucket: _Bucket, stage: int, rank: int, wo
     red = emit(c10d.reduce_scatter_tensor.default, (flat, "sum", world, group), last)
     mine = emit(aten.div.Scalar, (emit(c10d.wait_tensor.default, (red,), last), world), last)
     for it in bucket.items:
-        shape = it.local_shape(world, rank)
-        numel = 1 if it.scalar else shape[0] * it.row
-        part = emit(aten.slice.Tensor, (mine, 0, it.offset, it.offset + numel), it.grad, param=(it.name,))
-        piece = emit(aten.view.default, (part, shape), it.grad, param=(it.name,))
+        part = emit(aten.slice.Tensor, (mine, 0, it.offset, it.offset + it.local_numel(world, rank)), it.grad,
+                    param=(it.name,))
+        piece = emit(aten.view.default, (part, it.local_shape(world, rank)), it.grad, param=(it.name,))
         # a tensor of its own: fusion treats the update's gradients as written, so views of one
         # buffer would chain every update of the bucket after the one before
         averaged[it.grad] = (emit(aten.clone.default, (piece,), it.grad, param=(it.name,)), None)
@@ -449,7 +449,7 @@ def zero(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
     graph = graph.with_signature(inputs=inputs)
 
     total = sum(it.numel for it in items)
-    local = sum(1 if it.scalar else it.local_shape(world, rank)[0] * it.row for it in items)
+    local = sum(it.local_numel(world, rank) for it in items)
     padded = sum(b.part for b in buckets) * world
     collective = "all-reduce" if dp.stage == 1 else "reduce-scatter"
     graph.note("zero", f"ZeRO stage {dp.stage}, rank {rank} of {world}: updates its dim-0 chunk of each of "
