@@ -368,7 +368,6 @@ def ring_attention(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
         return graph
     sharder = _Sharder(graph, sp)
     sharder.run()
-    graph.gm.recompile()
     c = sharder.counts
     graph.note("ring_attention", f"rank {sharder.rank} of {sharder.world}, {sp.layout} layout: the sequence of "
                f"{sharder.seq} tokens is split into {sharder.seq // sharder.world} per rank")

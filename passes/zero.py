@@ -442,7 +442,6 @@ def zero(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
         for bucket in buckets:
             copied += _gather_parameters(emit, bucket, chunks, rank, world, group)
     g.lint()
-    graph.gm.recompile()
     written = written_placeholders(g)
     inputs = tuple(s if s.mutable or s.name not in written else type(s)(s.kind, s.name, s.target, True)
                    for s in graph.signature.inputs)
