@@ -750,10 +750,8 @@ def _drop_unused_grad_sums(capture: Capture, accumulation: Accumulation, on_host
     placeholders = graph.placeholders()
     unused = {s.name for s in graph.signature.inputs if s.kind == "grad_sum" and not placeholders[s.name].users}
     if unused:
-        for name in unused:
-            graph.graph.erase_node(placeholders[name])
         accumulation.discard({s.target for s in graph.signature.inputs if s.name in unused})
-        capture.graph = graph.with_signature(inputs=tuple(s for s in graph.signature.inputs if s.name not in unused))
+        capture.graph = graph.without_inputs(unused)
     sums = [placeholders[s.name].meta["val"] for s in capture.graph.signature.inputs if s.kind == "grad_sum"]
     nbytes = sum(v.numel() * (4 if on_host else v.element_size()) for v in sums)   # host sums are fp32
     capture.graph.note("capture", f"accumulation_steps={accumulation.steps}: this variant "
@@ -787,13 +785,8 @@ def _drop_unread_state(capture: Capture, fresh: list[tuple[torch.optim.Optimizer
     if deferred:
         dropped.update(s.target[0] for s in graph.signature.inputs if s.kind == "state" and s.target[0] not in read)
     if dropped:
-        inputs = []
-        for s in graph.signature.inputs:
-            if s.kind == "state" and s.target[0] in dropped:
-                graph.graph.erase_node(placeholders[s.name])
-            else:
-                inputs.append(s)
-        capture.graph = graph.with_signature(inputs=tuple(inputs))
+        capture.graph = graph.without_inputs({s.name for s in graph.signature.inputs
+                                              if s.kind == "state" and s.target[0] in dropped})
     return kept
 
 

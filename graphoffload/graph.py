@@ -14,7 +14,7 @@ Graph conventions (see passes/README.md for the full list of invariants):
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Any, Literal
@@ -161,6 +161,13 @@ class TrainGraph:
 
     def with_signature(self, **changes: Any) -> TrainGraph:
         return TrainGraph(self.gm, replace(self.signature, **changes), self.notes, self.schedule)
+
+    def without_inputs(self, names: Collection[str]) -> TrainGraph:
+        """This graph less the inputs (placeholders and specs) named `names`, which nothing reads."""
+        placeholders = self.placeholders()
+        for name in names:
+            self.graph.erase_node(placeholders[name])
+        return self.with_signature(inputs=tuple(s for s in self.signature.inputs if s.name not in names))
 
     def add_host_input(self, specs: list[InputSpec], spec: InputSpec, shape: torch.Size,
                        dtype: torch.dtype, param: str) -> fx.Node:
