@@ -21,7 +21,8 @@ from graphoffload.graph import TrainGraph
 _BLOCK = 512
 
 
-def _nbytes(t: torch.Tensor) -> int:
+def block_bytes(t: torch.Tensor) -> int:
+    """Bytes of `t`'s storage as the CUDA caching allocator hands them out (512-byte blocks)."""
     try:
         n = t.untyped_storage().nbytes()
     except Exception:  # noqa: BLE001 - some fake tensors have no storage
@@ -63,7 +64,7 @@ def analyze_memory(graph: TrainGraph, storages: StorageMap | None = None) -> Mem
         val = creator.meta["val"]
         tensor = val if isinstance(val, torch.Tensor) else next(
             v for v, i in zip(val, storages.ids[creator]) if i == sid)
-        nbytes = _nbytes(tensor)
+        nbytes = block_bytes(tensor)
         if creator.name in on_host and creator.op == "placeholder":
             continue
         if creator.op in ("placeholder", "get_attr"):

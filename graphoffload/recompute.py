@@ -40,7 +40,7 @@ from torch import fx, nn
 from torch.utils.checkpoint import CheckpointPolicy
 
 from graphoffload.errors import CaptureError, UnsupportedError
-from graphoffload.ops.rng import rng_state, swap_rng_state  # noqa: F401  (declares the ops)
+from graphoffload.ops.rng import draws_random_numbers, rng_state, swap_rng_state  # noqa: F401  (declares the ops)
 
 _CHECKPOINT_FILE = torch_checkpoint.__file__
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
@@ -136,10 +136,6 @@ class RecomputedRegion:
     random: int                    # random ops replayed from the forward's generator state
 
 
-def _is_random(node: fx.Node) -> bool:
-    return torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ())
-
-
 def mark_recomputed(gm: fx.GraphModule, names: dict[int, str]) -> list[RecomputedRegion]:
     """Turn the capture-time tags into node meta (see the module docstring), pair every
     recomputed node with the forward node it repeats, and put the generator state of the
@@ -174,8 +170,8 @@ def mark_recomputed(gm: fx.GraphModule, names: dict[int, str]) -> list[Recompute
         for r in recomputed:
             r.meta["recompute"] = name
             r.meta.pop("grad_of", None)   # its autograd sequence number is the recompute's own
-        random = _replay_random(gm.graph, [f for f in forward if _is_random(f)],
-                                [r for r in recomputed if _is_random(r)])
+        random = _replay_random(gm.graph, [f for f in forward if draws_random_numbers(f)],
+                                [r for r in recomputed if draws_random_numbers(r)])
         out.append(RecomputedRegion(name, tuple(f.name for f in forward),
                                     tuple(r.name for r in recomputed), random))
     for index in sorted(selective):
@@ -201,7 +197,7 @@ def _recompute_selected(graph: fx.Graph, forward: list[fx.Node], policies: dict[
     region = set(forward)
     recompute: set[fx.Node] = set()
     for n in forward:   # graph order: a node's inputs are decided before it
-        if _is_random(n) or getattr(getattr(n.target, "_schema", None), "is_mutable", False):
+        if draws_random_numbers(n) or getattr(getattr(n.target, "_schema", None), "is_mutable", False):
             continue
         inside = [a for a in n.all_input_nodes if a in region]
         if n in policies:

@@ -59,8 +59,9 @@ from torch import fx
 from graphoffload.aliasing import StorageMap, written_args
 from graphoffload.calibration import Calibration
 from graphoffload.graph import InputSpec, TrainGraph, fill_missing_meta, placeholder_name, tensor_vals
-from graphoffload.memory import analyze_memory, format_bytes
+from graphoffload.memory import analyze_memory, block_bytes, format_bytes
 from graphoffload.ops.host_transfer import assign_streams
+from graphoffload.ops.rng import draws_random_numbers
 from graphoffload.passes.offload_cost_model import estimate_seconds
 from graphoffload.passes.offload_planner import Event, Prediction
 
@@ -114,10 +115,6 @@ class ActivationPlan:
     merged: int = 0            # chosen recomputes that extended earlier replays (merged with them)
 
 
-def _is_random(node: fx.Node) -> bool:
-    return torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ())
-
-
 def _replayable(node: fx.Node) -> bool:
     """An ATen op whose result depends on its arguments only (random ops: on the generator's
     state too, which the recompute replays), or graphoffload's attention forward (deterministic:
@@ -134,11 +131,6 @@ _NOT_ACTIVATIONS = (ops.rng_state.default, ops.swap_rng_state.default)
 def _forward_value(node: fx.Node) -> bool:
     """A value forward computes on the device (the generator's states are host values)."""
     return node.op == "call_function" and node.meta.get("phase") == "forward" and node.target not in _NOT_ACTIVATIONS
-
-
-def _storage_bytes(val: torch.Tensor) -> int:
-    n = val.untyped_storage().nbytes()
-    return -(-n // 512) * 512
 
 
 def _whole_storage(val: object) -> bool:
@@ -259,9 +251,9 @@ class _Step:
     def _draws_replayable(self, chain: list[fx.Node]) -> bool:
         """One saved generator state replays the chain's draws only when no other random op drew
         between its first and its last random op in forward."""
-        random = [self.position[n] for n in chain if _is_random(n)]
+        random = [self.position[n] for n in chain if draws_random_numbers(n)]
         members = set(chain)
-        return not random or not any(_is_random(n) and n not in members
+        return not random or not any(draws_random_numbers(n) and n not in members
                                      for n in self.nodes[random[0]:random[-1] + 1])
 
     def _facts(self, s: int) -> tuple[int, int, frozenset] | None:
@@ -314,7 +306,7 @@ class _Step:
             val = next((n.meta["val"] for n in held if isinstance(n.meta.get("val"), torch.Tensor)), None)
             if val is None:
                 continue
-            freed.append((s, _storage_bytes(val), facts[1], facts[0]))
+            freed.append((s, block_bytes(val), facts[1], facts[0]))
             rewired += [n.name for n in held if any(u.meta.get("phase") == "backward" for u in n.users)]
         if not freed:
             return None
@@ -374,7 +366,7 @@ class _Step:
             if self.position[value] >= self.backward_start or not _whole_storage(value.meta.get("val")) \
                     or len(st.of(value)) != 1:
                 continue
-            nbytes = _storage_bytes(value.meta["val"])
+            nbytes = block_bytes(value.meta["val"])
             first = later[0].position
             # the prefetch is issued as far ahead of the reader as the copy takes, within backward
             h2d = nbytes / cal.h2d_bytes_per_s
@@ -488,7 +480,7 @@ def _recompute(graph: TrainGraph, region: Region) -> _Edit:
     name = f"activations ({region.seed})"
     copies: dict[fx.Node, fx.Node] = {}
     created: list[fx.Node] = []
-    random = [n for n in chain if _is_random(n)]
+    random = [n for n in chain if draws_random_numbers(n)]
     if random:
         device = tensor_vals(random[0])[0].device
         with g.inserting_before(random[0]):

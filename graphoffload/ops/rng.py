@@ -14,6 +14,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+def draws_random_numbers(node: torch.fx.Node) -> bool:
+    """Whether `node`'s op draws from a generator (dropout's `bernoulli_`, `rand`, ...): a
+    recompute must replay its draws."""
+    return torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ())
+
+
 _CPU_STATE_BYTES = 5056    # torch.get_rng_state(): the mt19937 state
 _CUDA_STATE_BYTES = 16     # torch.cuda.get_rng_state(): philox seed and offset
 
