@@ -32,6 +32,8 @@ MIXED = Calibration(h2d_bytes_per_s=1e9, d2h_bytes_per_s=1e9, duplex_bytes_per_s
 FAST_COMPUTE = Calibration(h2d_bytes_per_s=55e9, d2h_bytes_per_s=55e9, duplex_bytes_per_s=72e9,
                            cpu_update_params_per_s=4.6e9, cpu_update_params_per_s_under_copy=2.7e9,
                            device_update_params_per_s=93e9, device_flops=700e12, device_bytes_per_s=3e12)
+# the same with a slow link: copies back would stall, so the plan recomputes
+SLOW_LINK = dataclasses.replace(FAST_COMPUTE, h2d_bytes_per_s=1e8, d2h_bytes_per_s=1e8, duplex_bytes_per_s=1.5e8)
 
 FRACTIONS = (0.9, 0.7, 0.5)
 
@@ -76,6 +78,30 @@ def _train_both(step, model):
     losses_c = run_steps(step, compiled, opt_c, _batches())
     assert torch.equal(after_e, torch.rand(3)), "the generator ends where eager leaves it"
     assert_training_matches(eager, opt_e, losses_e, compiled, opt_c, losses_c, exact=True, offloaded=True)
+
+
+def _gpt_step(cal: Calibration, **offload):
+    return graphoffload.offload_compile(train_step, offload=Offload(device_updates="never", calibration=cal, **offload))
+
+
+def _gpt_keep_peak(model, batch: dict, cal: Calibration) -> int:
+    """The tiny GPT's predicted device peak, optimizer state offloaded, every activation kept."""
+    plain = _gpt_step(cal)
+    compiled = copy.deepcopy(model)
+    plain.compile(compiled, adamw(compiled), batch)
+    return plain.train_graph.notes_of("offload_optimizer", "offloaded")[0].fields["device_peak_bytes"]
+
+
+def _train_gpt_both(step, model, batches) -> tuple:
+    """Eager and `step` on copies of `model` from the same seed (dropout's draws): the arguments
+    of assert_training_matches."""
+    eager, compiled = copy.deepcopy(model), copy.deepcopy(model)
+    opt_e, opt_c = adamw(eager), adamw(compiled)
+    torch.manual_seed(3)
+    losses_e = run_steps(train_step, eager, opt_e, batches)
+    torch.manual_seed(3)
+    losses_c = run_steps(step, compiled, opt_c, batches)
+    return eager, opt_e, losses_e, compiled, opt_c, losses_c
 
 
 @pytest.mark.sanitizer_matrix
@@ -186,30 +212,16 @@ def test_tiny_gpt_with_dropout_under_each_budget(fraction):
     dropout in a GPT: each budget fits and trains bit-identical, or fails naming the least peak."""
     model = tiny_gpt(dropout=0.1, seq_len=32)
     batches = token_batches(3, seq=32, batch=4)
-
-    def make(**offload):
-        return graphoffload.offload_compile(train_step, offload=Offload(device_updates="never", calibration=MIXED,
-                                                                        **offload))
-
-    plain = make()
-    compiled = copy.deepcopy(model)
-    plain.compile(compiled, adamw(compiled), batches[0])
-    keep = plain.train_graph.notes_of("offload_optimizer", "offloaded")[0].fields["device_peak_bytes"]
-    budget = int(fraction * keep)
-    step = make(gpu_memory_budget=budget, activations="auto")
-    eager, compiled = copy.deepcopy(model), copy.deepcopy(model)
-    opt_e, opt_c = adamw(eager), adamw(compiled)
-    torch.manual_seed(3)
-    losses_e = run_steps(train_step, eager, opt_e, batches)
-    torch.manual_seed(3)
+    budget = int(fraction * _gpt_keep_peak(model, batches[0], MIXED))
+    step = _gpt_step(MIXED, gpu_memory_budget=budget, activations="auto")
     try:
-        losses_c = run_steps(step, compiled, opt_c, batches)
+        trained = _train_gpt_both(step, model, batches)
     except UnsupportedError as err:
         least = int(str(err).split("(")[1].split(" bytes")[0].replace(",", ""))
         assert least > budget and "activations='auto' recomputed" in str(err)
         assert fraction <= 0.5, f"{fraction}x of the keep-everything peak is within reach: {err}"
         return
-    assert_training_matches(eager, opt_e, losses_e, compiled, opt_c, losses_c, exact=True, offloaded=True)
+    assert_training_matches(*trained, exact=True, offloaded=True)
     fields = _activations(step)
     assert fields["peak_bytes"] <= budget and fields["keep"] < len(fields["choices"])
 
@@ -286,26 +298,11 @@ def test_a_region_replayed_once_frees_several_saved_tensors_with_dropout_bit_ide
     """When copies back would stall (a slow link), the plan recomputes; in a GPT with dropout
     some chosen region replays a layer norm, the qkv matmul and its split at once and frees every
     saved tensor backward reads through it (q, k and v), and training stays bit-identical."""
-    slow_link = dataclasses.replace(FAST_COMPUTE, h2d_bytes_per_s=1e8, d2h_bytes_per_s=1e8, duplex_bytes_per_s=1.5e8)
     model = tiny_gpt(dropout=0.1, seq_len=32)
     batches = token_batches(3, seq=32, batch=4)
-
-    def make(**offload):
-        return graphoffload.offload_compile(train_step, offload=Offload(device_updates="never", calibration=slow_link,
-                                                                        **offload))
-
-    plain = make()
-    compiled = copy.deepcopy(model)
-    plain.compile(compiled, adamw(compiled), batches[0])
-    keep = plain.train_graph.notes_of("offload_optimizer", "offloaded")[0].fields["device_peak_bytes"]
-    step = make(gpu_memory_budget=int(0.6 * keep), activations="auto")
-    eager, compiled = copy.deepcopy(model), copy.deepcopy(model)
-    opt_e, opt_c = adamw(eager), adamw(compiled)
-    torch.manual_seed(3)
-    losses_e = run_steps(train_step, eager, opt_e, batches)
-    torch.manual_seed(3)
-    losses_c = run_steps(step, compiled, opt_c, batches)
-    assert_training_matches(eager, opt_e, losses_e, compiled, opt_c, losses_c, exact=True, offloaded=True)
+    step = _gpt_step(SLOW_LINK, gpu_memory_budget=int(0.6 * _gpt_keep_peak(model, batches[0], SLOW_LINK)),
+                     activations="auto")
+    assert_training_matches(*_train_gpt_both(step, model, batches), exact=True, offloaded=True)
     notes = step.train_graph.notes_of("offload_optimizer", "activation")
     assert notes and all(n.fields["choice"] == "recompute" for n in notes)
     widest = max(notes, key=lambda n: len(n.fields["rewired"]))
@@ -328,26 +325,11 @@ def test_overlapping_recomputes_merge_into_one_replay_of_an_attention_sublayer_f
     dropout merge into one replay of the block's attention sublayer from the block's input
     (layer norm, qkv, attention, projection, dropout, residual add), freeing every saved tensor
     backward reads through it; no forward node is replayed twice, and training is bit-identical."""
-    slow_link = dataclasses.replace(FAST_COMPUTE, h2d_bytes_per_s=1e8, d2h_bytes_per_s=1e8, duplex_bytes_per_s=1.5e8)
     model = tiny_gpt(dropout=0.1, seq_len=32)
     batches = token_batches(3, seq=32, batch=4)
-
-    def make(**offload):
-        return graphoffload.offload_compile(train_step, offload=Offload(device_updates="never", calibration=slow_link,
-                                                                        **offload))
-
-    plain = make()
-    compiled = copy.deepcopy(model)
-    plain.compile(compiled, adamw(compiled), batches[0])
-    keep = plain.train_graph.notes_of("offload_optimizer", "offloaded")[0].fields["device_peak_bytes"]
-    step = make(gpu_memory_budget=int(0.5 * keep), activations="auto")
-    eager, compiled = copy.deepcopy(model), copy.deepcopy(model)
-    opt_e, opt_c = adamw(eager), adamw(compiled)
-    torch.manual_seed(3)
-    losses_e = run_steps(train_step, eager, opt_e, batches)
-    torch.manual_seed(3)
-    losses_c = run_steps(step, compiled, opt_c, batches)
-    assert_training_matches(eager, opt_e, losses_e, compiled, opt_c, losses_c, exact=True, offloaded=True)
+    step = _gpt_step(SLOW_LINK, gpu_memory_budget=int(0.5 * _gpt_keep_peak(model, batches[0], SLOW_LINK)),
+                     activations="auto")
+    assert_training_matches(*_train_gpt_both(step, model, batches), exact=True, offloaded=True)
     notes = step.train_graph.notes_of("offload_optimizer", "activation")
     widest = max(notes, key=lambda n: len(n.fields["extends"]))
     fields = widest.fields
