@@ -23,6 +23,7 @@ import torch
 from torch import fx
 
 from graphoffload.errors import PassError
+from graphoffload.ops.host_transfer import VALUE_RULES
 
 PHASES = ("input", "forward", "backward", "optimizer", "comm", "transfer", "output")
 Phase = Literal["input", "forward", "backward", "optimizer", "comm", "transfer", "output"]
@@ -272,9 +273,12 @@ def fake_value(node: fx.Node, fake_mode: Any = None) -> Any:
     """`node`'s value on the graph's fake tensors: its target run on its inputs' `meta["val"]`,
     under `fake_mode` (the graph's, `fake_mode_of`, when not given). What a pass stores as
     `meta["val"]` of a node it makes (as Inductor fills it when a node is made)."""
-    args, kwargs = fx.map_arg((node.args, node.kwargs), lambda n: n.meta["val"])
+    args, kwargs = fx.map_arg((node.args, node.kwargs), lambda n: n.meta.get("val"))
+    # graphoffload's host ops give their value by their fake kernel called directly, without
+    # the dispatcher (`ops.host_transfer.VALUE_RULES`); any other op runs as it would in a trace
+    run = VALUE_RULES.get(node.target, node.target)
     with fake_mode or fake_mode_of(node.graph):
-        return node.target(*args, **kwargs)
+        return run(*args, **kwargs)
 
 
 def fill_missing_meta(graph: TrainGraph, pass_name: str) -> None:
@@ -288,10 +292,8 @@ def fill_missing_meta(graph: TrainGraph, pass_name: str) -> None:
             continue
         if "val" not in node.meta:
             fake_mode = fake_mode or fake_mode_of(graph.graph)
-            args, kwargs = fx.map_arg((node.args, node.kwargs), lambda n: n.meta.get("val"))
             try:
-                with fake_mode:
-                    node.meta["val"] = node.target(*args, **kwargs)
+                node.meta["val"] = fake_value(node, fake_mode)
             except Exception as exc:  # noqa: BLE001 - reported with the pass's name
                 raise PassError(f"pass {pass_name!r} created node {node.name} ({node.target}) whose "
                                 f"value cannot be inferred: {exc}") from exc
@@ -369,10 +371,8 @@ def refresh_vals(graph: TrainGraph, pass_name: str, before: Mapping[fx.Node, Nod
         if not edited and not any(i in changed for i in node.all_input_nodes):
             continue
         fake_mode = fake_mode or fake_mode_of(graph.graph)
-        args, kwargs = fx.map_arg((node.args, node.kwargs), lambda n: n.meta.get("val"))
         try:
-            with fake_mode:
-                val = node.target(*args, **kwargs)
+            val = fake_value(node, fake_mode)
         except Exception as exc:  # noqa: BLE001 - reported with the pass's name
             raise PassError(f"pass {pass_name!r} changed the inputs of node {node.name} ({node.target}), whose "
                             f"value cannot be inferred any more: {exc}") from exc
