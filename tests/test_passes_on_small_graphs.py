@@ -264,3 +264,48 @@ def test_written_placeholders_sees_writes_through_views_as_the_access_lists_do()
     from_accesses = {p.name for p in (a, b, c, d)
                      if any(acc.writes and acc.node is not p for s in full.of(p) for acc in full.accesses[s])}
     assert written_placeholders(graph) == from_accesses == {"a", "b", "c"}
+
+
+def test_every_host_op_value_rule_gives_what_dispatching_the_op_gives():
+    # fill_missing_meta calls the host ops' fake kernels directly (ops.host_transfer.VALUE_RULES);
+    # the value must be the one a trace through the dispatcher records, for every op of the table
+    from graphoffload.graph import fake_value
+    from graphoffload.ops.host_transfer import VALUE_RULES
+
+    ops = torch.ops.graphoffload
+    with FakeTensorMode() as mode:
+        dev = [torch.empty(3, 4), torch.empty(5, 2).t()]          # one of them not contiguous
+        host = [torch.empty(3, 4), torch.empty(2, 5)]
+        ticket, lr = torch.empty((), dtype=torch.int64), torch.empty(())
+    args = {
+        ops.copy_to_host.default: (dev, host),
+        ops.host_adam_.default: (ticket, host, host, host, host, [], [lr, lr], lr, 0.9, 0.99, 0.0, 1e-8, False, False,
+                                 True),
+        ops.host_sgd_.default: (ticket, host, host, [], lr, 0.0, 0.0, 0.0, False, False, True),
+        ops.host_accumulate_.default: (ticket, host, host, False),
+        ops.copy_to_device.default: (ticket, host, host, dev),
+        ops.prefetch_to_device.default: (dev, torch.device("cpu"), [ticket]),
+        ops.wait_host.default: (ticket, host),
+        ops.carry_host_write.default: (ticket, host),
+        ops.wait_device.default: (ticket, dev),
+        ops.hand_over.default: (ticket, dev, "k"),
+        ops.wait_handed_over.default: (dev, "k"),
+    }
+    assert set(args) == set(VALUE_RULES)
+    g = fx.Graph()
+    for target, values in args.items():
+        inputs = [g.placeholder(f"x{i}") for i in range(len(values))]
+        for node, value in zip(inputs, values):
+            node.meta["val"] = value
+        node = g.call_function(target, tuple(inputs))
+        with mode:
+            dispatched = target(*values)
+        direct = fake_value(node, mode)
+        dispatched = dispatched if isinstance(dispatched, (list, tuple)) else [dispatched]
+        direct = direct if isinstance(direct, (list, tuple)) else [direct]
+        assert len(direct) == len(dispatched), target
+        for a, b in zip(direct, dispatched):
+            if b is None:
+                assert a is None, target
+                continue
+            assert (type(a), a.shape, a.dtype, a.device, a.stride()) == (type(b), b.shape, b.dtype, b.device, b.stride()), target
