@@ -251,9 +251,11 @@ def _hoist_inf_checks(graph: fx.Graph) -> int:
     _split_foreach_gradient_ops) to right after its gradient's last access in backward. Every
     part sets the shared found_inf flag only to 1, so their order does not matter; its creation
     and the inverse scale, computed from placeholders alone, move to the top first."""
-    storages = StorageMap(graph)
     checks = [n for n in graph.nodes if getattr(n.target, "overloadpacket", None) is _INF_CHECK
               and n.meta.get("phase") == "optimizer" and len(n.args[0]) == 1]
+    if not checks:
+        return 0   # no GradScaler: no storage map to build (one per pass on a deep model costs)
+    storages = StorageMap(graph)
     top = _AfterPlaceholders(graph)
     moved = 0
     for check in checks:
@@ -281,13 +283,14 @@ def _hoist_inf_checks(graph: fx.Graph) -> int:
 def _hoist_gradient_reductions(graph: fx.Graph) -> int:
     """Move pure post-backward ops that read only gradients (the per-gradient norms of
     clip_grad_norm_) to right after their gradient's last write, inside backward."""
+    candidates = [node for node in graph.nodes if node.meta.get("phase") == "optimizer" and _is_pure(node)
+                  and node.all_input_nodes and all(i.meta.get("phase") == "backward" for i in node.all_input_nodes)]
+    if not candidates:
+        return 0   # no storage map to build (one per pass on a deep model costs)
     storages = StorageMap(graph)
     moved = 0
-    for node in list(graph.nodes):
+    for node in candidates:
         inputs = node.all_input_nodes
-        if node.meta.get("phase") != "optimizer" or not _is_pure(node) or not inputs or \
-                any(i.meta.get("phase") != "backward" for i in inputs):
-            continue
         pos = storages.position[node]
         writes = [a.node for i in inputs for sid in storages.of(i) for a in storages.accesses[sid]
                   if a.writes and a.position < pos]
