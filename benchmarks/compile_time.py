@@ -4,6 +4,7 @@ step, stage by stage, against a plain `make_fx` trace of the same forward and ba
     python benchmarks/compile_time.py                          # 6, 12, 24, 48 layers
     python benchmarks/compile_time.py --layers 6,12 --smoke    # tiny sizes, for the tests
     python benchmarks/compile_time.py --markdown results/compile_time.json   # RESULTS.md's table
+    python benchmarks/compile_time.py --layers "" --planner-buckets 100,200,400,800   # the planner alone
 
 Everything runs on the meta device (no memory is allocated, nothing executes), so it measures
 the compiler alone, on any machine: the step is captured, every pass runs, and the offload pass
@@ -14,6 +15,12 @@ whole step, optimizer included), one row per pass from the step's own timings (e
 verification after it), `planning` (the planner inside `offload_optimizer`, as it logs it),
 `other` (verifying the captured graph, generating the module's code, stage snapshots, executor set-up) and `total` (wall time of the compile).
 Both traces run in the same process, back to back, for each size.
+
+Then the planner alone on synthetic steps of growing bucket counts (`--planner-buckets`; the
+800 M-parameter step of tests/planner_cases.py, the balanced H100 calibration, no budget): its
+seconds (process CPU time, so other jobs on the machine count less), the assignments it
+evaluated and the bucket simulations they took, and the growth from each size to the next,
+which shows the search's order in buckets.
 """
 
 from __future__ import annotations
@@ -31,6 +38,8 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.func import functional_call
 
 sys.path.insert(0, os.path.dirname(__file__))
+# the synthetic planner steps the planner's tests are held to, built in one place
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
 
 from common import autocast_train_step, build_gpt, print_table, write_json  # noqa: E402
 
@@ -52,18 +61,18 @@ class _Records(logging.Handler):
         return sum(hits) if hits else None
 
 
-def plain_make_fx(model, batch) -> tuple[float, int]:
-    """Seconds and nodes of a fake-tensor `make_fx` trace of forward and backward."""
+def plain_make_fx(model, batch) -> tuple[float, float, int]:
+    """Seconds (wall, CPU) and nodes of a fake-tensor `make_fx` trace of forward and backward."""
     params = dict(model.named_parameters())
 
     def forward_backward(params, batch):
         loss = functional_call(model, params, (batch,), {"labels": batch})
         return torch.autograd.grad(loss, list(params.values()))
 
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     with torch.autograd.set_multithreading_enabled(False):
         gm = make_fx(forward_backward, tracing_mode="fake")(params, batch)
-    return time.perf_counter() - start, len(gm.graph.nodes)
+    return time.perf_counter() - start, time.process_time() - cpu, len(gm.graph.nodes)
 
 
 def compile_row(args, layers: int, cal) -> dict:
@@ -72,7 +81,7 @@ def compile_row(args, layers: int, cal) -> dict:
     sizes = argparse.Namespace(**{**vars(args), "layers": layers})
     model, _ = build_gpt(sizes, torch.device("meta"))
     batch = torch.empty((args.batch, args.seq), dtype=torch.long, device="meta")
-    baseline_s, baseline_nodes = plain_make_fx(model, batch)
+    baseline_s, baseline_cpu_s, baseline_nodes = plain_make_fx(model, batch)
 
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
     step = graphoffload.offload_compile(autocast_train_step, offload=graphoffload.Offload(
@@ -83,9 +92,9 @@ def compile_row(args, layers: int, cal) -> dict:
     log.addHandler(records)
     log.setLevel(logging.INFO)
     try:
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         graph = step.compile(model, opt, batch)
-        total = time.perf_counter() - start
+        total, total_cpu = time.perf_counter() - start, time.process_time() - cpu
     finally:
         log.removeHandler(records)
         log.setLevel(old_level)
@@ -98,6 +107,8 @@ def compile_row(args, layers: int, cal) -> dict:
            "device_buckets": schedule.assignment.count("device") if schedule is not None else 0}
     row["other_s"] = total - (row["capture_s"] or 0.0) - sum(row["passes_s"].values())
     row["vs_make_fx"] = total / baseline_s
+    # CPU time of the process: on a machine shared with other jobs, the comparison they disturb less
+    row.update(make_fx_cpu_s=baseline_cpu_s, total_cpu_s=total_cpu, vs_make_fx_cpu=total_cpu / baseline_cpu_s)
     # a restarted job: a fresh step compiles the same model again and finds the plan on disk
     again = graphoffload.offload_compile(autocast_train_step, offload=graphoffload.Offload(
         device_updates="auto", calibration=cal, replan_after=0))
@@ -106,6 +117,39 @@ def compile_row(args, layers: int, cal) -> dict:
     row["total_plan_reused_s"] = time.perf_counter() - start
     row["plan_reused"] = any("plan reused" in note for note in reused.notes.get("offload_optimizer", []))
     return row
+
+
+def planner_rows(buckets: list[int]) -> list[dict]:
+    """Planner seconds, assignments evaluated and bucket simulations on synthetic steps."""
+    from planner_cases import BALANCED, step_costs
+
+    from graphoffload.passes.offload_planner import plan
+
+    rows = []
+    records = _Records()
+    log = logging.getLogger("graphoffload")
+    old_level = log.level
+    log.addHandler(records)
+    log.setLevel(logging.INFO)
+    try:
+        for n in buckets:
+            costs = step_costs(n, "plain")
+            records.records.clear()
+            start = time.process_time()
+            best, _ = plan(costs, BALANCED)
+            seconds = time.process_time() - start
+            (logged,) = [r for r in records.records if r.msg.startswith("planned ")]
+            row = {"buckets": n, "planner_s": seconds, "evaluated": logged.args[2], "simulated": logged.args[3],
+                   "device_buckets": best.assignment.count("device")}
+            if rows:
+                row["growth"] = seconds / rows[-1]["planner_s"]
+                row["buckets_growth"] = n / rows[-1]["buckets"]
+            rows.append(row)
+            print(f"planner, {n} buckets: {seconds:.2f} s", flush=True)
+    finally:
+        log.removeHandler(records)
+        log.setLevel(old_level)
+    return rows
 
 
 def table(rows: list[dict]) -> list[dict]:
@@ -117,7 +161,9 @@ def table(rows: list[dict]) -> list[dict]:
                ("other (code generation, checks, snapshots, executor)", lambda r: r["other_s"]),
                ("total compile", lambda r: r["total_s"]),
                ("total compile, plan reused from disk", lambda r: r.get("total_plan_reused_s")),
-               ("total / make_fx", lambda r: r["vs_make_fx"])]
+               ("total / make_fx", lambda r: r["vs_make_fx"]),
+               ("CPU time: make_fx / total compile", lambda r: _pair(r.get("make_fx_cpu_s"), r.get("total_cpu_s"))),
+               ("CPU time: total / make_fx", lambda r: r.get("vs_make_fx_cpu"))]
     out = []
     for label, get in stages:
         line = {"stage": label}
@@ -129,6 +175,10 @@ def table(rows: list[dict]) -> list[dict]:
     out.append({"stage": "buckets (on the device)",
                 **{f"{r['layers']} layers": f"{r['buckets']} ({r['device_buckets']})" for r in rows}})
     return out
+
+
+def _pair(a: float | None, b: float | None) -> str | None:
+    return None if a is None or b is None else f"{a:.2f} / {b:.2f}"
 
 
 def markdown(lines: list[dict]) -> str:
@@ -150,14 +200,22 @@ def main() -> None:
     p.add_argument("--calibration", default=os.path.join(HERE, "calibrations", "h100-research-notes.json"))
     p.add_argument("--smoke", action="store_true", help="tiny sizes (2 and 4 layers, d=128)")
     p.add_argument("--out", default=os.path.join(HERE, "results", "compile_time.json"))
+    p.add_argument("--planner-buckets", default="100,200,400,800",
+                   help="comma-separated bucket counts of the synthetic planner steps ('' for none)")
     p.add_argument("--markdown", metavar="JSON", help="no run: print a results file's table as markdown")
     args = p.parse_args()
     if args.markdown:
         with open(args.markdown) as f:
-            print(markdown(table(json.load(f)["rows"])))
+            result = json.load(f)
+        if result["rows"]:
+            print(markdown(table(result["rows"])))
+        if result.get("planner"):
+            print()
+            print(markdown(result["planner"]))
         return
     if args.smoke:
         args.layers, args.d_model, args.heads, args.vocab, args.seq, args.batch = "2,4", 128, 4, 256, 64, 1
+        args.planner_buckets = "20,40"
     from graphoffload.calibration import Calibration
 
     # a cache of the run's own: the first compile of each size plans, the second finds its plan
@@ -169,17 +227,28 @@ def main() -> None:
     # paths relative to the repository: a results file says nothing of the machine it ran on
     root = os.path.dirname(HERE)
     config = {**vars(args), "calibration": os.path.relpath(args.calibration, root), "out": os.path.relpath(args.out, root)}
-    rows = []   # after a warm-up compile: the first trace in a process pays torch's one-time setup
-    for layers in (int(x) for x in args.layers.split(",")):
+    rows, planner = [], []   # after a warm-up compile: the first trace in a process pays torch's one-time setup
+
+    def save() -> None:   # after every size: a run cut short keeps the sizes it finished
+        write_json(args.out, {"benchmark": "compile-time", "device": "meta", "config": config,
+                              "calibration": os.path.basename(args.calibration), "rows": rows, "planner": planner})
+
+    for layers in (int(x) for x in args.layers.split(",") if x):
         rows.append(compile_row(args, layers, cal))
         print(f"{layers} layers: {rows[-1]['total_s']:.1f} s compile, {rows[-1]['make_fx_s']:.1f} s make_fx", flush=True)
-        # after every size: a run cut short keeps the sizes it finished
-        write_json(args.out, {"benchmark": "compile-time", "device": "meta", "config": config,
-                              "calibration": os.path.basename(args.calibration), "rows": rows})
-    lines = table(rows)
-    print(f"compile time of the benchmark GPT (d={args.d_model}, batch {args.batch}x{args.seq}), meta device, "
-          f'offload device_updates="auto" under {os.path.basename(args.calibration)}; seconds')
-    print_table(lines, list(lines[0]))
+        save()
+    if rows:
+        lines = table(rows)
+        print(f"compile time of the benchmark GPT (d={args.d_model}, batch {args.batch}x{args.seq}), meta device, "
+              f'offload device_updates="auto" under {os.path.basename(args.calibration)}; seconds')
+        print_table(lines, list(lines[0]))
+    buckets = [int(x) for x in args.planner_buckets.split(",") if x]
+    if buckets:
+        planner.extend(planner_rows(buckets))
+        save()
+        print("the planner alone on synthetic steps (800 M parameters, balanced H100 calibration, no budget); "
+              "CPU seconds, growth against the size before")
+        print_table(planner, list(planner[-1]))
 
 
 if __name__ == "__main__":

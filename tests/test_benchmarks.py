@@ -67,6 +67,10 @@ def test_compile_time_smoke_run_reports_every_stage(tmp_path):
         assert row["make_fx_s"] > 0 and row["capture_s"] > 0 and row["planning_s"] is not None
         assert {"fuse_optimizer", "offload_optimizer"} <= set(row["passes_s"])
         assert row["buckets"] > 0 and row["nodes"] > row["make_fx_nodes"]
+    # the planner alone on synthetic steps: each size's work, and its growth against the one before
+    assert [r["buckets"] for r in result["planner"]] == [20, 40]
+    assert all(r["planner_s"] > 0 and r["simulated"] >= 2 * r["buckets"] for r in result["planner"])
+    assert result["planner"][1]["buckets_growth"] == 2 and result["planner"][1]["growth"] > 0
 
 
 @pytest.mark.slow   # spawns 2 ranks twice
