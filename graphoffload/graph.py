@@ -174,13 +174,16 @@ class TrainGraph:
                        dtype: torch.dtype, param: str) -> fx.Node:
         """A new placeholder for a host tensor, after the last one; `spec` is appended to
         `specs`, which the pass installs with `with_signature(inputs=...)` when done."""
-        # placeholders lead the graph (fake_mode_of relies on it too): walk them only, not every
-        # node, since a pass adds one per parameter
-        last = None
-        for n in self.graph.nodes:
-            if n.op != "placeholder":
-                break
-            last = n
+        # placeholders lead the graph (fake_mode_of relies on it too), so the last one is the
+        # placeholder followed by another op; a pass adds one per parameter, so first try the
+        # newest placeholder (usually the last, as each new one goes last) before walking them
+        found = self.graph.find_nodes(op="placeholder", sort=False)
+        last = found[-1] if found else None
+        if last is not None and last.next.op == "placeholder":
+            for n in self.graph.nodes:
+                if n.op != "placeholder":
+                    break
+                last = n
         with self.graph.inserting_after(last):
             node = self.graph.placeholder(spec.name)
         with fake_mode_of(self.graph):
