@@ -182,10 +182,10 @@ def _pair(a: float | None, b: float | None) -> str | None:
 
 
 def markdown(lines: list[dict]) -> str:
-    columns = list(lines[0])
+    columns = list(dict.fromkeys(c for line in lines for c in line))   # every row's, in order
     cell = lambda x: "-" if x is None else f"{x:.2f}" if isinstance(x, float) else str(x)  # noqa: E731
     out = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    out += ["| " + " | ".join(cell(line[c]) for c in columns) + " |" for line in lines]
+    out += ["| " + " | ".join(cell(line.get(c)) for c in columns) + " |" for line in lines]
     return "\n".join(out)
 
 
