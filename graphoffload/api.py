@@ -268,7 +268,8 @@ class CompiledStep:
         if variant is None:
             self.synchronize()   # tracing reads the parameters
             variant = self._variants[key] = self._compile(args, kwargs, self._sum_placement(key))
-            if variant.executor.handed_over or variant.executor.carries_host_writes:
+            executor = variant.executor
+            if executor.handed_over or executor.carries_host_writes or executor.hands_over_sums:
                 self._synchronize_before_outside_access(variant.capture.bindings)
         self._last = variant
         return key, variant
@@ -368,8 +369,11 @@ class CompiledStep:
             args, kwargs = self.config.sequence_parallel.prepare_inputs(args, kwargs)
         key, variant = self._variant(args, kwargs, bindings)
         if self._ran is not variant.executor:
-            # only the executor that handed uploads over knows where its next run waits for them
-            self.synchronize()
+            # only the executor that handed uploads over knows where its next run waits for them;
+            # running sums' adds are named alike by every variant, so those the new one waits for
+            # before it touches them stay in flight
+            if self._ran is not None:
+                self._ran.synchronize(keep=variant.executor.waits_for_sums)
             self._ran = variant.executor
         offload = self.config.offload
         if variant.graph.schedule is None or offload is None or not offload.replan_after or variant.replans >= 3:
