@@ -153,7 +153,10 @@ class CompiledStep:
     @property
     def micro_step(self) -> int:
         """With `accumulation_steps=k`: micro-batches of the current window done (0 .. k-1);
-        the next call updates when it is k-1. Always 0 without accumulation."""
+        the next call updates when it is k-1. Always 0 without accumulation. It counts the calls
+        that returned and does not wait for the CPU adds into host sums they may have left
+        running (`Offload(accumulate_on="host")`): a loop that reads it every call keeps them
+        overlapping the next call; an add that failed raises at the next call or sync point."""
         return self._micro_step
 
     def _next_accumulation(self) -> Accumulation | None:
