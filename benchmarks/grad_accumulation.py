@@ -10,6 +10,17 @@ The compile rows trace form A for several k: nodes, trace time and pass time gro
 linearly with k (the graph is unrolled). The window rows time k micro-batches and one update,
 interleaved so that machine drift hits all alike; their peaks are the memory analysis'
 predictions (form B: its updating call; the running sums it keeps between calls count).
+
+The host-sum rows run form B with `Offload(accumulate_on="host")` (the running sums in host
+memory, added on the CPU worker; without clipping, which host sums refuse), twice: "waiting"
+calls `step.synchronize()` after every call, so each call's CPU adds end before the next call
+starts (what every call did before the adds were handed over), "overlapping" lets them run on
+beside the next call's forward, as the step does by itself. `--forms host` runs only those.
+
+`--forms auto-cost` measures instead what `Offload(accumulate_on="auto")` adds to compiling
+form B, on the meta device (nothing runs; compile_time.py's GPT sizes, `--auto-layers`): both
+variants compiled with every sum on the device vs with "auto" under a budget (which probes the
+other variant and makes one trial rewrite per candidate count of buckets moved, per variant).
 """
 
 from __future__ import annotations
@@ -17,6 +28,7 @@ from __future__ import annotations
 import argparse
 import copy
 import functools
+import json
 import os
 import sys
 import time
@@ -62,6 +74,43 @@ def compile_row(base, micro_batches: list[torch.Tensor], k: int, device: torch.d
             "passes_s": passes, "trace_s": total - passes}
 
 
+def auto_cost_rows(args) -> list[dict]:
+    """Seconds to compile both variants of form B (the accumulating one first, as a training
+    loop meets them), sums on the device vs accumulate_on="auto", on the meta device."""
+    from graphoffload.calibration import Calibration
+
+    with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "calibrations",
+                           "h100-research-notes.json")) as f:
+        cal = Calibration(**json.load(f))
+    sizes = argparse.Namespace(**{**vars(args), "d_model": 2048, "heads": 16, "vocab": 32000, "seq": 2048})
+    rows = []
+    for layers in (int(x) for x in args.auto_layers.split(",")):
+        sizes.layers = layers
+        model, _ = build_gpt(sizes, torch.device("meta"))
+        batch = torch.empty((4, sizes.seq), dtype=torch.long, device="meta")
+        row = {"mode": f"compile both variants, {layers} layers", "params": sum(p.numel() for p in model.parameters())}
+        for where, budget in (("device", None), ("auto", "1TiB")):   # a budget: "auto" runs its trials
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
+            step = graphoffload.offload_compile(autocast_train_step, accumulation_steps=args.k, offload=graphoffload.Offload(
+                accumulate_on=where, gpu_memory_budget=budget, calibration=cal, replan_after=0, plan_cache=False))
+            start = time.perf_counter()
+            step.compile(model, opt, batch)                   # the accumulating variant (with "auto": probe, trials)
+            row[f"{where}_accumulate_s"] = time.perf_counter() - start
+            step._micro_step = args.k - 1                     # the updating variant next (no public way to skip ahead)
+            start = time.perf_counter()
+            graph = step.compile(model, opt, batch)
+            row[f"{where}_update_s"] = time.perf_counter() - start
+            row[f"{where}_s"] = row[f"{where}_accumulate_s"] + row[f"{where}_update_s"]
+            if where == "auto":
+                [placement] = graph.notes_of("offload_optimizer", "grad_sum_placement")
+                row["candidates"] = placement.fields["movable"] + 1
+        row["auto_extra_s"] = row["auto_s"] - row["device_s"]
+        row["auto_vs_device"] = row["auto_s"] / row["device_s"]
+        rows.append(row)
+        print(f"{layers} layers: device {row['device_s']:.1f} s, auto {row['auto_s']:.1f} s", flush=True)
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -76,12 +125,24 @@ def main() -> None:
     p.add_argument("--clip", type=float, default=1.0, metavar="MAX_NORM")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--forms", choices=("all", "host", "auto-cost"), default="all",
+                   help="window rows: all, or only the host-sum pair (waiting vs overlapping); or no window rows "
+                        "but the compile cost of accumulate_on='auto' (meta device)")
+    p.add_argument("--auto-layers", default="6,12", help="layer counts of the auto-cost rows (d=2048)")
     p.add_argument("--smoke", action="store_true", help="tiny model on the CPU")
     p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "grad_accumulation.json"))
     args = p.parse_args()
     if args.smoke:
         args.device, args.layers, args.d_model, args.heads, args.vocab, args.seq = "cpu", 2, 64, 2, 256, 32
         args.steps, args.warmup, args.k, args.compile_ks = 2, 1, 2, "1,2"
+    if args.forms == "auto-cost":
+        rows = auto_cost_rows(args)
+        print(f"compile cost of accumulate_on='auto' (k={args.k}), benchmark GPT d=2048 on the meta device; seconds")
+        print_table(rows, ["mode", "params", "candidates", "device_accumulate_s", "device_update_s", "device_s",
+                           "auto_accumulate_s", "auto_update_s", "auto_s", "auto_extra_s", "auto_vs_device"])
+        write_json(args.out, {"benchmark": "grad_accumulation auto-cost", "device": "meta", "config": vars(args),
+                              "rows": rows})
+        return
     device = torch.device(args.device)
     base, cfg = build_gpt(args, device)
     ks = [int(x) for x in args.compile_ks.split(",")]
@@ -91,17 +152,21 @@ def main() -> None:
     n_params = sum(p.numel() for p in base.parameters())
     grad_mib = sum(p.numel() * p.element_size() for p in base.parameters()) / 2**20
 
-    compile_rows = [compile_row(base, micro_batches, k, device, args.clip) for k in ks]
+    compile_rows = [compile_row(base, micro_batches, k, device, args.clip) for k in ks] if args.forms == "all" else []
     for r in compile_rows:
         r["nodes_vs_k1"] = r["nodes_captured"] / compile_rows[0]["nodes_captured"]
         r["compile_vs_k1"] = r["compile_s"] / compile_rows[0]["compile_s"]
 
     window = micro_batches[:args.k]
     step_b = functools.partial(autocast_train_step, max_norm=args.clip)
+    host_sums = graphoffload.Offload(accumulate_on="host")
+    forms = [("eager", None), ("form A", graphoffload.offload_compile(
+        functools.partial(window_step, max_norm=args.clip))),
+        ("form B", graphoffload.offload_compile(step_b, accumulation_steps=args.k))] if args.forms == "all" else []
+    forms += [(f"form B host sums, {how}", graphoffload.offload_compile(
+        autocast_train_step, accumulation_steps=args.k, offload=host_sums)) for how in ("waiting", "overlapping")]
     runs, steps = {}, {}
-    for name, step in [("eager", None), ("form A", graphoffload.offload_compile(
-            functools.partial(window_step, max_norm=args.clip))),
-            ("form B", graphoffload.offload_compile(step_b, accumulation_steps=args.k))]:
+    for name, step in forms:
         model = copy.deepcopy(base)
         opt = make_opt(model)
         steps[name] = step
@@ -109,6 +174,8 @@ def main() -> None:
             runs[name] = lambda m=model, o=opt: window_step(m, o, window, args.clip)
         elif name == "form A":
             runs[name] = lambda s=step, m=model, o=opt: s(m, o, window)
+        elif name.endswith("waiting"):   # each call's CPU adds end before the next call starts
+            runs[name] = lambda s=step, m=model, o=opt: [(s(m, o, mb), s.synchronize()) for mb in window]
         else:
             runs[name] = lambda s=step, m=model, o=opt: [s(m, o, mb) for mb in window]
     times = time_interleaved(runs, device, args.warmup, args.steps)
@@ -120,15 +187,26 @@ def main() -> None:
             row["peak_predicted_MiB"] = step.memory("final").peak / 2**20
             row["traces"] = traces[name]
         window_rows.append(row)
-    window_rows[0]["peak_predicted_MiB"] = steps["form A"].memory("captured").peak / 2**20
-    for r in window_rows:
-        r["vs_eager_time"] = r["window_ms"] / window_rows[0]["window_ms"]
+    if "eager" in steps:
+        window_rows[0]["peak_predicted_MiB"] = steps["form A"].memory("captured").peak / 2**20
+        for r in window_rows:
+            r["vs_eager_time"] = r["window_ms"] / window_rows[0]["window_ms"]
+    waiting = median(times["form B host sums, waiting"])
+    for r, name in zip(window_rows, steps):
+        if name.startswith("form B host sums"):
+            r["vs_waiting_time"] = median(times[name]) / waiting
+            # the last call (the update)'s drain adds as many bytes as an accumulating call's adds:
+            # the CPU time per call that overlapping can take off the critical path, at most
+            spans = steps[name].last.executor.offload_runtime.measured_spans()
+            r["host_adds_ms_per_call"] = sum(end - start for _, what, start, end in spans if what == "accumulate") * 1e3
 
     print(f"GPT {n_params / 1e6:.1f}M params ({cfg.n_layer} layers, d={cfg.d_model}), micro-batch "
           f"{args.batch}x{args.seq}, gradients {grad_mib:.1f} MiB, clip {args.clip}, on {device_name(device)}")
-    print_table(compile_rows, ["mode", "nodes_captured", "nodes_final", "nodes_vs_k1", "trace_s", "passes_s",
-                               "compile_s", "compile_vs_k1"])
-    print_table(window_rows, ["mode", "window_ms", "vs_eager_time", "peak_predicted_MiB", "traces"])
+    if compile_rows:
+        print_table(compile_rows, ["mode", "nodes_captured", "nodes_final", "nodes_vs_k1", "trace_s", "passes_s",
+                                   "compile_s", "compile_vs_k1"])
+    print_table(window_rows, ["mode", "window_ms", "vs_eager_time", "vs_waiting_time", "host_adds_ms_per_call",
+                              "peak_predicted_MiB", "traces"])
     write_json(args.out, {"benchmark": "grad_accumulation", "device": device_name(device), "params": n_params,
                           "gradient_MiB": grad_mib, "config": vars(args), "rows": compile_rows + window_rows})
 

@@ -153,7 +153,10 @@ class CompiledStep:
     @property
     def micro_step(self) -> int:
         """With `accumulation_steps=k`: micro-batches of the current window done (0 .. k-1);
-        the next call updates when it is k-1. Always 0 without accumulation."""
+        the next call updates when it is k-1. Always 0 without accumulation. It counts the calls
+        that returned and does not wait for the CPU adds into host sums they may have left
+        running (`Offload(accumulate_on="host")`): a loop that reads it every call keeps them
+        overlapping the next call; an add that failed raises at the next call or sync point."""
         return self._micro_step
 
     def _next_accumulation(self) -> Accumulation | None:
@@ -268,7 +271,8 @@ class CompiledStep:
         if variant is None:
             self.synchronize()   # tracing reads the parameters
             variant = self._variants[key] = self._compile(args, kwargs, self._sum_placement(key))
-            if variant.executor.handed_over or variant.executor.carries_host_writes:
+            executor = variant.executor
+            if executor.handed_over or executor.carries_host_writes or executor.hands_over_sums:
                 self._synchronize_before_outside_access(variant.capture.bindings)
         self._last = variant
         return key, variant
@@ -368,8 +372,11 @@ class CompiledStep:
             args, kwargs = self.config.sequence_parallel.prepare_inputs(args, kwargs)
         key, variant = self._variant(args, kwargs, bindings)
         if self._ran is not variant.executor:
-            # only the executor that handed uploads over knows where its next run waits for them
-            self.synchronize()
+            # only the executor that handed uploads over knows where its next run waits for them;
+            # running sums' adds are named alike by every variant, so those the new one waits for
+            # before it touches them stay in flight
+            if self._ran is not None:
+                self._ran.synchronize(keep=variant.executor.waits_for_sums)
             self._ran = variant.executor
         offload = self.config.offload
         if variant.graph.schedule is None or offload is None or not offload.replan_after or variant.replans >= 3:

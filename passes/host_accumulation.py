@@ -39,6 +39,7 @@ from graphoffload.diagnostics import user_line_of_stack_trace
 from graphoffload.errors import UnsupportedError
 from graphoffload.graph import InputSpec, TrainGraph, fake_mode_of, placeholder_name
 from graphoffload.memory import format_bytes
+from graphoffload.ops.host_transfer import grad_sum_key
 from graphoffload.passes.update_kernels import UpdateKernel
 
 if TYPE_CHECKING:
@@ -75,10 +76,23 @@ def _refuse(name: str, reader: fx.Node, what: str) -> UnsupportedError:
         "gradient on the device)")
 
 
+def wait_for_sums(g: fx.Graph, before: fx.Node, sums: list[tuple[str, fx.Node]], hosts: list[fx.Node]
+                  ) -> list[fx.Node]:
+    """Right before `before`, this call's first copy into the host gradient buffers `hosts` of
+    the running sums `sums` ((parameter, placeholder) pairs): wait for the CPU adds into those
+    sums that an earlier accumulating call handed over (they still read the same buffers). The
+    first call, or one after a synchronization, finds nothing to wait for."""
+    with g.inserting_before(before):
+        return [g.call_function(ops.wait_handed_over.default, ([s, h], grad_sum_key(name)))
+                for (name, s), h in zip(sums, hosts)]
+
+
 def accumulate_on_host(graph: TrainGraph, specs: list[InputSpec], sums: dict[str, fx.Node]) -> None:
     """The accumulating call: each `sum.add_(grad)` becomes a copy of `grad` to a host buffer
-    and an add into the host sum on the worker. The step drains the worker before it returns,
-    so the next call (or a checkpoint) sees the sums complete."""
+    and an add into the host sum on the worker. The call does not wait for the adds: it hands
+    each over (`hand_over`, key `grad_sum_key(name)`), so they run on beside the next call's
+    forward; that call waits for one right before it first touches the same sum (its copy into
+    the sum's host buffer), and `synchronize()` (a checkpoint, a recompile) waits for all."""
     g = graph.graph
     for name, s in sums.items():
         adds = [u for u in s.users if u.target is aten.add_.Tensor and u.args[0] is s and len(u.args) == 2
@@ -94,17 +108,24 @@ def accumulate_on_host(graph: TrainGraph, specs: list[InputSpec], sums: dict[str
         meta = {"param": (name,), **({"stack_trace": add.meta["stack_trace"]} if "stack_trace" in add.meta else {})}
         with g.inserting_after(add):
             ticket = g.call_function(ops.copy_to_host.default, ([grad], [host]))
-            ticket.meta.update(meta, phase="transfer")
-            with g.inserting_after(ticket):
-                added = g.call_function(ops.host_accumulate_.default, (ticket, [s], [host], False))
-            added.meta.update(meta, phase="optimizer")
+        [waited] = wait_for_sums(g, ticket, [(name, s)], [host])
+        with g.inserting_after(ticket):
+            added = g.call_function(ops.host_accumulate_.default, (ticket, [s], [host], False))
+        with g.inserting_after(added):
+            handed = g.call_function(ops.hand_over.default, (added, [s], grad_sum_key(name)))
+        for node, phase in ((waited, "transfer"), (ticket, "transfer"), (added, "optimizer"), (handed, "transfer")):
+            node.meta.update(meta, phase=phase)
         g.erase_node(add)
+    graph.note("offload_optimizer", f"{len(sums)} running gradient sums: their CPU adds run on after the call returns; "
+               "the next call waits for each right before it first touches that sum (its copy into the sum's host "
+               "buffer), synchronize() (a checkpoint, a recompile) for all", "sums_handed_over", sums=len(sums))
 
 
-def drain_host_sums(k: UpdateKernel, names: list[str], sums: dict[str, fx.Node]) -> list[fx.Node]:
+def drain_host_sums(k: UpdateKernel, names: list[str], sums: dict[str, fx.Node]) -> list[tuple[str, fx.Node]]:
     """The updating call, for one bucket: drop the device adds `g + sum` that made its gradients
     final (and the zeroing of the sums after the update); returns the bucket's sums, in the
-    order of its gradients, for `host_accumulate_(..., drain=True)` after their copy."""
+    order of its gradients with their parameters' names, for `host_accumulate_(..., drain=True)`
+    after their copy (which waits for the adds an accumulating call handed over: `wait_for_sums`)."""
     unit = {k.node, *k.nodes}
     out = []
     for name in names:
@@ -128,7 +149,7 @@ def drain_host_sums(k: UpdateKernel, names: list[str], sums: dict[str, fx.Node])
                     user.meta["val"] = grad.meta["val"].detach()
         for node in [final, *zeros]:
             node.graph.erase_node(node)
-        out.append(s)
+        out.append((name, s))
     return out
 
 

@@ -49,7 +49,8 @@ from graphoffload.passes.offload_planner import SWEEPS, BucketCost, Prediction, 
 from graphoffload.passes.offload_plan_cache import load_plan, plan_key, plan_path, store_plan
 from graphoffload.ops.host_transfer import assign_streams
 from graphoffload.passes.host_accumulation import (accumulate_on_host, candidate_groups, drain_host_sums,
-                                                   move_sums_to_host, place_sums, refuse_host_sums_read_on_device)
+                                                   move_sums_to_host, place_sums, refuse_host_sums_read_on_device,
+                                                   wait_for_sums)
 from graphoffload.passes.update_kernels import UpdateKernel, find_update_kernels, update_kernels_to_rewrite
 
 if TYPE_CHECKING:
@@ -201,7 +202,7 @@ def _why_after_backward(storages: StorageMap, k: UpdateKernel, found: _EarlyGrad
 def _emit_cpu_path(g: fx.Graph, k: UpdateKernel, masters: list[fx.Node], host_grads: list[fx.Node],
                    staging: list[fx.Node], scaling: dict[str, tuple[fx.Node, fx.Node]], meta: dict,
                    early: _EarlyGradients | None, hand_over: tuple[str, fx.Node] | None,
-                   read_after: fx.Node | None, host_sums: list[fx.Node]) -> None:
+                   read_after: fx.Node | None, host_sums: list[tuple[str, fx.Node]]) -> None:
     """`scaling`: "grad_scale"/"found_inf"/"grad_multiplier" -> (device, host) nodes of a
     GradScaler's tensors and of the scalar in `early`, copied with the gradients so the host
     update can unscale, skip and scale.
@@ -220,20 +221,25 @@ def _emit_cpu_path(g: fx.Graph, k: UpdateKernel, masters: list[fx.Node], host_gr
     that node and never hands it over.
 
     With `host_sums` (Offload.accumulate_on="host", the updating call): the running sums of the
-    bucket's gradients, which the worker adds into their host copies (and zeroes) before the
-    update."""
-    parked = []
+    bucket's gradients ((parameter, placeholder), in the gradients' order), which the worker adds
+    into their host copies (and zeroes) before the update. Each copy into a sum's host buffer
+    first waits for the add into that sum the last accumulating call handed over."""
+    parked, sum_waits = [], []
     if early is not None:
-        for source, final_at, host in zip(early.sources, early.final_at, host_grads):
+        for i, (source, final_at, host) in enumerate(zip(early.sources, early.final_at, host_grads)):
             with g.inserting_after(final_at):
                 parked.append(g.call_function(ops.copy_to_host.default, ([source], [host])))
+            if host_sums:
+                sum_waits += wait_for_sums(g, parked[-1], host_sums[i:i + 1], [host])
     with g.inserting_before(k.first_node):
         grads = [] if early is not None else k.grads
         to_host = g.call_function(ops.copy_to_host.default, (
             grads + [d for d, _ in scaling.values()], ([] if early is not None else host_grads) +
             [h for _, h in scaling.values()]))
-        summed = [g.call_function(ops.host_accumulate_.default, (to_host, host_sums, host_grads, True))] \
-            if host_sums else []
+        if host_sums and early is None:
+            sum_waits += wait_for_sums(g, to_host, host_sums, host_grads)
+        summed = [g.call_function(ops.host_accumulate_.default, (to_host, [s for _, s in host_sums], host_grads,
+                                                                 True))] if host_sums else []
         update = k.emit_host_update(g, summed[0] if summed else to_host, masters, host_grads, _host_lr,
                                     tuple(scaling[key][1] if key in scaling else None
                                           for key in ("grad_scale", "found_inf", "grad_multiplier")))
@@ -247,7 +253,7 @@ def _emit_cpu_path(g: fx.Graph, k: UpdateKernel, masters: list[fx.Node], host_gr
             waits.append(g.call_function(ops.hand_over.default, (to_device, k.params, key)))
             with g.inserting_before(first_reader):
                 waits.append(g.call_function(ops.wait_handed_over.default, (k.params, key)))
-    _tag([*parked, to_host, to_device, *waits], meta, "transfer")
+    _tag([*sum_waits, *parked, to_host, to_device, *waits], meta, "transfer")
     _tag([*summed, update], meta, "optimizer")
 
 

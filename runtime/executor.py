@@ -22,6 +22,7 @@ from graphoffload.calibration import host_update_threads
 from graphoffload.config import Offload
 from graphoffload.errors import GraphOffloadError, StateError, StepRunError, describe
 from graphoffload.graph import TENSOR_SLOT, TrainGraph
+from graphoffload.ops.host_transfer import param_of_grad_sum_key
 from graphoffload.torch_private import pytree
 
 from graphoffload.runtime.host_offload import OffloadRuntime
@@ -62,8 +63,17 @@ class Executor:
                                                       pin_memory=offload.pin_memory and device.type == "cuda")
         # uploads a run hands over to the next (Offload.overlap_next_step): key -> parameter names
         param_names = {s.name: s.target for s in graph.signature.inputs if s.kind == "param"}
+        hand_overs = [n.args[2] for n in graph.graph.nodes if n.target is torch.ops.graphoffload.hand_over.default]
         self.handed_over = {n.args[2]: [param_names[p.name] for p in n.args[1]] for n in graph.graph.nodes
-                            if n.target is torch.ops.graphoffload.hand_over.default}
+                            if n.target is torch.ops.graphoffload.hand_over.default
+                            and param_of_grad_sum_key(n.args[2]) is None}
+        # running sums whose CPU adds a run hands over to the next call (Offload.accumulate_on),
+        # and those a run waits for itself before it touches them: a switch to this executor
+        # from another variant of the step leaves those in flight
+        self.hands_over_sums = any(param_of_grad_sum_key(key) is not None for key in hand_overs)
+        self.waits_for_sums = frozenset(n.args[1] for n in graph.graph.nodes
+                                        if n.target is torch.ops.graphoffload.wait_handed_over.default
+                                        and param_of_grad_sum_key(n.args[1]) is not None)
         # device-path write-backs that land after a run returns (Offload.overlap_next_step)
         self.carries_host_writes = any(n.target is torch.ops.graphoffload.carry_host_write.default
                                        for n in graph.graph.nodes)
@@ -201,11 +211,12 @@ class Executor:
             return []
         return [name for key in self.offload_runtime.carried for name in self.handed_over.get(key, ())]
 
-    def synchronize(self) -> None:
+    def synchronize(self, keep: frozenset[str] = frozenset()) -> None:
         """Wait for the uploads the last run handed over and its carried write-backs
-        (Offload.overlap_next_step)."""
+        (Offload.overlap_next_step), and the CPU adds into running sums it handed over
+        (Offload.accumulate_on), except those in `keep` (hand-over keys the next run waits for)."""
         if self.offload_runtime is not None and self.offload_runtime.in_flight:
-            self.offload_runtime.synchronize()
+            self.offload_runtime.synchronize(keep)
             self.host_state.record_versions()
 
     def write_back(self, outputs: list[Tensor]) -> Any:

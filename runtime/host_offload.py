@@ -40,7 +40,8 @@ from torch import Tensor
 
 from graphoffload.calibration import use_intraop_threads
 from graphoffload.ops import host_transfer
-from graphoffload.ops.host_transfer import COPY_STREAMS
+from graphoffload.errors import StateError, describe
+from graphoffload.ops.host_transfer import COPY_STREAMS, param_of_grad_sum_key
 from graphoffload.runtime.sanitizer import Sanitizer
 
 _ACTIVE: contextvars.ContextVar[OffloadRuntime | None] = contextvars.ContextVar("graphoffload_offload", default=None)
@@ -118,7 +119,11 @@ class OffloadRuntime:
 
     def measured_spans(self) -> list[tuple[str, str, float, float]]:
         """(track, name, start, end) in seconds from the last step's start: the CPU worker's and,
-        on CUDA, each copy stream's (this waits for the GPU to finish the step's copies)."""
+        on CUDA, each copy stream's (this waits for the GPU to finish the step's copies). Waits
+        for the worker's tasks the step handed over (running sums' adds, uploads) to end first:
+        they are the step's work, still running after it returned."""
+        for fut in list(self.carried.values()):
+            fut.exception()
         spans = list(self.spans)
         if self.cuda and self._t0_event is not None:
             # the worker may still record uploads handed over to the next step: read only the
@@ -138,16 +143,23 @@ class OffloadRuntime:
             self._stream_spans = []
             self._t0_event = self._stream_start(torch.cuda.current_stream(self.device))
         self.inbound, self.carried = self.carried, {}
+        failed = False
         try:
             yield self
+        except BaseException:
+            failed = True
+            raise
         finally:
             _ACTIVE.reset(token)
-            self.drain()
+            self.drain(settle_sums=failed)
             self._span("compute", "step", self._t0)
 
-    def drain(self) -> None:
+    def drain(self, settle_sums: bool = False) -> None:
         """Wait for every in-flight task (after a step, or when a step failed half-way), except
-        the uploads the step handed over to the next one."""
+        the uploads and running sums' adds the step handed over to the next one. `settle_sums`
+        (the step failed): wait for the handed-over adds too, so whatever the caller does
+        after the error sees finished sums; a failed add stays carried, and the next call or
+        `synchronize()` raises its error."""
         pending, self._tickets = list(self._tickets.values()), {}
         for fut in pending:
             fut.exception()
@@ -156,16 +168,45 @@ class OffloadRuntime:
         for key, fut in self.inbound.items():
             self.carried.setdefault(key, fut)
         self.inbound = {}
+        if settle_sums:
+            for key, fut in self.carried.items():
+                if param_of_grad_sum_key(key) is not None:
+                    fut.exception()
 
-    def synchronize(self) -> None:
-        """Wait until every handed-over upload has landed in the parameters, and every carried
-        write-back in the host state."""
-        carried, self.carried = list(self.carried.values()), {}
+    def synchronize(self, keep: frozenset[str] = frozenset()) -> None:
+        """Wait until every handed-over upload has landed in the parameters, every carried
+        write-back in the host state and every handed-over add in its running sum. `keep`:
+        hand-over keys of running sums to leave carried (the next call waits for them itself).
+        A failed add raises here (`StateError`), after everything else has been waited for."""
+        carried = {key: fut for key, fut in self.carried.items() if key not in keep}
+        self.carried = {key: fut for key, fut in self.carried.items() if key in keep}
         writes, self.host_writes = list({id(f): f for f in self.host_writes.values()}.values()), {}
-        for fut in carried + writes:
+        for fut in [*carried.values(), *writes]:
+            fut.exception()   # everything lands before any error is raised
+        for key, fut in carried.items():
+            self._handed_over_result(key, fut)
+        for fut in writes:
             event = fut.result()
             if event is not None:
                 event.synchronize()
+
+    def _handed_over_result(self, key: str, fut: Future) -> object:
+        """The result of a handed-over task, waiting for it; an upload's error as it is, a
+        running sum's add's as a `StateError` that says what it leaves behind."""
+        param = param_of_grad_sum_key(key)
+        if param is None:
+            event = fut.result()
+            if event is not None:
+                event.synchronize()
+            return event
+        try:
+            return fut.result()
+        except Exception as exc:
+            raise StateError(
+                f"the CPU add of an earlier accumulating call into the running gradient sum of {param} failed after "
+                f"that call returned ({describe(exc)}), so this accumulation window's sums are incomplete and an "
+                "update from them would be wrong. Restore the model, the optimizer and the step from a checkpoint "
+                "(step.load_state_dict(...) resets the window to the checkpoint's), then go on") from exc
 
     @property
     def in_flight(self) -> bool:
@@ -329,8 +370,18 @@ class OffloadRuntime:
 
     def wait_handed_over(self, key: str) -> None:
         fut = self.inbound.pop(key, None)
-        if fut is not None:   # the first step has nothing to wait for
+        if fut is None:   # the first step has nothing to wait for
+            return
+        if param_of_grad_sum_key(key) is not None:   # a running sum's add: done on the host
+            self._handed_over_result(key, fut)
+        else:
             self._wait_on_compute_stream(fut)
+
+    def sums_in_flight(self) -> list[str]:
+        """Parameters whose running sum an earlier call's CPU add may still be writing (handed
+        over, not waited for yet), for tests and inspection."""
+        return [p for key, fut in self.carried.items() for p in [param_of_grad_sum_key(key)]
+                if p is not None and not fut.done()]
 
 
 def _start_worker(device: torch.device, threads: int | None) -> None:

@@ -8,12 +8,16 @@ from __future__ import annotations
 
 import copy
 import json
+import subprocess
+import sys
+import textwrap
+import threading
 
 import pytest
 import torch
 
 import graphoffload
-from graphoffload.errors import UnsupportedError
+from graphoffload.errors import StateError, StepRunError, UnsupportedError
 from graphoffload.timeline import TRACKS
 
 K = 3
@@ -315,3 +319,178 @@ def test_auto_sums_keep_on_the_device_what_the_step_reads_there():
     step = auto_step(1024, clipped_step_fn)
     with pytest.raises(UnsupportedError, match="reads their accumulated gradients there"):
         step(model, opt, *batches(1)[0])
+
+
+# ---- the CPU adds of an accumulating call run on after it returns (issue 18): the next call
+# waits for each right before it first touches that sum, every read from outside the step waits
+
+
+def columns_step_fn(model, optimizer, x, y, cols):
+    # `cols` out of range makes the call fail at run time (in forward), without a re-trace
+    loss = torch.nn.functional.mse_loss(model(x).index_select(1, cols), y)
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+COLS = torch.arange(8)
+
+
+def hold_worker(step) -> threading.Event:
+    """Hold the step's CPU worker until the returned event is set (at most 30 s): the adds the
+    next call hands over queue behind it, so they are still running when that call returns."""
+    gate = threading.Event()
+    step.last.executor.offload_runtime.pool.submit(gate.wait, 30)
+    return gate
+
+
+def sums_of(step) -> dict[str, torch.Tensor]:
+    return {name: t.clone() for name, t in step._grad_sums._sums.items()}   # without synchronizing
+
+
+def carried_sums(step) -> list[str]:
+    return sorted(k for k in step.last.executor.offload_runtime.carried if k.startswith("grad_sum "))
+
+
+@pytest.mark.sanitizer_matrix   # the next call's copies into the sums' host buffers wait for the adds
+def test_overlapped_host_sum_adds_train_bit_for_bit_like_waiting_for_them():
+    # the waiting form: synchronize() after every call, as every call did before the adds overlapped
+    data = batches(2 * K)
+    runs = {}
+    for form in ("overlapped", "waiting"):
+        model = mlp()
+        opt = OPTIMIZERS["adamw"](model)
+        step = graphoffload.offload_compile(step_fn, accumulation_steps=K, offload=graphoffload.Offload(
+            accumulate_on="host"), config=graphoffload.CompileConfig(fuse_optimizer=graphoffload.FuseOptimizer(
+                bucket_numel=3000)))
+        mid_window = None
+        for i, (x, y) in enumerate(data):
+            step(model, opt, x, y)
+            if form == "waiting":
+                step.synchronize()
+            if i == K + 1:
+                mid_window = step.state_dict()["accumulation"]["grad_sums"]
+        step.synchronize()
+        runs[form] = (model, opt, mid_window, step)
+    (model, opt, sums, step), (model_w, opt_w, sums_w, _) = runs["overlapped"], runs["waiting"]
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), model_w.parameters()))
+    assert all(torch.equal(v, opt_w.state[pw][key]) for p, pw in zip(model.parameters(), model_w.parameters())
+               for key, v in opt.state[p].items())
+    assert sums.keys() == sums_w.keys() and all(torch.equal(sums[n], sums_w[n]) for n in sums)
+    accumulate = [v for key, v in step._variants.items() if key[0] is False][0].graph
+    targets = [n.target for n in accumulate.graph.nodes]
+    n = len(list(model.parameters()))
+    assert targets.count(torch.ops.graphoffload.hand_over.default) == n
+    assert targets.count(torch.ops.graphoffload.wait_handed_over.default) == n
+    assert accumulate.notes_of("offload_optimizer", "sums_handed_over")[0].fields["sums"] == n
+
+
+READS = ["step.state_dict", "optimizer.state_dict", "step.synchronize", "recompile", "exception"]
+
+
+@pytest.mark.parametrize("read", READS)
+def test_host_sum_adds_run_on_after_the_call_and_every_outside_read_waits_for_them(read):
+    data = batches(3)
+    model, twin_model = mlp(), mlp()
+    opt, twin_opt = OPTIMIZERS["adamw"](model), OPTIMIZERS["adamw"](twin_model)
+    # k=4: the calls below are all accumulating calls of one variant (no re-trace, no switch)
+    step, twin = (graphoffload.offload_compile(columns_step_fn, accumulation_steps=4, offload=graphoffload.Offload(
+        accumulate_on="host")) for _ in range(2))
+    for x, y in data[:2]:
+        twin(twin_model, twin_opt, x, y, COLS)
+        twin.synchronize()
+    step(model, opt, *data[0], COLS)
+    gate = hold_worker(step)
+    try:
+        step(model, opt, *data[1], COLS)
+        names = sorted(n for n, _ in model.named_parameters())
+        runtime = step.last.executor.offload_runtime
+        # the call returned with every add still to run, handed over to the next call
+        assert sorted(runtime.sums_in_flight()) == names
+        assert carried_sums(step) == [f"grad_sum {n}" for n in names]
+        # a counter of the calls that returned, and .grad (None between accumulating calls), do not wait
+        assert step.micro_step == 2 and all(p.grad is None for p in model.parameters())
+        assert sorted(runtime.sums_in_flight()) == names
+        threading.Timer(0.3, gate.set).start()    # the read below must wait for it
+        if read == "step.state_dict":
+            saved = step.state_dict()["accumulation"]["grad_sums"]
+            assert all(torch.equal(saved[n], twin._grad_sums._sums[n]) for n in names)
+        elif read == "optimizer.state_dict":
+            opt.state_dict()          # a hook of the step's synchronizes first
+        elif read == "step.synchronize":
+            step.synchronize()
+        elif read == "recompile":     # another batch size: the step traces again, reading the parameters
+            step.compile(model, opt, data[2][0][:8], data[2][1][:8], COLS)
+        else:                         # the next call fails in forward, before it touches a sum
+            with pytest.raises(StepRunError, match="index_select"):
+                step(model, opt, *data[2], torch.tensor([0, 1, 2, 3, 4, 5, 6, 99]))
+        assert runtime.sums_in_flight() == []
+        if read != "exception":       # synchronized: nothing left in flight
+            assert carried_sums(step) == []
+        sums = sums_of(step)
+        assert all(torch.equal(sums[n], twin._grad_sums._sums[n]) for n in names)
+    finally:
+        gate.set()
+
+
+@pytest.mark.parametrize("surfaces_at", ["next call", "step.state_dict"])
+def test_an_error_in_a_handed_over_add_surfaces_at_the_next_call_or_sync_point(surfaces_at):
+    model = mlp()
+    opt = OPTIMIZERS["adamw"](model)
+    step = compiled("host")
+    x, y = batches(1)[0]
+    step.compile(model, opt, x, y)      # the accumulating variant, not run yet
+    gate = hold_worker(step)
+    try:
+        step(model, opt, x, y)
+        # the add into 4.weight's sum will read a host buffer of the wrong shape and raise
+        step.last.executor.host_state.scratch[("4.weight", "grad")].set_(torch.zeros(3))
+    finally:
+        gate.set()
+    with pytest.raises(StateError, match="running gradient sum of 4.weight failed after that call returned") as info:
+        if surfaces_at == "next call":
+            step(model, opt, x, y)
+        else:
+            step.state_dict()
+    assert isinstance(info.value.__cause__, RuntimeError)
+    assert "step.load_state_dict" in str(info.value)
+
+
+@pytest.mark.slow   # a fresh interpreter imports torch and compiles (~10 s; more on a busy machine)
+def test_the_process_exits_after_the_adds_a_last_call_handed_over_have_run(tmp_path):
+    script = tmp_path / "exit_mid_window.py"
+    script.write_text(textwrap.dedent("""
+        import atexit, threading
+        import torch
+        import graphoffload
+
+        torch.manual_seed(0)
+        model = torch.nn.Linear(8, 4)
+        opt = torch.optim.AdamW(model.parameters())
+
+        def step_fn(model, opt, x):
+            model(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+
+        step = graphoffload.offload_compile(step_fn, accumulation_steps=3,
+                                            offload=graphoffload.Offload(accumulate_on="host"))
+        x = torch.randn(4, 8)
+        step.compile(model, opt, x)
+        gate = threading.Event()
+        runtime = step.last.executor.offload_runtime
+        runtime.pool.submit(gate.wait, 30)
+        step(model, opt, x)
+        assert sorted(runtime.sums_in_flight()) == ["bias", "weight"]
+        expected = {n: torch.autograd.grad((model(x).square().mean() / 3), p)[0] for n, p in model.named_parameters()}
+
+        def at_exit():   # runs after the interpreter joined the worker threads
+            done = runtime.sums_in_flight() == [] and all(
+                torch.equal(step._grad_sums._sums[n], g) for n, g in expected.items())
+            print("adds landed" if done else "adds lost", flush=True)
+        atexit.register(at_exit)
+        threading.Timer(0.5, gate.set).start()
+    """))
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "adds landed" in proc.stdout, proc.stdout + proc.stderr[-2000:]

@@ -39,6 +39,23 @@ def assign_streams(graph) -> None:
             node.meta["stream"] = stream
 
 
+# hand-over keys of the running gradient sums (Offload.accumulate_on="host"): an accumulating
+# call hands its CPU add into a parameter's sum over to the next call under this key, and every
+# variant of the step names that sum the same way, so the next call waits for it whichever
+# variant it is, right before it first touches the sum
+_GRAD_SUM_KEY = "grad_sum "
+
+
+def grad_sum_key(param: str) -> str:
+    """The hand-over key of the CPU add into `param`'s running gradient sum."""
+    return _GRAD_SUM_KEY + param
+
+
+def param_of_grad_sum_key(key: str) -> str | None:
+    """The parameter whose running sum a hand-over key names, or None for another key (an upload's)."""
+    return key[len(_GRAD_SUM_KEY):] if key.startswith(_GRAD_SUM_KEY) else None
+
+
 def _no_kernel(name: str) -> RuntimeError:
     return RuntimeError(f"{name} has no kernel: its kernels live in the runtime (import graphoffload.runtime), "
                         "which runs it inside a compiled step's executor")
@@ -171,7 +188,9 @@ wait_device.register_fake(_returns_nothing)
 @torch.library.custom_op("graphoffload::hand_over", mutates_args=("params",))
 def hand_over(ticket: Tensor, params: list[Tensor], key: str) -> None:
     """Let the upload behind `ticket` finish during the next step: that step's
-    `wait_handed_over(key)` waits for it, right before its forward first reads `params`."""
+    `wait_handed_over(key)` waits for it, right before its forward first reads `params`. Also
+    the CPU add of an accumulating call into a running sum (`params`: the sum; key
+    `grad_sum_key(name)`): the next call waits for it before it first touches that sum."""
     raise _no_kernel("graphoffload::hand_over")
 
 
@@ -180,7 +199,8 @@ hand_over.register_fake(_returns_nothing)
 
 @torch.library.custom_op("graphoffload::wait_handed_over", mutates_args=("params",))
 def wait_handed_over(params: list[Tensor], key: str) -> None:
-    """Make the compute stream wait for the upload the previous step handed over under `key`."""
+    """Make the compute stream wait for the upload (or running sum's CPU add) the previous step
+    handed over under `key`."""
     raise _no_kernel("graphoffload::wait_handed_over")
 
 
