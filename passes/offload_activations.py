@@ -37,6 +37,24 @@ in backward, the plan without merging is then made too, the lower peak kept, and
 fails with it if it is still over the budget. An offload's stall is estimated alone: a copy
 back issued ahead of earlier ones on the link delays them, which its ranking does not see.
 
+Why a second plan, whole blocks replayed first: the greedy's one-at-a-time ranking is blind to
+what a batch of choices costs together (offloads that each hide stall together on the one link)
+and it reaches a block's replay only by merging short ones, so at tight budgets on a 24-block
+GPT it lost to the trivial policy of checkpointing every block. Rather than a joint search, the
+planner also makes checkpointing's plan and lets the timeline judge: `forward_blocks` finds the
+forward's repeated units from the graph alone (a cut is a value that, once made, is the only
+forward value later forward nodes read: the residual stream between sublayers; the longest run
+of cut-to-cut intervals repeating with the shortest period gives the blocks), each block's
+replay is what backward reads of the storages it makes, remade from its input (its output,
+the next block's input, stays), replayed once before the first of those readers, random ops
+replayed. Blocks are replayed, most bytes live at the peak per second of their compute first,
+until the budget is met; the greedy continues from there if it is not. Of the plans that fit,
+the one whose timeline (`_simulate`) adds least to the predicted step is kept, the greedy's
+on a tie. The greedy, made second, stops as soon as it adds more than the block plan that fits:
+what a plan adds only grows with each choice (a replay adds its compute and can hide a stall
+by at most that; a copy only delays the others), so it could not win, and at tight budgets,
+where it took longest, it is cut short.
+
 The memory is shared exactly: both plans are checked against the same liveness analysis, the
 prefetched optimizer state included. The link is shared on one timeline, but not jointly
 planned: with a planned schedule (`graph.schedule`), `place_on_schedule` puts each activation
@@ -655,6 +673,8 @@ def plan_activations(graph: TrainGraph, budget: int, cal: Calibration, device: t
     (or nothing live at the peak is left to move); the caller checks the result against it.
     `schedule`, `planned`: the optimizer-state plan's timeline and the names of the nodes its
     `node_start` is indexed by (place_on_schedule), on which an offload's stall is predicted.
+    Two plans (every block replayed first, the greedy), the one adding least to the predicted
+    step kept (the module's docstring says why).
 
     Recomputes are found lazily: growing every saved activation's regions again after each
     choice took minutes on a 24-block GPT, so each seed waits in a heap under the best ratio of
