@@ -37,6 +37,24 @@ in backward, the plan without merging is then made too, the lower peak kept, and
 fails with it if it is still over the budget. An offload's stall is estimated alone: a copy
 back issued ahead of earlier ones on the link delays them, which its ranking does not see.
 
+Why a second plan, whole blocks replayed first: the greedy's one-at-a-time ranking is blind to
+what a batch of choices costs together (offloads that each hide stall together on the one link)
+and it reaches a block's replay only by merging short ones, so at tight budgets on a 24-block
+GPT it lost to the trivial policy of checkpointing every block. Rather than a joint search, the
+planner also makes checkpointing's plan and lets the timeline judge: `forward_blocks` finds the
+forward's repeated units from the graph alone (a cut is a value that, once made, is the only
+forward value later forward nodes read: the residual stream between sublayers; the longest run
+of cut-to-cut intervals repeating with the shortest period gives the blocks), each block's
+replay is what backward reads of the storages it makes, remade from its input (its output,
+the next block's input, stays), replayed once before the first of those readers, random ops
+replayed. Blocks are replayed, most bytes live at the peak per second of their compute first,
+until the budget is met; the greedy continues from there if it is not. Of the plans that fit,
+the one whose timeline (`_simulate`) adds least to the predicted step is kept, the greedy's
+on a tie. The greedy, made second, stops as soon as it adds more than the block plan that fits:
+what a plan adds only grows with each choice (a replay adds its compute and can hide a stall
+by at most that; a copy only delays the others), so it could not win, and at tight budgets,
+where it took longest, it is cut short.
+
 The memory is shared exactly: both plans are checked against the same liveness analysis, the
 prefetched optimizer state included. The link is shared on one timeline, but not jointly
 planned: with a planned schedule (`graph.schedule`), `place_on_schedule` puts each activation
@@ -113,6 +131,8 @@ class ActivationPlan:
     peak_node: str
     choices: dict[str, str]    # every saved activation considered -> "keep" | "recompute" | "offload"
     merged: int = 0            # chosen recomputes that extended earlier replays (merged with them)
+    added_seconds: float = 0.0  # what the plan adds to the predicted step (recompute, stalls)
+    strategy: str = "greedy"   # which search made it (plan_activations tries several)
 
 
 def _replayable(node: fx.Node) -> bool:
@@ -150,6 +170,7 @@ class _Step:
         self.backward_start = min(backward) if backward else None
         self._storage_facts: dict[int, tuple[int, int, frozenset] | None] = {}
         self._of: dict[fx.Node, list[int]] = {}
+        self._names: dict[str, fx.Node] | None = None
 
     def available(self, node: fx.Node, at: int) -> bool:
         """Whether `node`'s value is on the device, unchanged, at position `at` anyway."""
@@ -346,6 +367,66 @@ class _Step:
                     found.append(region)
         return found
 
+    def block_region(self, names: Sequence[str], seconds: dict[fx.Node, float]) -> Region | None:
+        """A whole block replayed (forward_blocks' unit, named by its forward nodes): what
+        backward reads of the storages the block makes, and what those are made from within the
+        block, replayed once before the first backward reader of any of them, from the block's
+        input and what else is on the device then; None where that cannot be replayed purely."""
+        if self.backward_start is None:
+            return None
+        by_name = self._by_name()
+        block = {by_name[n] for n in names if n in by_name}
+        st, wanted, firsts = self.storages, [], []
+        for node in block:
+            sids = self.of(node)
+            if len(sids) != 1 or st.creator[sids[0]] not in block:
+                continue
+            facts = self._facts(sids[0])
+            if facts is not None and facts[2] <= block and all(
+                    a.node in block for a in st.accesses[sids[0]] if a.position < self.backward_start):
+                wanted += facts[2]   # (the block's output, which the next block reads, stays: its input)
+                firsts.append(facts[0])
+        if not firsts:
+            return None
+        at = min(firsts)
+        chain: set[fx.Node] = set()
+        while wanted:
+            node = wanted.pop()
+            if node in chain:
+                continue
+            if not _replayable(node) and node.target is not operator.getitem:
+                return None
+            chain.add(node)
+            for s in self.of(node):   # every write into a storage it makes is replayed with it
+                if st.creator[s] not in block:
+                    continue   # a view of the block's input or a parameter: those are checked below
+                for a in st.accesses[s]:
+                    if a.writes and a.node not in chain:
+                        if a.node not in block:
+                            return None
+                        wanted.append(a.node)
+            for i in node.all_input_nodes:
+                if i in chain or (node.target is aten.empty_like.default and i is node.args[0]):
+                    continue
+                if i in block:
+                    wanted.append(i)
+                elif not self.available(i, at):
+                    return None
+            for a in written_args(node):
+                if any(st.creator[s] not in block for s in self.of(a)):
+                    return None
+        ordered = sorted(chain, key=self.position.__getitem__)
+        if not self._draws_replayable(ordered):
+            return None
+        seed = min((n for n in ordered if any(u.meta.get("phase") == "backward" for u in n.users)),
+                   key=self.position.__getitem__, default=ordered[0])
+        return self._region(seed, ordered, at, seconds)
+
+    def _by_name(self) -> dict[str, fx.Node]:
+        if self._names is None:
+            self._names = {n.name: n for n in self.nodes}
+        return self._names
+
     def saved(self, cal: Calibration, seconds: dict[fx.Node, float]) -> list[SavedActivation]:
         """Every activation that could be copied to the host between forward and backward."""
         if self.backward_start is None:
@@ -377,6 +458,49 @@ class _Step:
             found.append(SavedActivation(value.name, nbytes, max(a.position for a in forward), first, prefetch_at,
                                          nbytes / cal.d2h_bytes_per_s + h2d))
         return found
+
+
+def forward_blocks(graph: TrainGraph) -> tuple[tuple[str, ...], ...]:
+    """The forward's repeated units, each as the names of its forward nodes in graph order: a
+    transformer's blocks, found from the graph alone (it keeps no module names).
+
+    A cut is a forward value that is, right after it is made, the only forward value a later
+    forward node reads (a transformer's residual stream between its sublayers). The forward
+    nodes after one cut up to the next form an interval, named by its ops; the longest run of
+    intervals repeating with the shortest period gives the units, one period's intervals each
+    (a GPT's attention and MLP sublayers: one block, what checkpointing the block replays).
+    Empty when nothing repeats."""
+    position = {n: i for i, n in enumerate(graph.graph.nodes)}
+    intervals: list[list[fx.Node]] = [[]]
+    closing: dict[fx.Node, int] = {}   # a forward node -> how many values it reads last in forward
+    open_values = 0
+    for node in graph.graph.nodes:
+        open_values -= closing.pop(node, 0)
+        if not _forward_value(node):
+            continue
+        intervals[-1].append(node)
+        readers = [u for u in node.users if u.meta.get("phase") == "forward"]
+        if readers:
+            last = max(readers, key=position.__getitem__)
+            closing[last] = closing.get(last, 0) + 1
+            open_values += 1
+            if open_values == 1:   # the only value the rest of forward reads: a cut
+                intervals.append([])
+    intervals = [i for i in intervals if i]
+    kinds: dict[tuple, int] = {}
+    names = [kinds.setdefault(tuple(str(n.target) for n in i), len(kinds)) for i in intervals]
+    best = (0, 0, 0)   # (intervals covered by whole units, -period, -start)
+    for period in range(1, len(names) // 2 + 1):
+        for start in range(len(names) - 2 * period + 1):
+            end = start + period
+            while end < len(names) and names[end] == names[end - period]:
+                end += 1
+            if (end - start) // period >= 2:
+                best = max(best, ((end - start) // period * period, -period, -start))
+    covered, period, start = best[0], -best[1], -best[2]
+    return tuple(tuple(n.name for i in intervals[s:s + period] for n in i)
+                 for s in range(start, start + covered, period))
+
 
 
 def largest_saved_bytes(graph: TrainGraph) -> int:
@@ -549,26 +673,42 @@ def plan_activations(graph: TrainGraph, budget: int, cal: Calibration, device: t
     (or nothing live at the peak is left to move); the caller checks the result against it.
     `schedule`, `planned`: the optimizer-state plan's timeline and the names of the nodes its
     `node_start` is indexed by (place_on_schedule), on which an offload's stall is predicted.
+    Two plans (every block replayed first, the greedy), the one adding least to the predicted
+    step kept (the module's docstring says why).
 
     Recomputes are found lazily: growing every saved activation's regions again after each
     choice took minutes on a 24-block GPT, so each seed waits in a heap under the best ratio of
     all the bytes its regions free to their time (a bound on what they free at any peak), and
     only the seeds whose bound beats the best choice found so far are grown again."""
-    retry = graph.deferred_copy()
-    plan = _plan(graph, budget, cal, device, schedule, planned, merge=True)
-    if plan.peak > budget:
+    blocks = forward_blocks(graph)
+    # copies of the graph as it is now, one per further plan (a copy's notes are its own)
+    blocks_first, retry = graph.deferred_copy(), graph.deferred_copy()
+    plans = []
+    if blocks:   # every block's replay (checkpointing's policy) first, the greedy after it if need be
+        plans.append(_plan(blocks_first(), budget, cal, device, schedule, planned, merge=True, blocks=blocks,
+                           strategy="blocks first"))
+    # the greedy stops once it adds more than a plan that fits already does: what it adds only grows
+    bound = min((p.added_seconds for p in plans if p.peak <= budget), default=None)
+    plans.insert(0, _plan(graph, budget, cal, device, schedule, planned, merge=True, bound=bound))
+    if all(p.peak > budget for p in plans):
         # greedy choices can strand the peak: a merged replay comes before the first reader of
         # any saved tensor it frees, so what it remakes is live longer in backward. Plan again
         # with separate replays and keep the lower peak
-        again = _plan(retry(), budget, cal, device, schedule, planned, merge=False)
-        if again.peak < plan.peak:
-            return again
-    return plan
+        plans.append(_plan(retry(), budget, cal, device, schedule, planned, merge=False,
+                           strategy="greedy, separate replays"))
+    fits = [p for p in plans if p.peak <= budget]
+    if fits:   # the least added step time; the greedy's plan on a tie
+        return min(fits, key=lambda p: p.added_seconds)
+    return min(plans, key=lambda p: p.peak)
 
 
 def _plan(graph: TrainGraph, budget: int, cal: Calibration, device: torch.device, schedule: Prediction | None,
-          planned: Sequence[str], merge: bool) -> ActivationPlan:
-    """One greedy plan; `merge`: recomputes extend the chosen replays they overlap."""
+          planned: Sequence[str], merge: bool, blocks: Sequence[tuple[str, ...]] = (), bound: float | None = None,
+          strategy: str = "greedy") -> ActivationPlan:
+    """One plan; `merge`: recomputes extend the chosen replays they overlap; `blocks`
+    (forward_blocks' units): whole blocks replayed first, most bytes live at the peak per second
+    of their compute first, until the budget is met, the greedy after them; `bound`: give up
+    (the plan left over the budget) once the plan adds more than this to the predicted step."""
     profile = analyze_memory(graph)
     keep_peak = profile.peak
     choices: dict[str, str] = {}
@@ -582,7 +722,15 @@ def _plan(graph: TrainGraph, budget: int, cal: Calibration, device: torch.device
     last_grown: dict[str, list[Region]] = {}
     replays: dict[int, _Replay] = {}   # the recompute regions chosen so far
     gone: set[fx.Node] = set()
-    counter = merged_count = 0
+    counter = merged_count = blocks_replayed = 0
+    first = True
+
+    def time_nodes(step: _Step) -> None:
+        for n in step.storages.nodes:   # the graph is edited in place: its nodes' times stay valid
+            if n not in seconds:
+                seconds[n] = estimate_seconds(n, cal)
+                if n.meta.get("phase") == "forward":
+                    named[n.name] = seconds[n]
 
     def extension(region: Region) -> tuple[float, tuple[int, ...]]:
         """What replaying `region` adds to the step, and the chosen replays it extends: the
@@ -603,22 +751,58 @@ def _plan(graph: TrainGraph, budget: int, cal: Calibration, device: torch.device
             latest[seed] = counter
             heappush(heap, (-max(_bytes(r) / max(extension(r)[0], 1e-12) for r in regions), counter, seed))
 
+    pending = list(blocks)
+    while pending and profile.peak > budget:
+        step = _Step(graph, storages)
+        time_nodes(step)
+        at = profile.nodes.index(profile.peak_node)
+        options = []
+        for names in pending:
+            region = step.block_region(names, seconds)
+            if region is not None and region.bytes_live_at(at):
+                options.append((region.bytes_live_at(at) / max(region.seconds, 1e-12), names, region))
+        if not options:
+            break
+        _, names, region = max(options, key=lambda o: o[0])
+        pending.remove(names)
+        edit = _recompute(graph, region)
+        fill_missing_meta(graph, _PASS)
+        storages = StorageMap(graph.graph)
+        after = analyze_memory(graph, storages)
+        if not (after.peak <= profile.peak and after.live_at(profile.peak_node) < profile.peak):
+            edit.undo(graph, specs, gone)
+            storages = None
+            continue
+        profile = after
+        counter += 1
+        blocks_replayed += 1
+        replays[counter] = _Replay(region, edit, region.rewired)
+        for name in region.rewired:
+            choices[name] = "recompute"
+        graph.note(_PASS, f"activations of the block from {region.nodes[0]} ({format_bytes(_bytes(region))}): "
+                   f"recompute the block ({len(region.nodes)} nodes, {region.seconds * 1e6:.3g} us, "
+                   f"{len(region.freed)} saved tensors freed); predicted peak {format_bytes(profile.peak)}",
+                   "activation", activation=region.seed, choice="recompute", bytes=_bytes(region),
+                   seconds=region.seconds, added_seconds=region.seconds, stall_seconds=0.0,
+                   recomputed=region.nodes, rewired=region.rewired, extends=(), block=True,
+                   peak_after=profile.peak)
+    abandoned = False
     while profile.peak > budget:
         step = _Step(graph, storages)
-        for n in step.storages.nodes:   # the graph is edited in place: its nodes' times stay valid
-            if n not in seconds:
-                seconds[n] = estimate_seconds(n, cal)
-                if n.meta.get("phase") == "forward":
-                    named[n.name] = seconds[n]
+        time_nodes(step)
         seeds = step.seeds()
-        if not counter:
+        if first:
+            first = False
             for seed, sid in seeds.items():
                 push(seed, step.regions(sid, seconds))
         saved = step.saved(cal, seconds)
         for act in saved:
             choices.setdefault(act.name, "keep")
         at = profile.nodes.index(profile.peak_node)
-        timeline = _simulate(graph, cal, seconds, schedule, planned)[0]
+        timeline, _, _, added = _simulate(graph, cal, seconds, schedule, planned)
+        if bound is not None and added > bound:
+            abandoned = True   # another plan fits the budget adding less: this one cannot beat it
+            break
         # (bytes at the peak per second of added time, how, what, prefetch position or the
         # replays a recompute extends, seconds)
         options = []
@@ -712,7 +896,7 @@ def _plan(graph: TrainGraph, budget: int, cal: Calibration, device: torch.device
                        + f", {len(what.freed)} saved tensors freed); predicted peak {format_bytes(profile.peak)}",
                        "activation", activation=what.seed, choice=how, bytes=_bytes(what), seconds=what.seconds,
                        added_seconds=cost, stall_seconds=0.0, recomputed=what.nodes, rewired=what.rewired,
-                       extends=tuple(extends), peak_after=profile.peak)
+                       extends=tuple(extends), block=False, peak_after=profile.peak)
         else:
             choices[what.name] = how
             graph.note(_PASS, f"activation {what.name} ({format_bytes(what.nbytes)}): offload "
@@ -721,14 +905,17 @@ def _plan(graph: TrainGraph, budget: int, cal: Calibration, device: torch.device
                        f"; predicted peak {format_bytes(profile.peak)}", "activation",
                        activation=what.name, choice=how, bytes=what.nbytes, seconds=what.offload_seconds,
                        added_seconds=cost, stall_seconds=cost, recomputed=(), rewired=(), extends=(),
-                       peak_after=profile.peak)
+                       block=False, peak_after=profile.peak)
+    added = _simulate(graph, cal, seconds, schedule, planned)[3]
     counts = {c: sum(1 for v in choices.values() if v == c) for c in ("keep", "recompute", "offload")}
-    graph.note(_PASS, f"activations: {counts['keep']} kept, {counts['recompute']} recomputed, "
-               f"{counts['offload']} offloaded; predicted peak {format_bytes(keep_peak)} -> "
-               f"{format_bytes(profile.peak)} (budget {format_bytes(budget)})", "activations",
-               keep_peak_bytes=keep_peak, peak_bytes=profile.peak, budget_bytes=budget, choices=dict(choices),
-               **counts)
-    return ActivationPlan(graph, keep_peak, profile.peak, profile.peak_node, choices, merged_count)
+    graph.note(_PASS, f"activations: {counts['keep']} kept, {counts['recompute']} recomputed"
+               + (f" ({blocks_replayed} whole blocks replayed)" if blocks_replayed else "")
+               + f", {counts['offload']} offloaded; predicted peak {format_bytes(keep_peak)} -> "
+               f"{format_bytes(profile.peak)} (budget {format_bytes(budget)}), {added * 1e3:.3g} ms added to the "
+               "predicted step (" + strategy + ")", "activations", keep_peak_bytes=keep_peak, peak_bytes=profile.peak, budget_bytes=budget,
+               choices=dict(choices), strategy=strategy, added_seconds=added, blocks=blocks_replayed,
+               abandoned=abandoned, **counts)
+    return ActivationPlan(graph, keep_peak, profile.peak, profile.peak_node, choices, merged_count, added, strategy)
 
 
 def _restore(graph: TrainGraph, merged: list[_Replay], seconds: dict[fx.Node, float]) -> list[_Replay]:

@@ -12,10 +12,13 @@ import dataclasses
 
 import pytest
 import torch
+import torch.nn.functional as F
+from gpt import GPT
 from helpers import assert_training_matches, run_steps, tiny_gpt
 from steps import token_batches, train_step
 from test_checkpointing import Mlp, NoisyBlock, adamw, mlp_batches, mlp_step
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 import graphoffload
 from graphoffload import Offload, UnsupportedError
@@ -34,6 +37,12 @@ FAST_COMPUTE = Calibration(h2d_bytes_per_s=55e9, d2h_bytes_per_s=55e9, duplex_by
                            device_update_params_per_s=93e9, device_flops=700e12, device_bytes_per_s=3e12)
 # the same with a slow link: copies back would stall, so the plan recomputes
 SLOW_LINK = dataclasses.replace(FAST_COMPUTE, h2d_bytes_per_s=1e8, d2h_bytes_per_s=1e8, duplex_bytes_per_s=1.5e8)
+
+# a device whose step is bound by its compute (slow matmuls, a fast CPU update) and whose link is
+# slow: predicted steps with and without replays differ by the replayed compute, so the plan's
+# prediction and a checkpointed model's are comparable
+COMPUTE_BOUND = dataclasses.replace(MIXED, h2d_bytes_per_s=2e7, d2h_bytes_per_s=2e7, duplex_bytes_per_s=3e7,
+                                    cpu_update_params_per_s=1e11, cpu_update_params_per_s_under_copy=1e11)
 
 FRACTIONS = (0.9, 0.7, 0.5)
 
@@ -344,3 +353,62 @@ def test_overlapping_recomputes_merge_into_one_replay_of_an_attention_sublayer_f
     # the merged regions are gone: each forward node is replayed at most once in the step
     replayed = [n.meta["recompute_of"] for n in graph.nodes if "recompute_of" in n.meta]
     assert replayed and len(replayed) == len(set(replayed))
+
+
+class _CheckpointedGPT(GPT):
+    """The tiny GPT with every block under torch.utils.checkpoint: the fixed policy the planner
+    is measured against."""
+
+    def forward(self, idx, labels=None):
+        x = self.drop(self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device)))
+        for block in self.blocks:
+            x = checkpoint(block, x, use_reentrant=False)
+        return F.cross_entropy(self.head(self.ln_f(x)).flatten(0, 1).float(), labels.flatten())
+
+
+def test_forward_blocks_are_the_transformer_blocks():
+    """The repeated units found from the graph alone are the GPT's blocks: one per layer, each
+    with its two layer norms, its attention and its dropout masks."""
+    from graphoffload.passes.offload_activations import forward_blocks
+
+    model = tiny_gpt(dropout=0.1, seq_len=32, n_layer=3)
+    step = _gpt_step(MIXED)
+    step.compile(model, adamw(model), token_batches(1, seq=32, batch=4)[0])
+    graph = step.graphs["offload_optimizer"]
+    blocks = forward_blocks(graph)
+    by_name = {n.name: n for n in graph.graph.nodes}
+    assert len(blocks) == 3
+    for names in blocks:
+        targets = [by_name[n].target for n in names]
+        assert targets.count(torch.ops.aten.native_layer_norm.default) == 2
+        assert targets.count(torch.ops.graphoffload.attention.default) == 1
+        assert targets.count(torch.ops.aten.bernoulli_.float) == 2
+    assert len({len(b) for b in blocks}) == 1
+
+
+def test_the_plan_is_no_slower_than_checkpointing_every_block_where_that_fits():
+    """At the budget checkpointing every block just fits, the plan (the greedy's, or every block
+    replayed first, whichever adds less to the predicted step) fits it too, its predicted step is
+    no longer than the checkpointed model's (compiled the same way, as benchmarks/checkpointing.py
+    does), and it trains bit-identical to eager, dropout included."""
+    model = tiny_gpt(dropout=0.1, seq_len=32)
+    batches = token_batches(3, seq=32, batch=4)
+    policy = copy.deepcopy(model)
+    policy.__class__ = _CheckpointedGPT
+    checkpointed = graphoffload.offload_compile(train_step, offload=Offload(calibration=COMPUTE_BOUND,
+                                                                           plan_cache=False))
+    checkpointed.compile(policy, adamw(policy), batches[0])
+    budget = checkpointed.memory().peak
+    plain = graphoffload.offload_compile(train_step, offload=Offload(calibration=COMPUTE_BOUND, plan_cache=False))
+    kept = copy.deepcopy(model)
+    plain.compile(kept, adamw(kept), batches[0])
+    assert plain.memory().peak > budget   # the budget needs activations moved
+    step = graphoffload.offload_compile(train_step, offload=Offload(
+        calibration=COMPUTE_BOUND, plan_cache=False, gpu_memory_budget=budget, activations="auto"))
+    assert_training_matches(*_train_gpt_both(step, model, batches), exact=True, offloaded=True)
+    assert step.memory().peak <= budget
+    predicted, policy_s = step.train_graph.schedule.step_seconds, checkpointed.train_graph.schedule.step_seconds
+    assert predicted <= policy_s, (predicted, policy_s)
+    fields = _activations(step)
+    assert fields["strategy"] in ("greedy", "blocks first") and fields["added_seconds"] > 0
+    assert predicted == pytest.approx(plain.train_graph.schedule.step_seconds + fields["added_seconds"])
