@@ -139,5 +139,13 @@ def shard_state(state: dict[str, Any], param: Tensor, name: str, mesh: Any, worl
                 f"optimizer state {key!r} of parameter {name} has shape {tuple(value.shape)}, neither the "
                 f"parameter's {tuple(param.shape)} nor this rank's chunk {tuple(chunk.shape)}; was a "
                 "state_dict of another model loaded? Load a matching one")
-        state[key] = DTensor.from_local(local, mesh, placement, run_check=False,
-                                        shape=param.shape, stride=param.stride())
+        state[key] = as_shard(local, param, mesh)
+
+
+def as_shard(local: Tensor, param: Tensor, mesh: Any) -> Any:
+    """`local`, this rank's chunk of a tensor shaped like `param`, as the `Shard(0)` DTensor over
+    `mesh` that `optimizer.state` holds (the local tensor itself is kept: writes to it land in the
+    DTensor; it may live in host memory, with offload=, whatever the mesh's device)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    return DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=param.shape, stride=param.stride())

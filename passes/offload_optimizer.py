@@ -311,8 +311,10 @@ def _first_read_after_update(k: UpdateKernel, storages: StorageMap) -> fx.Node |
 
 
 def _first_reader(k: UpdateKernel, position: dict[fx.Node, int]) -> fx.Node:
-    """The first node that reads any of the bucket's parameters (in forward)."""
-    return min((u for p in k.params for u in p.users if u in position), key=position.__getitem__)
+    """The first node that reads any of the bucket's parameters (in forward; not the views of
+    this rank's rows the `zero` pass makes for the update right after the inputs)."""
+    return min((u for p in k.param_inputs() for u in p.users if u in position and u.meta.get("phase") != "optimizer"),
+               key=position.__getitem__)
 
 
 def _choose_paths(graph: TrainGraph, kernels: list[UpdateKernel], ctx: PassContext, state_bytes_on_device: int,
@@ -525,7 +527,7 @@ def offload_optimizer(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
     placeholders = graph.placeholders()
     device_sums = {s.target: placeholders[s.name] for s in specs if s.kind == "grad_sum"}
     on_host = place_sums(graph, ctx, bool(kernels), list(device_sums), lambda pinned: candidate_groups(
-        kernels, [[specs[spec_of[p.name]].target for p in k.params] for k in kernels], pinned), _predicted_peak) \
+        kernels, [[specs[spec_of[p.name]].target for p in k.param_inputs()] for k in kernels], pinned), _predicted_peak) \
         if device_sums else frozenset()
     if on_host is None:   # a probe of the other variant before the placement is decided: its graph is dropped
         return graph
@@ -545,8 +547,13 @@ def offload_optimizer(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
     kernels = update_kernels_to_rewrite(graph, "offload_optimizer", "offload")
     if not kernels:
         return graph
+    if ctx.config.data_parallel is not None and graph.notes_of("zero", "clip"):
+        raise UnsupportedError(
+            "ZeRO data parallelism with offload= and clip_grad_norm_ is not supported yet (the host update "
+            "would have to apply the global norm's coefficient to this rank's chunks): drop clip_grad_norm_ "
+            "from the step, or offload=")
     g = graph.graph
-    names_of = [[specs[spec_of[p.name]].target for p in k.params] for k in kernels]
+    names_of = [[specs[spec_of[p.name]].target for p in k.param_inputs()] for k in kernels]
     bucket_params = {str(k.node.meta.get("bucket", b)): names for b, (k, names) in enumerate(zip(kernels, names_of))}
     sums_of = [drain_host_sums(k, names, host_sums) if host_sums.keys() & set(names) else []
                for k, names in zip(kernels, names_of)]
@@ -573,7 +580,7 @@ def offload_optimizer(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
     moved_bytes = 0
     waits_past_backward: dict[str, list[str]] = {}   # cause -> buckets whose update waits for it
     for b, k in enumerate(kernels):
-        names = [specs[spec_of[p.name]].target for p in k.params]
+        names = [specs[spec_of[p.name]].target for p in k.param_inputs()]
         masters, host_grads, staging = [], [], []
         for name, param, grad in zip(names, k.params, k.grads):
             pv, gv = param.meta["val"], grad.meta["val"]
