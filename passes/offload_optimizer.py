@@ -39,12 +39,12 @@ from torch import fx
 from graphoffload.aliasing import StorageMap
 from graphoffload.diagnostics import user_line_of_stack_trace
 from graphoffload.errors import UnsupportedError
-from graphoffload.graph import InputSpec, TrainGraph, fake_mode_of, fill_missing_meta, placeholder_name
+from graphoffload.graph import InputSpec, TrainGraph, fake_mode_of, fill_missing_meta, placeholder_name, tensor_vals
 from graphoffload.memory import analyze_memory, format_bytes
 from graphoffload.calibration import Calibration
 from graphoffload.passes.offload_activations import (ActivationPlan, largest_saved_bytes, place_on_schedule,
                                                      plan_activations)
-from graphoffload.passes.offload_cost_model import node_seconds
+from graphoffload.passes.offload_cost_model import collective_bytes, group_sizes, node_seconds
 from graphoffload.passes.offload_planner import SWEEPS, BucketCost, Prediction, StepCosts, plan, predict
 from graphoffload.passes.offload_plan_cache import load_plan, plan_key, plan_path, store_plan
 from graphoffload.ops.host_transfer import assign_streams
@@ -349,6 +349,7 @@ def _choose_paths(graph: TrainGraph, kernels: list[UpdateKernel], ctx: PassConte
         buckets.append(BucketCost(f"bucket {k.node.meta.get('bucket', b)}", numel, index[k.first_node] - 1,
                                   grad_bytes, param_bytes, state, final, index[_first_reader(k, index)]))
     seconds = node_seconds(graph.graph, cal, ctx.measured_node_seconds)
+    _note_collectives(graph, nodes, seconds, cal)
     for k in kernels:   # the update kernels themselves are what the plan replaces
         for node in (k.node, k.counter):
             if node is not None:
@@ -389,6 +390,28 @@ def _choose_paths(graph: TrainGraph, kernels: list[UpdateKernel], ctx: PassConte
                    bucket=bucket.name, path=chosen.assignment[b], start_s=start, end_s=end, moved_bytes=moved)
     graph.schedule = chosen
     return list(chosen.assignment), chosen.prefetch_node
+
+
+def _note_collectives(graph: TrainGraph, nodes: list[fx.Node], seconds: list[float], cal: Calibration) -> None:
+    """explain()'s record of what the plan charges for the step's collectives (ZeRO's bucket
+    collectives): their time on the compute stream (the bytes a rank sends, at the calibration's
+    link rate, or measured), and their buffers, which the liveness analysis counts in the peak
+    like any value of the graph (the packed input and the collective's output)."""
+    sizes = group_sizes(graph.graph)
+    found = [(i, nd, collective_bytes(nd, sizes)) for i, nd in enumerate(nodes)]
+    found = [(i, nd, sent) for i, nd, sent in found if sent is not None]
+    if not found:
+        return
+    buffers = [sum(t.numel() * t.element_size() for a in nd.all_input_nodes for t in tensor_vals(a))
+               + sum(t.numel() * t.element_size() for t in tensor_vals(nd)) for _, nd, _ in found]
+    sent, took = sum(s for *_, s in found), sum(seconds[i] for i, *_ in found)
+    measured = cal.collective_bytes_per_s is not None
+    graph.note("offload_optimizer", f"{len(found)} collectives: {format_bytes(sent)} sent by this rank, "
+               f"{took * 1e3:.3g} ms on the predicted timeline (at {cal.link_bytes_per_s / 1e9:.3g} GB/s, "
+               + ("the calibration's collective rate" if measured else "the device-to-host link's rate: no collective "
+                  "rate calibrated") + f"); their buffers, up to {format_bytes(max(buffers))} at once, count in the "
+               "predicted peak", "collectives", collectives=len(found), sent_bytes=sent, seconds=took,
+               link_bytes_per_s=cal.link_bytes_per_s, calibrated=measured, largest_buffer_bytes=max(buffers))
 
 
 def _plan_or_reuse(graph: TrainGraph, costs: StepCosts, cal: Calibration, budget: int | None,

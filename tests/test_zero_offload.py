@@ -231,3 +231,35 @@ def test_clipping_under_zero_offload_is_refused_and_nothing_is_left_behind(one_p
                                                             r"drop clip_grad_norm_"):
         step.compile(model, opt, {k: v[:2] for k, v in _batches(1)[0].items()})
     assert not opt.state
+
+
+def test_the_plan_charges_the_bucket_collectives_on_the_link_and_counts_their_buffers(one_process_group):
+    world = 4
+    slow, fast = (dataclasses.replace(FAST_DEVICE, collective_bytes_per_s=rate) for rate in (1e6, 1e12))
+    notes = {}
+    for name, cal in (("slow", slow), ("fast", fast), ("uncalibrated", FAST_DEVICE)):
+        graph = _compile_as(1, 2, Offload(calibration=cal), world=world)[1]
+        notes[name] = (graph.notes_of("offload_optimizer", "collectives")[0].fields,
+                       graph.notes_of("offload_optimizer", "plan")[0].fields, graph)
+    shards = notes["slow"][2].notes_of("zero", "shards")[0].fields
+    # a reduce-scatter of the padded buffer and an all-gather of this rank's part per bucket, fp64:
+    # a rank sends (N-1)/N of the one and N-1 times the other
+    part_bytes = shards["padded_numel"] // world * 8
+    assert notes["slow"][0]["collectives"] == 2 * shards["buckets"]
+    assert notes["slow"][0]["sent_bytes"] == pytest.approx(2 * (world - 1) * part_bytes, rel=1e-6)
+    assert notes["slow"][0]["seconds"] == pytest.approx(notes["slow"][0]["sent_bytes"] / 1e6)
+    assert notes["uncalibrated"][0]["link_bytes_per_s"] == FAST_DEVICE.d2h_bytes_per_s
+    assert not notes["uncalibrated"][0]["calibrated"] and notes["slow"][0]["calibrated"]
+    # the collectives are on the predicted timeline: a slower link lengthens the step by their time
+    longer = notes["slow"][1]["step_seconds"] - notes["fast"][1]["step_seconds"]
+    assert longer >= 0.99 * (notes["slow"][0]["seconds"] - notes["fast"][0]["seconds"]) > 0
+    # and their buffers in the predicted peak: the liveness holds an all-gather's packed chunks
+    # and its gathered output while it runs
+    graph = notes["fast"][2]
+    profile = graphoffload.memory.analyze_memory(graph)
+    nodes = list(graph.gm.graph.nodes)
+    for i, n in enumerate(nodes):
+        if n.target is c10d.all_gather_into_tensor.default:
+            out = n.meta["val"].numel() * n.meta["val"].element_size()
+            assert profile.live[i] - profile.live[i - 1] >= out
+            assert profile.live[i] >= profile.resident + out + n.args[0].meta["val"].numel() * 8
