@@ -93,21 +93,20 @@ def _trains_as_eager(rank, world, stage, offload, expect_mix=False):
     counts = [torch.zeros((), dtype=torch.int64) for _ in range(world)]
     dist.all_gather(counts, torch.tensor(held))
     assert sum(int(c) for c in counts) == total
-    rows = sum(p.numel() // p.shape[0] for p in model.parameters()) / sum(p.numel() for p in model.parameters())
-    assert abs(held / total - 1 / world) <= rows, (held, total)
-    # ... and the host memory it measured, against one process offloading the whole model
-    alone = graphoffload.offload_compile(gpt_step, offload=offload, config=graphoffload.CompileConfig(fuse_optimizer=FUSE))
-    whole = copy.deepcopy(eager)
-    whole_opt = _optimizer("adamw", whole)
-    alone(whole, whole_opt, mine)
-    # (the host scratch the gradients land in depends on which buckets take the CPU path, which
-    # differs between the plans: the state is compared alone, and everything when all are on the CPU)
-    full_host = alone.last.executor.host_state
-    full_bytes, rank_bytes = full_host.arena.allocated_bytes, host.arena.allocated_bytes
-    state_share = _state_bytes(host) / _state_bytes(full_host)
-    assert abs(state_share - 1 / world) <= rows, (state_share, rows)
+    one_row = sum(p.numel() // p.shape[0] for p in model.parameters()) / sum(p.numel() for p in model.parameters())
+    assert abs(held / total - 1 / world) <= one_row, (held, total)
+    # ... and the host memory it measured, against one process offloading the whole model (all
+    # on the CPU path: the host scratch the gradients land in depends on which buckets take it)
+    share = None
     if offload.device_updates == "never":
-        assert rank_bytes <= (1 / world + rows) * full_bytes, (rank_bytes, full_bytes)
+        alone = graphoffload.offload_compile(gpt_step, offload=offload,
+                                             config=graphoffload.CompileConfig(fuse_optimizer=FUSE))
+        whole = copy.deepcopy(eager)
+        alone(whole, _optimizer("adamw", whole), mine)
+        full_host = alone.last.executor.host_state
+        share = (round(_state_bytes(host) / _state_bytes(full_host), 3),
+                 round(host.arena.allocated_bytes / full_host.arena.allocated_bytes, 3))
+        assert abs(share[0] - 1 / world) <= one_row and share[1] <= 1 / world + one_row, share
 
     # the graph: each CPU-path bucket waits for its upload before the all-gather that reads it
     nodes = list(step.last.graph.graph.nodes)
@@ -119,9 +118,10 @@ def _trains_as_eager(rank, world, stage, offload, expect_mix=False):
     uploads = [i for i, n in enumerate(nodes) if n.target is ops.copy_to_device.default]
     waits = [i for i, n in enumerate(nodes) if n.target is ops.wait_device.default and n.args[0].target
              is ops.copy_to_device.default]
-    assert len(uploads) == len(waits) == plan[0].fields["buckets"] - device_buckets if plan else len(uploads)
-    assert max(uploads) < first_gather
-    return round(state_share, 3), round(rank_bytes / full_bytes, 3), device_buckets
+    cpu_buckets = plan[0].fields["buckets"] - device_buckets if plan else len(uploads)
+    assert len(uploads) == len(waits) == cpu_buckets > 0
+    assert max(uploads) < first_gather   # (the order of each wait and its all-gather: the single-process test)
+    return share, device_buckets
 
 
 def _world2(rank, world):
