@@ -21,9 +21,12 @@ values, cause not found yet; plain tensors do).
 This module holds the layout both the pass (which rewrites the graph to the chunks) and capture
 (which creates the state) use, so they cannot disagree.
 
-`accumulation_steps=k` works: gradients are reduced once per update (the `zero` pass). Not yet:
-stage 3, ZeRO with `offload=` or `sequence_parallel=`; each is refused with an
-`UnsupportedError` that says so.
+`accumulation_steps=k` works: gradients are reduced once per update (the `zero` pass). With
+`offload=` (ZeRO-Offload) each rank keeps its chunks' fp32 master weights and state in host memory,
+still `Shard(0)` DTensors in `optimizer.state` (`as_shard`; runtime/host_state.py). Not yet:
+stage 3, ZeRO with `sequence_parallel=`, and with `offload=` together with accumulation_steps,
+overlap_next_step, activations="auto" or clipping; each is refused with an `UnsupportedError`
+that says so.
 """
 
 from __future__ import annotations

@@ -22,6 +22,13 @@ host too, in fp32 (passes/host_accumulation.py): every bucket takes the CPU path
 call sends each gradient there as soon as it is final, and the updating call adds the sums on the
 host before the update. explain() notes where the sums live (`grad_sums`, and `grad_sum` per bucket).
 
+Under ZeRO (the `zero` pass ran first) the update kernels already read this rank's rows of each
+parameter (slice views), its gradient chunks and chunk-shaped state, so the same rewrite offloads
+the rank's chunks only: master weights and host scratch take the chunks' shapes, and the first
+read of a CPU-path bucket's rows after its update is the all-gather's pack, so its upload is
+waited for there (`wait_device`) before the parameters are gathered. The planner charges the
+collectives on the timeline (offload_cost_model.py) and notes them (`collectives`).
+
 The device then holds parameters, activations, gradients and prefetched state in flight only. The pass checks
 the predicted device peak against `Offload.gpu_memory_budget` and fails at compile time, with
 the minimum the step needs, when the budget cannot be met.
