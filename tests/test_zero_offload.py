@@ -262,3 +262,38 @@ def test_the_plan_charges_the_bucket_collectives_on_the_link_and_counts_their_bu
             out = n.meta["val"].numel() * n.meta["val"].element_size()
             assert profile.live[i] - profile.live[i - 1] >= out
             assert profile.live[i] >= profile.resident + out + n.args[0].meta["val"].numel() * 8
+
+
+# ---------------------------------------------------------------- a group of one process
+
+
+@pytest.mark.parametrize("stage, offload", [(2, Offload(device_updates="never")),
+                                            (1, Offload(device_updates=2, calibration=FAST_DEVICE))],
+                         ids=["stage2-cpu", "stage1-hybrid"])
+def test_one_rank_with_bf16_parameters_offloads_as_plain_offload_bit_for_bit(stage, offload, one_process_group):
+    """ZeRO over a group of one: the chunk is the whole parameter, so the step must do exactly what
+    offload alone does: bf16 parameters, fp32 master weights (narrowed through the staging buffers
+    on the CPU path, through the fp32 masters on the device path); also after a parameter is
+    changed outside the step (the rank's master weights mirror it again)."""
+    base = _gpt().to(torch.bfloat16)
+    models = [copy.deepcopy(base), copy.deepcopy(base)]
+    opts = [_optimizer("adamw", m) for m in models]
+    config = graphoffload.CompileConfig(fuse_optimizer=FUSE)
+    steps = [graphoffload.offload_compile(gpt_step, offload=offload, config=config,
+                                          data_parallel=graphoffload.ZeRO(stage=stage, bucket_numel=4096)),
+             graphoffload.offload_compile(gpt_step, offload=offload, config=config)]
+    for i, batch in enumerate(_batches(1)):
+        if i == 2:
+            for m in models:
+                with torch.no_grad():
+                    next(m.parameters()).mul_(0.5)
+        losses = [step(m, o, batch) for step, m, o in zip(steps, models, opts)]
+        assert torch.equal(*losses), (i, losses)
+        for p, q in zip(*(m.parameters() for m in models)):
+            assert torch.equal(p, q), i
+    plan = steps[0].last.graph.notes_of("offload_optimizer", "plan")
+    assert (plan[0].fields["device_buckets"] if plan else 0) == (0 if offload.device_updates == "never" else
+                                                                  plan[0].fields["buckets"] // 2)
+    for p, q in zip(*(m.parameters() for m in models)):
+        mine, alone = opts[0].state[p]["master_param"], opts[1].state[q]["master_param"]
+        assert isinstance(mine, DTensor) and torch.equal(mine.to_local(), alone)
