@@ -297,3 +297,4 @@ def test_one_rank_with_bf16_parameters_offloads_as_plain_offload_bit_for_bit(sta
     for p, q in zip(*(m.parameters() for m in models)):
         mine, alone = opts[0].state[p]["master_param"], opts[1].state[q]["master_param"]
         assert isinstance(mine, DTensor) and torch.equal(mine.to_local(), alone)
+
