@@ -298,3 +298,39 @@ def test_one_rank_with_bf16_parameters_offloads_as_plain_offload_bit_for_bit(sta
         mine, alone = opts[0].state[p]["master_param"], opts[1].state[q]["master_param"]
         assert isinstance(mine, DTensor) and torch.equal(mine.to_local(), alone)
 
+
+
+def test_a_dcp_checkpoint_of_fp32_zero_offload_resumes_bit_for_bit(one_process_group, tmp_path):
+    """The README's DCP recipe with offload=: fp32 parameters (their master weights equal them, so a
+    fresh step mirrors them at its first call), the moments loaded into the fresh step's DTensors."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
+                                                         set_model_state_dict, set_optimizer_state_dict)
+
+    def fresh():
+        model = _gpt().float()
+        opt = _optimizer("adamw", model)
+        return model, opt, graphoffload.offload_compile(
+            gpt_step, offload=Offload(device_updates="never"), config=graphoffload.CompileConfig(fuse_optimizer=FUSE),
+            data_parallel=graphoffload.ZeRO(stage=2, bucket_numel=4096))
+
+    model, opt, step = fresh()
+    batches = _batches(1)
+    for batch in batches[:2]:
+        step(model, opt, batch)
+    dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)},
+             checkpoint_id=str(tmp_path / "ckpt"))
+    went_on = step(model, opt, batches[2])
+
+    model2, opt2, step2 = fresh()
+    step2.compile(model2, opt2, batches[2])
+    state = {"model": get_model_state_dict(model2), "optim": get_optimizer_state_dict(model2, opt2)}
+    dcp.load(state, checkpoint_id=str(tmp_path / "ckpt"))
+    set_model_state_dict(model2, state["model"])
+    set_optimizer_state_dict(model2, opt2, state["optim"])
+    assert torch.equal(step2(model2, opt2, batches[2]), went_on)
+    for p, q in zip(model.parameters(), model2.parameters()):
+        assert torch.equal(p, q)
+        for key, t in opt.state[p].items():
+            u = opt2.state[q][key]
+            assert type(u) is type(t) and torch.equal(*(x.to_local() if isinstance(x, DTensor) else x for x in (t, u)))
