@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 from ring_dist import run_ranks
-from steps import clipped_step
+from steps import clipped_step, zero_first_step
 from steps import train_step as gpt_step
 from test_offload_planner import BALANCED
 from test_zero import AsRank, _batches, _gpt, _optimizer
@@ -267,10 +267,13 @@ def test_the_plan_charges_the_bucket_collectives_on_the_link_and_counts_their_bu
 # ---------------------------------------------------------------- a group of one process
 
 
-@pytest.mark.parametrize("stage, offload", [(2, Offload(device_updates="never")),
-                                            (1, Offload(device_updates=2, calibration=FAST_DEVICE))],
-                         ids=["stage2-cpu", "stage1-hybrid"])
-def test_one_rank_with_bf16_parameters_offloads_as_plain_offload_bit_for_bit(stage, offload, one_process_group):
+@pytest.mark.parametrize("stage, offload, step_fn", [
+    (2, Offload(device_updates="never"), gpt_step),
+    (1, Offload(device_updates=2, calibration=FAST_DEVICE), gpt_step),
+    (1, Offload(device_updates="never"), zero_first_step),   # .grad left set: the averages
+], ids=["stage2-cpu", "stage1-hybrid", "stage1-grad-left-set"])
+def test_one_rank_with_bf16_parameters_offloads_as_plain_offload_bit_for_bit(stage, offload, step_fn,
+                                                                            one_process_group):
     """ZeRO over a group of one: the chunk is the whole parameter, so the step must do exactly what
     offload alone does: bf16 parameters, fp32 master weights (narrowed through the staging buffers
     on the CPU path, through the fp32 masters on the device path); also after a parameter is
@@ -279,9 +282,9 @@ def test_one_rank_with_bf16_parameters_offloads_as_plain_offload_bit_for_bit(sta
     models = [copy.deepcopy(base), copy.deepcopy(base)]
     opts = [_optimizer("adamw", m) for m in models]
     config = graphoffload.CompileConfig(fuse_optimizer=FUSE)
-    steps = [graphoffload.offload_compile(gpt_step, offload=offload, config=config,
+    steps = [graphoffload.offload_compile(step_fn, offload=offload, config=config,
                                           data_parallel=graphoffload.ZeRO(stage=stage, bucket_numel=4096)),
-             graphoffload.offload_compile(gpt_step, offload=offload, config=config)]
+             graphoffload.offload_compile(step_fn, offload=offload, config=config)]
     for i, batch in enumerate(_batches(1)):
         if i == 2:
             for m in models:
@@ -291,6 +294,7 @@ def test_one_rank_with_bf16_parameters_offloads_as_plain_offload_bit_for_bit(sta
         assert torch.equal(*losses), (i, losses)
         for p, q in zip(*(m.parameters() for m in models)):
             assert torch.equal(p, q), i
+            assert (p.grad is None) == (q.grad is None) and (p.grad is None or torch.equal(p.grad, q.grad))
     plan = steps[0].last.graph.notes_of("offload_optimizer", "plan")
     assert (plan[0].fields["device_buckets"] if plan else 0) == (0 if offload.device_updates == "never" else
                                                                   plan[0].fields["buckets"] // 2)
