@@ -25,8 +25,7 @@ This module holds the layout both the pass (which rewrites the graph to the chun
 `offload=` (ZeRO-Offload) each rank keeps its chunks' fp32 master weights and state in host memory,
 still `Shard(0)` DTensors in `optimizer.state` (`as_shard`; runtime/host_state.py). Not yet:
 stage 3, ZeRO with `sequence_parallel=`, and with `offload=` together with accumulation_steps,
-overlap_next_step, activations="auto" or clipping; each is refused with an `UnsupportedError`
-that says so.
+overlap_next_step or activations="auto"; each is refused with an `UnsupportedError` that says so.
 """
 
 from __future__ import annotations

@@ -26,7 +26,10 @@ Under ZeRO (the `zero` pass ran first) the update kernels already read this rank
 parameter (slice views), its gradient chunks and chunk-shaped state, so the same rewrite offloads
 the rank's chunks only: master weights and host scratch take the chunks' shapes, and the first
 read of a CPU-path bucket's rows after its update is the all-gather's pack, so its upload is
-waited for there (`wait_device`) before the parameters are gathered. The planner charges the
+waited for there (`wait_device`) before the parameters are gathered. With clip_grad_norm_ the
+`zero` pass has already made the norm global (one all-reduce) and the scaling act on the chunks:
+each chunk goes to the host when final and the host applies the coefficient, as without ZeRO.
+The planner charges the
 collectives on the timeline (offload_cost_model.py) and notes them (`collectives`).
 
 The device then holds parameters, activations, gradients and prefetched state in flight only. The pass checks
@@ -577,11 +580,6 @@ def offload_optimizer(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
     kernels = update_kernels_to_rewrite(graph, "offload_optimizer", "offload")
     if not kernels:
         return graph
-    if ctx.config.data_parallel is not None and graph.notes_of("zero", "clip"):
-        raise UnsupportedError(
-            "ZeRO data parallelism with offload= and clip_grad_norm_ is not supported yet (the host update "
-            "would have to apply the global norm's coefficient to this rank's chunks): drop clip_grad_norm_ "
-            "from the step, or offload=")
     g = graph.graph
     names_of = [[specs[spec_of[p.name]].target for p in k.param_inputs()] for k in kernels]
     bucket_params = {str(k.node.meta.get("bucket", b)): names for b, (k, names) in enumerate(zip(kernels, names_of))}

@@ -38,8 +38,8 @@ FUSE = graphoffload.FuseOptimizer(bucket_numel=2048)
 FAST_DEVICE = dataclasses.replace(BALANCED, cpu_update_params_per_s=1e6, cpu_update_params_per_s_under_copy=5e5)
 
 
-def _step(stage: int, offload: Offload) -> graphoffload.CompiledStep:
-    return graphoffload.offload_compile(gpt_step, offload=offload, config=graphoffload.CompileConfig(fuse_optimizer=FUSE),
+def _step(stage: int, offload: Offload, step_fn=gpt_step) -> graphoffload.CompiledStep:
+    return graphoffload.offload_compile(step_fn, offload=offload, config=graphoffload.CompileConfig(fuse_optimizer=FUSE),
                                         data_parallel=graphoffload.ZeRO(stage=stage, bucket_numel=4096, timeout_s=60))
 
 
@@ -55,15 +55,15 @@ def _state_bytes(host) -> int:
     return host.arena.allocated_bytes - sum(aligned_bytes(t.shape, t.dtype) for t in host.scratch.values())
 
 
-def _trains_as_eager(rank, world, stage, offload, expect_mix=False):
+def _trains_as_eager(rank, world, stage, offload, expect_mix=False, step_fn=gpt_step):
     eager = _gpt()
     model = copy.deepcopy(eager)
     opt_e, opt = _optimizer("adamw", eager), _optimizer("adamw", model)
-    step = _step(stage, offload)
+    step = _step(stage, offload, step_fn)
     for i, batch in enumerate(_batches(world)):
         rows = batch["input_ids"].shape[0] // world
         mine = {k: v[rank * rows:(rank + 1) * rows] for k, v in batch.items()}
-        gpt_step(eager, opt_e, batch)   # the whole batch: the mean of the micro-batches' losses
+        step_fn(eager, opt_e, batch)   # the whole batch: the mean of the micro-batches' losses
         step(model, opt, mine)
         for (name, p), q in zip(model.named_parameters(), eager.parameters()):
             err = ((p - q).abs().max() / q.abs().max()).item()
@@ -108,6 +108,11 @@ def _trains_as_eager(rank, world, stage, offload, expect_mix=False):
                  round(host.arena.allocated_bytes / full_host.arena.allocated_bytes, 3))
         assert abs(share[0] - 1 / world) <= one_row and share[1] <= 1 / world + one_row, share
 
+    if step_fn is _clip_step:   # the zero pass's global norm, the coefficient applied on the host
+        graph = step.last.graph
+        assert graph.notes_of("zero", "clip")
+        assert any("clip_grad_norm_" in n.fields["cause"] for n in graph.notes_of("offload_optimizer",
+                                                                                 "waits_past_backward"))
     # the graph: each CPU-path bucket waits for its upload before the all-gather that reads it
     nodes = list(step.last.graph.graph.nodes)
     plan = step.last.graph.notes_of("offload_optimizer", "plan")
@@ -129,7 +134,13 @@ def _world2(rank, world):
     results = [_trains_as_eager(rank, world, stage, Offload(device_updates="never")) for stage in (1, 2)]
     results.append(_trains_as_eager(rank, world, 2, Offload(calibration=FAST_DEVICE, gpu_memory_budget=budget),
                                     expect_mix=True))
+    # clip_grad_norm_ (every update clips): the global norm from the ranks' chunks, applied on the host
+    results.append(_trains_as_eager(rank, world, 1, Offload(device_updates="never"), step_fn=_clip_step))
     print(f"rank {rank}: (state bytes, host bytes) / one process's, device buckets: {results}")
+
+
+def _clip_step(model, optimizer, batch):
+    return clipped_step(model, optimizer, batch, max_norm=0.05)   # below the tiny GPT's norms: every update clips
 
 
 def _mixed_budget(rank, world) -> int:
@@ -219,17 +230,6 @@ def test_what_zero_offload_does_not_do_yet_is_refused_before_tracing(extra, name
     with pytest.raises(graphoffload.UnsupportedError, match=f"ZeRO data parallelism with offload= and {named} is "
                                                             "not supported yet.*drop"):
         graphoffload.offload_compile(gpt_step, data_parallel=graphoffload.ZeRO(stage=2), **kwargs)
-
-
-def test_clipping_under_zero_offload_is_refused_and_nothing_is_left_behind(one_process_group):
-    model = _gpt()
-    opt = _optimizer("adamw", model)
-    step = graphoffload.offload_compile(clipped_step, offload=Offload(device_updates="never"),
-                                        data_parallel=AsRank(stage=2, bucket_numel=4096))
-    with pytest.raises(graphoffload.UnsupportedError, match=r"offload= and clip_grad_norm_ is not supported yet.*"
-                                                            r"drop clip_grad_norm_"):
-        step.compile(model, opt, {k: v[:2] for k, v in _batches(1)[0].items()})
-    assert not opt.state
 
 
 def test_the_plan_charges_the_bucket_collectives_on_the_link_and_counts_their_buffers(one_process_group):
@@ -338,3 +338,17 @@ def test_a_dcp_checkpoint_of_fp32_zero_offload_resumes_bit_for_bit(one_process_g
         for key, t in opt.state[p].items():
             u = opt2.state[q][key]
             assert type(u) is type(t) and torch.equal(*(x.to_local() if isinstance(x, DTensor) else x for x in (t, u)))
+
+
+def test_one_rank_clips_on_a_mix_of_paths_as_eager(one_process_group):
+    """clip_grad_norm_ with device-path buckets too (they scale on the device, the CPU path's on the host)."""
+    eager = _gpt()
+    model = copy.deepcopy(eager)
+    opt_e, opt = _optimizer("adamw", eager), _optimizer("adamw", model)
+    step = _step(2, Offload(device_updates=2, calibration=FAST_DEVICE), _clip_step)
+    for batch in _batches(1):
+        _clip_step(eager, opt_e, batch)
+        step(model, opt, batch)
+        worst = max(((p - q).abs().max() / q.abs().max()).item() for p, q in zip(model.parameters(), eager.parameters()))
+        assert worst <= RTOL, worst   # (fp32 master weights of an fp64 model)
+    assert 0 < step.last.graph.notes_of("offload_optimizer", "plan")[0].fields["device_buckets"]
