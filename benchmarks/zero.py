@@ -1,5 +1,6 @@
-"""ZeRO benchmark: per-rank memory and step time of graphoffload's ZeRO stages 1 and 2 against
-torch's DistributedDataParallel and FSDP2 (`fully_shard`), for N = 1, 2, 4 ranks.
+"""ZeRO benchmark: per-rank memory and step time of graphoffload's ZeRO stages 1 and 2 (also with
+`offload=`, ZeRO-Offload: modes ``zero1_offload``, ``zero2_offload``) against torch's
+DistributedDataParallel and FSDP2 (`fully_shard`), for N = 1, 2, 4 ranks.
 
 Every (N, mode) pair runs in N freshly spawned processes (gloo on the CPU; NCCL with one GPU a
 rank under ``--device cuda``), so each process's peak memory is that mode's alone. Each rank
@@ -9,7 +10,8 @@ global batch is N x --batch) with AdamW; step times are rank 0's, between barrie
 
 Columns: ``state_MiB`` the optimizer state one rank holds, measured from ``optimizer.state``
 (its local shards for FSDP2), the largest over the ranks; ``state_share`` that over the whole
-model's state (1/N is ideal); ``peak_MiB`` the peak memory of a rank above what it held before
+model's state (1/N is ideal; with offload the state includes the fp32 master weights, in host
+memory, and so does the whole it is compared with; ``state_on``: the devices its tensors are on); ``peak_MiB`` the peak memory of a rank above what it held before
 the model was built, during the timed steps (after warm-up, so a compile's transient memory is
 not counted, what the compiled step keeps is), the largest over the ranks (CPU: the process's
 peak resident set, VmHWM, which includes allocator slack and, for graphoffload, the modules its
@@ -43,8 +45,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import autocast_train_step, build_gpt, device_name, median, print_table, write_json  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-MODES = ("zero1", "zero2", "ddp", "fsdp2")
-COLUMNS = ["world", "mode", "step_ms", "state_MiB", "state_share", "peak_MiB", "step_peak_MiB", "status"]
+MODES = ("zero1", "zero2", "zero1_offload", "zero2_offload", "ddp", "fsdp2")
+COLUMNS = ["world", "mode", "step_ms", "state_MiB", "state_share", "state_on", "peak_MiB", "step_peak_MiB", "status"]
 
 
 def _memory_bytes(device: torch.device) -> int:
@@ -86,10 +88,11 @@ def _prepare(mode: str, model: torch.nn.Module, world: int, device: torch.device
 
     def make_opt(params):
         return torch.optim.AdamW(params, lr=1e-4, weight_decay=0.1, fused=True)
-    if mode in ("zero1", "zero2"):
+    if mode.startswith("zero"):
         opt = make_opt(model.parameters())
-        step = graphoffload.offload_compile(autocast_train_step,
-                                            data_parallel=graphoffload.ZeRO(stage=int(mode[-1])))
+        offload = graphoffload.Offload() if mode.endswith("_offload") else None
+        step = graphoffload.offload_compile(autocast_train_step, offload=offload,
+                                            data_parallel=graphoffload.ZeRO(stage=int(mode[4])))
         return lambda batch: step(model, opt, batch), opt
     if mode == "ddp":
         from torch.nn.parallel import DistributedDataParallel
@@ -141,6 +144,8 @@ def _measure(rank: int, world: int, mode: str, args: argparse.Namespace, device:
     before = _memory_bytes(device)
     model, cfg = build_gpt(args, device)
     full_state = 2 * sum(p.numel() * p.element_size() for p in model.parameters())   # AdamW: exp_avg, exp_avg_sq
+    if mode.endswith("_offload"):   # and the fp32 master weights
+        full_state += sum(p.numel() * 4 for p in model.parameters())
     run, opt = _prepare(mode, model, world, device)
     g = torch.Generator().manual_seed(1 + rank)   # each rank its own micro-batch
     batch = torch.randint(0, cfg.vocab_size, (args.batch, cfg.seq_len), generator=g).to(device)
@@ -157,7 +162,11 @@ def _measure(rank: int, world: int, mode: str, args: argparse.Namespace, device:
         dist.barrier()
         if i >= args.warmup:
             times.append(time.perf_counter() - start)
+    locals_ = [t.to_local() if hasattr(t, "to_local") else t for st in opt.state.values() for t in st.values()
+               if isinstance(t, torch.Tensor) and t.dim()]
+    where = sorted({t.device.type for t in locals_})   # offloaded: "cpu" under --device cuda too
     return {"status": "ok", "step_ms": median(times) * 1e3, "state": _state_bytes(opt), "full_state": full_state,
+            "state_on": "+".join(where),
             "peak": _peak_bytes(device) - before, "step_peak": _peak_bytes(device) - held}
 
 
@@ -184,6 +193,7 @@ def run_mode(world: int, mode: str, args: argparse.Namespace) -> dict:
         return row
     state = max(r["state"] for r in every)
     row.update(step_ms=every[0]["step_ms"], state_MiB=state / 2**20, state_share=state / every[0]["full_state"],
+               state_on=every[0]["state_on"],
                state_MiB_each=[r["state"] / 2**20 for r in every],
                peak_MiB=max(r["peak"] for r in every) / 2**20,
                step_peak_MiB=max(r["step_peak"] for r in every) / 2**20, status="ok")

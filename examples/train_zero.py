@@ -3,12 +3,14 @@ state (and with stage 2 the gradients) sharded over the ranks.
 
     torchrun --nproc-per-node 2 examples/train_zero.py                        # CPU (gloo)
     torchrun --nproc-per-node 4 examples/train_zero.py --device cuda --stage 1 # one GPU per rank (NCCL)
+    torchrun --nproc-per-node 2 examples/train_zero.py --offload              # ZeRO-Offload
 
 The model code is the plain GPT of examples/gpt.py and the step an ordinary train step; the
 `zero` pass averages the gradients over the ranks, has each rank update only its dim-0 chunk of
 every parameter (keeping optimizer state for that chunk alone, as Shard(0) DTensors) and
-all-gathers the updated chunks, so every rank ends each step with the same model. Each rank prints the share of the optimizer state it
-holds at the end.
+all-gathers the updated chunks, so every rank ends each step with the same model. With
+--offload each rank keeps its chunks' fp32 master weights and optimizer state in host memory
+(ZeRO-Offload). Each rank prints the share of the optimizer state it holds at the end.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ def main() -> None:
     ap.add_argument("--d-model", type=int, default=128)
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--offload", action="store_true", help="master weights and state in host memory")
     args = ap.parse_args()
 
     rank, world, device = join_job(args.device)
@@ -55,7 +58,8 @@ def main() -> None:
                     d_model=args.d_model)
     model = GPT(cfg).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)
-    step = graphoffload.offload_compile(train_step, data_parallel=graphoffload.ZeRO(stage=args.stage))
+    step = graphoffload.offload_compile(train_step, data_parallel=graphoffload.ZeRO(stage=args.stage),
+                                        offload=graphoffload.Offload() if args.offload else None)
 
     data = torch.Generator().manual_seed(1 + rank)   # each rank its own micro-batches
     for i in range(args.steps):
@@ -66,8 +70,11 @@ def main() -> None:
             torch.cuda.synchronize()
         if rank == 0:
             print(f"step {i}: loss {loss.item():.4f} (rank 0's micro-batch)  "
-                  f"{1e3 * (time.perf_counter() - start):.1f} ms, {world} ranks, ZeRO stage {args.stage}")
-    full = 2 * sum(p.numel() * p.element_size() for p in model.parameters()) + 4 * len(list(model.parameters()))
+                  f"{1e3 * (time.perf_counter() - start):.1f} ms, {world} ranks, ZeRO stage {args.stage}"
+                  + (" + offload" if args.offload else ""))
+    # AdamW's moments and step counters (and with --offload the fp32 master weights)
+    full = (2 * sum(p.numel() * p.element_size() for p in model.parameters()) + 4 * len(list(model.parameters()))
+            + (4 * sum(p.numel() for p in model.parameters()) if args.offload else 0))
     print(f"rank {rank}: optimizer state {state_bytes(optimizer):,} bytes of {full:,} "
           f"({state_bytes(optimizer) / full:.2f}), {len(optimizer.state)} parameters")
     dist.barrier()

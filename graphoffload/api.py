@@ -228,7 +228,7 @@ class CompiledStep:
         try:
             graph, stages = self.pass_manager.run(capture.graph, ctx)
             if self.config.data_parallel is not None:   # state for this rank's chunks only
-                capture.create_deferred_state(graph, self.config.data_parallel)
+                capture.create_deferred_state(graph, self.config.data_parallel, self.config.offload is not None)
         except BaseException:
             capture.discard_created_state()
             raise
@@ -238,7 +238,7 @@ class CompiledStep:
         owner = (tuple(id(p) for p in bindings.params.values()), tuple(id(o) for o in bindings.optimizers))
         executor = Executor(graph, capture, self.config.offload, host_state=self._host_states.get(owner),
                             sanitize=self.config.sanitize, runtime_for=self._runtimes.get,
-                            collective_failed=self._collective_failed())
+                            collective_failed=self._collective_failed(), data_parallel=self.config.data_parallel)
         if executor.host_state is not None:
             self._host_states.setdefault(owner, executor.host_state)
         return CompiledVariant(capture, graph, stages, executor, dict(ctx.timings))
@@ -414,7 +414,7 @@ class CompiledStep:
                    f"{old.graph.schedule.step_seconds * 1e3:.3g} ms a step, {measured * 1e3:.3g} ms were measured")
         executor = Executor(graph, old.capture, self.config.offload, host_state=old.executor.host_state,
                             sanitize=self.config.sanitize, runtime_for=self._runtimes.get,
-                            collective_failed=self._collective_failed())
+                            collective_failed=self._collective_failed(), data_parallel=self.config.data_parallel)
         new = CompiledVariant(old.capture, graph, stages, executor, dict(ctx.timings), replans=old.replans + 1)
         self._variants[key] = new    # `last` stays the variant that ran until the next call
 

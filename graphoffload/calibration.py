@@ -47,6 +47,15 @@ class Calibration:
     device_bytes_per_s: float
     device: str = "cpu"
     cpu_update_threads: int | None = None   # the intra-op threads the CPU update was measured with
+    # what one rank sends per second in a collective (ZeRO's, ring attention's); None: not
+    # measured (`measure` needs no process group), and the planner charges collectives at the
+    # device-to-host link's rate (`link_bytes_per_s`)
+    collective_bytes_per_s: float | None = None
+
+    @property
+    def link_bytes_per_s(self) -> float:
+        """The rate the planner charges a collective's bytes at."""
+        return self.collective_bytes_per_s or self.d2h_bytes_per_s
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)

@@ -695,13 +695,16 @@ class Capture:
         left behind, it would make the next step skip SGD's first-step momentum initialisation."""
         _discard_state(self.created_state)
 
-    def create_deferred_state(self, graph: TrainGraph, zero: ZeRO) -> None:
+    def create_deferred_state(self, graph: TrainGraph, zero: ZeRO, offloaded: bool = False) -> None:
         """Create the optimizer state the final `graph` reads, which capture deferred (ZeRO:
         `config.data_parallel`), as DTensors holding this rank's dim-0 chunk of each parameter
         (`data_parallel.shard_state`), so a rank never allocates state for the others' chunks;
         full state it holds already (from a full state_dict loaded before) is narrowed to its
-        chunk. Recorded as created, like capture's own."""
+        chunk. `offloaded` (offload=): new state is made in host memory, as capture makes
+        offloaded state. Recorded as created, like capture's own."""
         bindings = self.bindings
+        where = optimizer_lowering.StatePlacement(torch.device("cpu"), False) \
+            if offloaded and bindings.device.type != "meta" else None
         read = {s.target[0] for s in graph.signature.inputs if s.kind == "state"}
         world, rank = zero.world_size, zero.rank
         mesh = zero.device_mesh(bindings.device.type) if read else None
@@ -710,7 +713,7 @@ class Capture:
             params = [p for g in opt.param_groups for p in g["params"]]
             mine = [p for p in params if bindings.param_names[id(p)] in read]
             fresh = [p for p in mine if not opt.state.get(p)]
-            optimizer_lowering.prepare_state(opt, only=mine, like=lambda p: local_chunk(p.detach(), world, rank))
+            optimizer_lowering.prepare_state(opt, where, only=mine, like=lambda p: local_chunk(p.detach(), world, rank))
             for p in mine:
                 shard_state(opt.state[p], p, bindings.param_names[id(p)], mesh, world, rank)
             self.created_state.append((opt, fresh))

@@ -21,9 +21,11 @@ values, cause not found yet; plain tensors do).
 This module holds the layout both the pass (which rewrites the graph to the chunks) and capture
 (which creates the state) use, so they cannot disagree.
 
-`accumulation_steps=k` works: gradients are reduced once per update (the `zero` pass). Not yet:
-stage 3, ZeRO with `offload=` or `sequence_parallel=`; each is refused with an
-`UnsupportedError` that says so.
+`accumulation_steps=k` works: gradients are reduced once per update (the `zero` pass). With
+`offload=` (ZeRO-Offload) each rank keeps its chunks' fp32 master weights and state in host memory,
+still `Shard(0)` DTensors in `optimizer.state` (`as_shard`; runtime/host_state.py). Not yet:
+stage 3, ZeRO with `sequence_parallel=`, and with `offload=` together with accumulation_steps,
+overlap_next_step or activations="auto"; each is refused with an `UnsupportedError` that says so.
 """
 
 from __future__ import annotations
@@ -139,5 +141,13 @@ def shard_state(state: dict[str, Any], param: Tensor, name: str, mesh: Any, worl
                 f"optimizer state {key!r} of parameter {name} has shape {tuple(value.shape)}, neither the "
                 f"parameter's {tuple(param.shape)} nor this rank's chunk {tuple(chunk.shape)}; was a "
                 "state_dict of another model loaded? Load a matching one")
-        state[key] = DTensor.from_local(local, mesh, placement, run_check=False,
-                                        shape=param.shape, stride=param.stride())
+        state[key] = as_shard(local, param, mesh)
+
+
+def as_shard(local: Tensor, param: Tensor, mesh: Any) -> Any:
+    """`local`, this rank's chunk of a tensor shaped like `param`, as the `Shard(0)` DTensor over
+    `mesh` that `optimizer.state` holds (the local tensor itself is kept: writes to it land in the
+    DTensor; it may live in host memory, with offload=, whatever the mesh's device)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    return DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=param.shape, stride=param.stride())

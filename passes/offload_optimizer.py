@@ -22,6 +22,16 @@ host too, in fp32 (passes/host_accumulation.py): every bucket takes the CPU path
 call sends each gradient there as soon as it is final, and the updating call adds the sums on the
 host before the update. explain() notes where the sums live (`grad_sums`, and `grad_sum` per bucket).
 
+Under ZeRO (the `zero` pass ran first) the update kernels already read this rank's rows of each
+parameter (slice views), its gradient chunks and chunk-shaped state, so the same rewrite offloads
+the rank's chunks only: master weights and host scratch take the chunks' shapes, and the first
+read of a CPU-path bucket's rows after its update is the all-gather's pack, so its upload is
+waited for there (`wait_device`) before the parameters are gathered. With clip_grad_norm_ the
+`zero` pass has already made the norm global (one all-reduce) and the scaling act on the chunks:
+each chunk goes to the host when final and the host applies the coefficient, as without ZeRO.
+The planner charges the
+collectives on the timeline (offload_cost_model.py) and notes them (`collectives`).
+
 The device then holds parameters, activations, gradients and prefetched state in flight only. The pass checks
 the predicted device peak against `Offload.gpu_memory_budget` and fails at compile time, with
 the minimum the step needs, when the budget cannot be met.
@@ -39,12 +49,12 @@ from torch import fx
 from graphoffload.aliasing import StorageMap
 from graphoffload.diagnostics import user_line_of_stack_trace
 from graphoffload.errors import UnsupportedError
-from graphoffload.graph import InputSpec, TrainGraph, fake_mode_of, fill_missing_meta, placeholder_name
+from graphoffload.graph import InputSpec, TrainGraph, fake_mode_of, fill_missing_meta, placeholder_name, tensor_vals
 from graphoffload.memory import analyze_memory, format_bytes
 from graphoffload.calibration import Calibration
 from graphoffload.passes.offload_activations import (ActivationPlan, largest_saved_bytes, place_on_schedule,
                                                      plan_activations)
-from graphoffload.passes.offload_cost_model import node_seconds
+from graphoffload.passes.offload_cost_model import collective_bytes, group_sizes, node_seconds
 from graphoffload.passes.offload_planner import SWEEPS, BucketCost, Prediction, StepCosts, plan, predict
 from graphoffload.passes.offload_plan_cache import load_plan, plan_key, plan_path, store_plan
 from graphoffload.ops.host_transfer import assign_streams
@@ -317,8 +327,10 @@ def _first_read_after_update(k: UpdateKernel, storages: StorageMap) -> fx.Node |
 
 
 def _first_reader(k: UpdateKernel, position: dict[fx.Node, int]) -> fx.Node:
-    """The first node that reads any of the bucket's parameters (in forward)."""
-    return min((u for p in k.params for u in p.users if u in position), key=position.__getitem__)
+    """The first node that reads any of the bucket's parameters (in forward; not the views of
+    this rank's rows the `zero` pass makes for the update right after the inputs)."""
+    return min((u for p in k.param_inputs() for u in p.users if u in position and u.meta.get("phase") != "optimizer"),
+               key=position.__getitem__)
 
 
 def _choose_paths(graph: TrainGraph, kernels: list[UpdateKernel], ctx: PassContext, state_bytes_on_device: int,
@@ -353,6 +365,7 @@ def _choose_paths(graph: TrainGraph, kernels: list[UpdateKernel], ctx: PassConte
         buckets.append(BucketCost(f"bucket {k.node.meta.get('bucket', b)}", numel, index[k.first_node] - 1,
                                   grad_bytes, param_bytes, state, final, index[_first_reader(k, index)]))
     seconds = node_seconds(graph.graph, cal, ctx.measured_node_seconds)
+    _note_collectives(graph, nodes, seconds, cal)
     for k in kernels:   # the update kernels themselves are what the plan replaces
         for node in (k.node, k.counter):
             if node is not None:
@@ -393,6 +406,28 @@ def _choose_paths(graph: TrainGraph, kernels: list[UpdateKernel], ctx: PassConte
                    bucket=bucket.name, path=chosen.assignment[b], start_s=start, end_s=end, moved_bytes=moved)
     graph.schedule = chosen
     return list(chosen.assignment), chosen.prefetch_node
+
+
+def _note_collectives(graph: TrainGraph, nodes: list[fx.Node], seconds: list[float], cal: Calibration) -> None:
+    """explain()'s record of what the plan charges for the step's collectives (ZeRO's bucket
+    collectives): their time on the compute stream (the bytes a rank sends, at the calibration's
+    link rate, or measured), and their buffers, which the liveness analysis counts in the peak
+    like any value of the graph (the packed input and the collective's output)."""
+    sizes = group_sizes(graph.graph)
+    found = [(i, nd, collective_bytes(nd, sizes)) for i, nd in enumerate(nodes)]
+    found = [(i, nd, sent) for i, nd, sent in found if sent is not None]
+    if not found:
+        return
+    buffers = [sum(t.numel() * t.element_size() for a in nd.all_input_nodes for t in tensor_vals(a))
+               + sum(t.numel() * t.element_size() for t in tensor_vals(nd)) for _, nd, _ in found]
+    sent, took = sum(s for *_, s in found), sum(seconds[i] for i, *_ in found)
+    measured = cal.collective_bytes_per_s is not None
+    graph.note("offload_optimizer", f"{len(found)} collectives: {format_bytes(sent)} sent by this rank, "
+               f"{took * 1e3:.3g} ms on the predicted timeline (at {cal.link_bytes_per_s / 1e9:.3g} GB/s, "
+               + ("the calibration's collective rate" if measured else "the device-to-host link's rate: no collective "
+                  "rate calibrated") + f"); their buffers, up to {format_bytes(max(buffers))} at once, count in the "
+               "predicted peak", "collectives", collectives=len(found), sent_bytes=sent, seconds=took,
+               link_bytes_per_s=cal.link_bytes_per_s, calibrated=measured, largest_buffer_bytes=max(buffers))
 
 
 def _plan_or_reuse(graph: TrainGraph, costs: StepCosts, cal: Calibration, budget: int | None,
@@ -531,7 +566,7 @@ def offload_optimizer(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
     placeholders = graph.placeholders()
     device_sums = {s.target: placeholders[s.name] for s in specs if s.kind == "grad_sum"}
     on_host = place_sums(graph, ctx, bool(kernels), list(device_sums), lambda pinned: candidate_groups(
-        kernels, [[specs[spec_of[p.name]].target for p in k.params] for k in kernels], pinned), _predicted_peak) \
+        kernels, [[specs[spec_of[p.name]].target for p in k.param_inputs()] for k in kernels], pinned), _predicted_peak) \
         if device_sums else frozenset()
     if on_host is None:   # a probe of the other variant before the placement is decided: its graph is dropped
         return graph
@@ -552,7 +587,7 @@ def offload_optimizer(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
     if not kernels:
         return graph
     g = graph.graph
-    names_of = [[specs[spec_of[p.name]].target for p in k.params] for k in kernels]
+    names_of = [[specs[spec_of[p.name]].target for p in k.param_inputs()] for k in kernels]
     bucket_params = {str(k.node.meta.get("bucket", b)): names for b, (k, names) in enumerate(zip(kernels, names_of))}
     sums_of = [drain_host_sums(k, names, host_sums) if host_sums.keys() & set(names) else []
                for k, names in zip(kernels, names_of)]
@@ -579,7 +614,7 @@ def offload_optimizer(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
     moved_bytes = 0
     waits_past_backward: dict[str, list[str]] = {}   # cause -> buckets whose update waits for it
     for b, k in enumerate(kernels):
-        names = [specs[spec_of[p.name]].target for p in k.params]
+        names = [specs[spec_of[p.name]].target for p in k.param_inputs()]
         masters, host_grads, staging = [], [], []
         for name, param, grad in zip(names, k.params, k.grads):
             pv, gv = param.meta["val"], grad.meta["val"]

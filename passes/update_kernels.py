@@ -99,6 +99,17 @@ class UpdateKernel:
     def grads(self) -> list[fx.Node]:
         return list(self.node.args[1])
 
+    def param_inputs(self) -> list[fx.Node]:
+        """The parameter placeholders the kernel updates: `params` themselves, or, where the
+        `zero` pass gave the kernel this rank's rows of a parameter (a `slice` view), the
+        placeholder the view is of."""
+        out = []
+        for p in self.params:
+            while p.op != "placeholder" and p.target is aten.slice.Tensor:
+                p = p.args[0]
+            out.append(p)
+        return out
+
     def step_copies(self) -> list[fx.Node]:
         """Device copies of the step counters (when the counters live elsewhere)."""
         if self.rule.steps_position is None:

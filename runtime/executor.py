@@ -20,6 +20,7 @@ from torch.distributed.tensor import DTensor
 
 from graphoffload.calibration import host_update_threads
 from graphoffload.config import Offload
+from graphoffload.data_parallel import ZeRO
 from graphoffload.errors import GraphOffloadError, StateError, StepRunError, describe
 from graphoffload.graph import TENSOR_SLOT, TrainGraph
 from graphoffload.ops.host_transfer import param_of_grad_sum_key
@@ -38,7 +39,8 @@ class Executor:
     def __init__(self, graph: TrainGraph, capture: Capture, offload: Offload | None = None,
                  host_state: HostState | None = None, sanitize: bool = False,
                  runtime_for: Callable[[torch.device], OffloadRuntime] | None = None,
-                 collective_failed: Callable[[BaseException, str], Exception] | None = None):
+                 collective_failed: Callable[[BaseException, str], Exception] | None = None,
+                 data_parallel: ZeRO | None = None):
         self.graph = graph
         # a parallel step's: the error for a collective of the graph that failed (another rank
         # failed inside the step, or timed out), from the backend's error and the node
@@ -59,8 +61,10 @@ class Executor:
                 self.offload_runtime = OffloadRuntime(device, offload.cpu_workers,
                                                       host_update_threads(offload.cpu_threads), sanitizer)
             # a re-planned graph keeps the host state, whose master weights are authoritative
+            # (under ZeRO, of this rank's chunks)
             self.host_state = host_state or HostState(capture.bindings,
-                                                      pin_memory=offload.pin_memory and device.type == "cuda")
+                                                      pin_memory=offload.pin_memory and device.type == "cuda",
+                                                      zero=data_parallel)
         # uploads a run hands over to the next (Offload.overlap_next_step): key -> parameter names
         param_names = {s.name: s.target for s in graph.signature.inputs if s.kind == "param"}
         hand_overs = [n.args[2] for n in graph.graph.nodes if n.target is torch.ops.graphoffload.hand_over.default]

@@ -10,24 +10,50 @@ outside the compiled step (its version counter moved and it no longer equals the
 weights in its own dtype). Scratch buffers are allocated once. Every host tensor is a view into
 a `HostArena` (runtime/host_arena.py): before a run, the tensors it is about to place are
 reserved together, so they take one allocation of their exact size.
+
+Under ZeRO (`data_parallel=`) a rank offloads its own dim-0 chunk of every parameter: its state
+and master weights are chunk-sized host tensors, and `optimizer.state` holds them as the
+`Shard(0)` DTensors the step keeps without offload (their local tensors are the host tensors the
+graph reads and writes); the master weights mirror the rank's rows of the parameter.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 
+from graphoffload.data_parallel import ZeRO, as_shard, local_chunk
 from graphoffload.graph import InputSpec
 from graphoffload.runtime.host_arena import HostArena
 
 
 class HostState:
-    def __init__(self, bindings, pin_memory: bool):
+    def __init__(self, bindings, pin_memory: bool, zero: ZeRO | None = None):
         self.bindings = bindings
         self.pin = pin_memory
+        self.zero = zero              # ZeRO: state and master weights of this rank's chunks
+        self._mesh: Any = None
         self.scratch: dict[tuple[str, str], Tensor] = {}
         self.versions: dict[str, int] = {}
         self.arena = HostArena(pin_memory)
+
+    def _mirrored(self, param: Tensor) -> Tensor:
+        """What the master weights of `param` mirror: the parameter, or under ZeRO this rank's rows."""
+        p = param.detach()
+        return p if self.zero is None else local_chunk(p, self.zero.world_size, self.zero.rank)
+
+    def _as_state(self, placed: Tensor, param: Tensor, key: str) -> Tensor:
+        """What `optimizer.state` holds for a host tensor: itself, or under ZeRO this rank's
+        chunk as a `Shard(0)` DTensor (the step counter and a 0-dim parameter's state stay plain,
+        as `data_parallel.shard_state` keeps them)."""
+        if self.zero is None or key == "step" or param.dim() == 0:
+            return placed
+        if self._mesh is None:
+            self._mesh = self.zero.device_mesh(self.bindings.device.type)
+        return as_shard(placed, param, self._mesh)
 
     def _empty(self, like: Tensor) -> Tensor:
         return self.arena.empty(like.shape, like.dtype)
@@ -46,7 +72,7 @@ class HostState:
             else:
                 name, key = spec.target
                 param = self.bindings.params[name]
-                missing = not self._is_placed(self.bindings.optimizer_of(name).state[param].get(key), like)
+                missing = not self._is_placed(_local(self.bindings.optimizer_of(name).state[param].get(key)), like)
             if missing:
                 needed.append((like.shape, like.dtype))
         self.arena.reserve(needed)
@@ -62,21 +88,18 @@ class HostState:
         name, key = spec.target
         param = self.bindings.params[name]
         state = self.bindings.optimizer_of(name).state[param]
-        current = state.get(key)
-        if key == "master_param" and (current is None or (
-                name not in in_flight and self._changed_outside(name, param, current))):
-            current = None    # new, or the parameter changed outside the step: mirror it again
-            source = param.detach()
-        else:
-            source = current
-        existing = state.get(key)
+        existing = _local(state.get(key))   # a DTensor under ZeRO: the graph reads its local chunk
+        source = existing
+        if key == "master_param" and (existing is None or (
+                name not in in_flight and self._changed_outside(name, param, existing))):
+            source = self._mirrored(param)   # new, or the parameter changed outside the step: mirror it again
         if self._is_placed(existing, like):
             if source is not existing:   # master weights mirrored again: in place, no new allocation
                 existing.copy_(source)
             return existing
         placed = self._empty(like)
         placed.copy_(source)
-        state[key] = placed
+        state[key] = self._as_state(placed, param, key)
         return placed
 
     def _changed_outside(self, name: str, param: Tensor, master: Tensor) -> bool:
@@ -86,8 +109,9 @@ class HostState:
         together; mirroring the low-precision parameter then would drop the fp32 master bits."""
         if self.versions.get(name) == param._version:
             return False
-        return master.shape != param.shape or not torch.equal(
-            master.to(device=param.device, dtype=param.dtype), param.detach())
+        mirrored = self._mirrored(param)
+        return master.shape != mirrored.shape or not torch.equal(
+            master.to(device=param.device, dtype=param.dtype), mirrored)
 
     def record_versions(self, skip: set[str] = frozenset()) -> None:
         """Remember each offloaded parameter's version after the step's own upload (not yet for
@@ -95,3 +119,8 @@ class HostState:
         for name, param in self.bindings.params.items():
             if name not in skip:
                 self.versions[name] = param._version
+
+
+def _local(t: Tensor | None) -> Tensor | None:
+    """A ZeRO state DTensor's local chunk (a view of it: writes land in it); other tensors as they are."""
+    return t.to_local() if isinstance(t, DTensor) else t

@@ -47,3 +47,14 @@ def sanitizer_mode(request):
     else:
         monkeypatch.delenv("GRAPHOFFLOAD_SANITIZE", raising=False)
     return mode
+
+
+@pytest.fixture
+def one_process_group(tmp_path):
+    """A gloo group of this process alone (tests/test_zero.py's `AsRank` builds the state's
+    DeviceMesh from it, to compile one rank's ZeRO step in a single process)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()

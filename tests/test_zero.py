@@ -432,10 +432,9 @@ def test_stage_3_is_refused_as_not_supported_yet():
 
 
 @pytest.mark.parametrize("extra, named", [
-    ({"offload": graphoffload.Offload()}, "offload="),
     ({"sequence_parallel": graphoffload.SequenceParallel()}, "sequence_parallel="),
 ])
-def test_combinations_not_supported_yet_are_refused(extra, named):
+def test_combinations_not_supported_yet_are_refused(extra, named):   # offload=: tests/test_zero_offload.py
     with pytest.raises(graphoffload.UnsupportedError, match=f"ZeRO data parallelism with {named} is not supported yet"):
         graphoffload.offload_compile(gpt_step, data_parallel=graphoffload.ZeRO(stage=2), **extra)
     with pytest.raises(graphoffload.UnsupportedError, match="not supported yet"):
@@ -461,14 +460,6 @@ def test_shard_rows_split_dim_0_as_torch_chunk():
 
 
 # ---------------------------------------------------------------- single process: the rewrite of one rank
-
-
-@pytest.fixture
-def one_process_group(tmp_path):
-    """A gloo group of this process alone: `AsRank` builds the state's DeviceMesh from it."""
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,8 @@ rotary positions, RMSNorm, no biases) and GPT-2 (SGD with momentum; fused qkv wi
 learned positions, tied embeddings), 2 gloo ranks each on its own micro-batch, against eager
 single-process training on the whole batch with the mean loss (the ranks' micro-batches are
 equal and every label counts, so the whole batch's mean is the mean of theirs), 2 steps each.
-One spawn runs all four. Llama runs in fp64, as tests/test_zero.py's GPT does under AdamW; GPT-2
+With offload= too (ZeRO-Offload, every update on the CPU path): Llama stage 1 and GPT-2 stage 2.
+One spawn runs all six. Llama runs in fp64 (its master weights fp32 when offloaded), as tests/test_zero.py's GPT does under AdamW; GPT-2
 under SGD (linear in the gradient) matches in fp32."""
 
 from __future__ import annotations
@@ -42,12 +43,12 @@ def _batches(world: int) -> list[dict]:
     return out
 
 
-def _train_and_compare(rank, world, build, optimizer, stage, dtype):
+def _train_and_compare(rank, world, build, optimizer, stage, dtype, offload=None):
     eager = build().to(dtype)
     model = copy.deepcopy(eager)
     opt_e, opt = _optimizer(optimizer, eager), _optimizer(optimizer, model)
-    step = graphoffload.offload_compile(hf_step, data_parallel=graphoffload.ZeRO(stage=stage, bucket_numel=8192,
-                                                                                  timeout_s=60))
+    step = graphoffload.offload_compile(hf_step, offload=offload,
+                                        data_parallel=graphoffload.ZeRO(stage=stage, bucket_numel=8192, timeout_s=60))
     for i, batch in enumerate(_batches(world)):
         mine = {k: v[rank * ROWS:(rank + 1) * ROWS] for k, v in batch.items()}
         with torch.no_grad():   # this rank's own loss, from the parameters every rank holds
@@ -65,8 +66,11 @@ def _train_and_compare(rank, world, build, optimizer, stage, dtype):
             if key == "step" or p.dim() == 0:
                 continue
             assert isinstance(value, DTensor) and value.shape == p.shape, (key, type(value), value.shape)
+            assert offload is None or value.to_local().device.type == "cpu"   # (fp32 master weights too)
             local, full = local + value.to_local().numel(), full + value.numel()
     assert abs(local / full - 1 / world) < 0.05, (rank, local, full)
+    if offload is not None:
+        assert all("master_param" in opt.state[p] for p in model.parameters())
 
 
 def _both_models_both_stages(rank, world):
@@ -76,6 +80,9 @@ def _both_models_both_stages(rank, world):
     for build, optimizer, dtype in ((hf_llama, "adamw", torch.float64), (hf_gpt2, "sgd", torch.float32)):
         for stage in (1, 2):
             _train_and_compare(rank, world, build, optimizer, stage, dtype)
+    # ZeRO-Offload: each rank's chunks' fp32 master weights and state in host memory, on the CPU path
+    _train_and_compare(rank, world, hf_llama, "adamw", 1, torch.float64, graphoffload.Offload(device_updates="never"))
+    _train_and_compare(rank, world, hf_gpt2, "sgd", 2, torch.float32, graphoffload.Offload(device_updates="never"))
 
 
 @pytest.mark.slow   # two processes

@@ -1,0 +1,354 @@
+"""ZeRO with offload= (ZeRO-Offload), stages 1 and 2, against single-process eager training:
+each of 2 gloo ranks trains the tiny GPT (fp64, as tests/test_zero.py's) on its own micro-batch
+with its chunk's fp32 master weights and AdamW state in host memory, updated on the CPU path
+(device_updates="never"), or on a mix of CPU and device buckets that the planner chooses under
+a budget; after every step its parameters equal eager's on the whole batch. Each rank's host
+memory is measured against a single-process offloaded step of the same model (about 1/N of it),
+and `optimizer.state` holds `Shard(0)` DTensors whose local chunks are the host tensors. One
+rank's graph is also compiled in a single process (`AsRank`) for the order of its waits and
+collectives, and what the combination does not do yet is refused."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import operator
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Shard
+from ring_dist import run_ranks
+from steps import clipped_step, zero_first_step
+from steps import train_step as gpt_step
+from test_offload_planner import BALANCED
+from test_zero import AsRank, _batches, _gpt, _optimizer
+
+import graphoffload
+from graphoffload import Offload
+from graphoffload.data_parallel import shard_rows
+from graphoffload.runtime.host_arena import aligned_bytes
+
+RTOL = 2e-5
+c10d = torch.ops._c10d_functional
+ops = torch.ops.graphoffload
+FUSE = graphoffload.FuseOptimizer(bucket_numel=2048)
+# a calibration whose device update is much faster than the CPU's, so the planner puts every
+# bucket it may on the device: a budget below the all-device plan's peak forces a mix
+FAST_DEVICE = dataclasses.replace(BALANCED, cpu_update_params_per_s=1e6, cpu_update_params_per_s_under_copy=5e5)
+
+
+def _step(stage: int, offload: Offload, step_fn=gpt_step) -> graphoffload.CompiledStep:
+    return graphoffload.offload_compile(step_fn, offload=offload, config=graphoffload.CompileConfig(fuse_optimizer=FUSE),
+                                        data_parallel=graphoffload.ZeRO(stage=stage, bucket_numel=4096, timeout_s=60))
+
+
+def _host_numel(opt) -> int:
+    """Elements of the host state this rank holds (master weights and moments, a DTensor's local
+    chunk), step counters aside."""
+    return sum((t.to_local() if isinstance(t, DTensor) else t).numel()
+               for state in opt.state.values() for k, t in state.items() if k != "step")
+
+
+def _state_bytes(host) -> int:
+    """Bytes of a host state's arena that hold optimizer state and master weights (not scratch)."""
+    return host.arena.allocated_bytes - sum(aligned_bytes(t.shape, t.dtype) for t in host.scratch.values())
+
+
+def _trains_as_eager(rank, world, stage, offload, expect_mix=False, step_fn=gpt_step):
+    eager = _gpt()
+    model = copy.deepcopy(eager)
+    opt_e, opt = _optimizer("adamw", eager), _optimizer("adamw", model)
+    step = _step(stage, offload, step_fn)
+    for i, batch in enumerate(_batches(world)):
+        rows = batch["input_ids"].shape[0] // world
+        mine = {k: v[rank * rows:(rank + 1) * rows] for k, v in batch.items()}
+        step_fn(eager, opt_e, batch)   # the whole batch: the mean of the micro-batches' losses
+        step(model, opt, mine)
+        for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+            err = ((p - q).abs().max() / q.abs().max()).item()
+            assert err <= RTOL, f"stage {stage} {offload}: {name} is {err:.3g} from eager at step {i}"
+
+    # the state the user sees: Shard(0) DTensors over the group whose local chunks are the host
+    # tensors the step updates, the fp32 master weights among them; step counters plain
+    host = step.last.executor.host_state
+    for (name, p) in model.named_parameters():
+        state = opt.state[p]
+        assert set(state) == {"step", "exp_avg", "exp_avg_sq", "master_param"}, (name, set(state))
+        chunk = (shard_rows(p.shape[0], world, rank)[1], *p.shape[1:])
+        for key, t in state.items():
+            if key == "step":
+                assert type(t) is torch.Tensor and t.device.type == "cpu" and int(t) == len(_batches(world))
+                continue
+            assert isinstance(t, DTensor) and t.placements == (Shard(0),) and t.shape == p.shape, (name, key)
+            local = t.to_local()
+            assert local.shape == chunk and local.dtype == torch.float32 and host.arena.holds(local), (name, key)
+        # the master weights hold this rank's rows of the parameter (fp32 of the fp64 model's)
+        start, n = shard_rows(p.shape[0], world, rank)
+        master = state["master_param"].to_local()
+        assert torch.allclose(master.double(), p.detach()[start:start + n], rtol=1e-6, atol=1e-7), name
+
+    # per-rank host state: the chunks partition the whole (no element twice), about 1/N each
+    held, total = _host_numel(opt), 3 * sum(p.numel() for p in model.parameters())
+    counts = [torch.zeros((), dtype=torch.int64) for _ in range(world)]
+    dist.all_gather(counts, torch.tensor(held))
+    assert sum(int(c) for c in counts) == total
+    one_row = sum(p.numel() // p.shape[0] for p in model.parameters()) / sum(p.numel() for p in model.parameters())
+    assert abs(held / total - 1 / world) <= one_row, (held, total)
+    # ... and the host memory it measured, against one process offloading the whole model (all
+    # on the CPU path: the host scratch the gradients land in depends on which buckets take it)
+    share = None
+    if offload.device_updates == "never":
+        alone = graphoffload.offload_compile(gpt_step, offload=offload,
+                                             config=graphoffload.CompileConfig(fuse_optimizer=FUSE))
+        whole = copy.deepcopy(eager)
+        alone(whole, _optimizer("adamw", whole), mine)
+        full_host = alone.last.executor.host_state
+        share = (round(_state_bytes(host) / _state_bytes(full_host), 3),
+                 round(host.arena.allocated_bytes / full_host.arena.allocated_bytes, 3))
+        assert abs(share[0] - 1 / world) <= one_row and share[1] <= 1 / world + one_row, share
+
+    if step_fn is _clip_step:   # the zero pass's global norm, the coefficient applied on the host
+        graph = step.last.graph
+        assert graph.notes_of("zero", "clip")
+        assert any("clip_grad_norm_" in n.fields["cause"] for n in graph.notes_of("offload_optimizer",
+                                                                                 "waits_past_backward"))
+    # the graph: each CPU-path bucket waits for its upload before the all-gather that reads it
+    nodes = list(step.last.graph.graph.nodes)
+    plan = step.last.graph.notes_of("offload_optimizer", "plan")
+    device_buckets = plan[0].fields["device_buckets"] if plan else 0
+    if expect_mix:
+        assert 0 < device_buckets < plan[0].fields["buckets"], plan[0].fields
+    first_gather = min(i for i, n in enumerate(nodes) if n.target is c10d.all_gather_into_tensor.default)
+    uploads = [i for i, n in enumerate(nodes) if n.target is ops.copy_to_device.default]
+    waits = [i for i, n in enumerate(nodes) if n.target is ops.wait_device.default and n.args[0].target
+             is ops.copy_to_device.default]
+    cpu_buckets = plan[0].fields["buckets"] - device_buckets if plan else len(uploads)
+    assert len(uploads) == len(waits) == cpu_buckets > 0
+    assert max(uploads) < first_gather   # (the order of each wait and its all-gather: the single-process test)
+    return share, device_buckets
+
+
+def _world2(rank, world):
+    budget = _mixed_budget(rank, world)
+    results = [_trains_as_eager(rank, world, stage, Offload(device_updates="never")) for stage in (1, 2)]
+    results.append(_trains_as_eager(rank, world, 2, Offload(calibration=FAST_DEVICE, gpu_memory_budget=budget),
+                                    expect_mix=True))
+    # clip_grad_norm_ (every update clips): the global norm from the ranks' chunks, applied on the host
+    results.append(_trains_as_eager(rank, world, 1, Offload(device_updates="never"), step_fn=_clip_step))
+    print(f"rank {rank}: (state bytes, host bytes) / one process's, device buckets: {results}")
+
+
+def _clip_step(model, optimizer, batch):
+    return clipped_step(model, optimizer, batch, max_norm=0.05)   # below the tiny GPT's norms: every update clips
+
+
+def _mixed_budget(rank, world) -> int:
+    """A budget a little over the all-CPU plan's predicted peak, well under the all-device plan's:
+    the planner prefetches what it can late enough to fit, and keeps the rest on the CPU."""
+    peaks = []
+    for mode in ("never", "auto"):
+        model = _gpt()
+        step = _step(2, Offload(device_updates=mode, calibration=FAST_DEVICE))
+        graph = step.compile(model, _optimizer("adamw", model), {k: v[:2] for k, v in _batches(world)[0].items()})
+        peaks.append(graph.notes_of("offload_optimizer", "offloaded")[0].fields["device_peak_bytes"])
+    assert peaks[0] < peaks[1], peaks
+    return peaks[0] + (peaks[1] - peaks[0]) // 20
+
+
+@pytest.mark.slow   # several processes
+def test_zero_offload_stages_1_and_2_train_as_eager_world2():
+    run_ranks(_world2, 2, deadline_s=400)
+
+
+# ---------------------------------------------------------------- single process: one rank's graph
+
+
+def _compile_as(rank, stage, offload, step_fn=gpt_step, world=2):
+    model = _gpt()
+    opt = _optimizer("adamw", model)
+    step = graphoffload.offload_compile(step_fn, offload=offload, config=graphoffload.CompileConfig(fuse_optimizer=FUSE),
+                                        data_parallel=AsRank(stage=stage, bucket_numel=4096, as_rank=rank,
+                                                             as_world=world))
+    batch = {k: v[:2] for k, v in _batches(1)[0].items()}
+    return step, step.compile(model, opt, batch), model, opt, batch
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_each_cpu_bucket_reads_this_ranks_reduced_chunks_and_lands_before_the_all_gather(stage, one_process_group):
+    step, graph, model, opt, batch = _compile_as(1, stage, Offload(device_updates="never"), world=4)
+    nodes = list(graph.gm.graph.nodes)
+    at = {n: i for i, n in enumerate(nodes)}
+    reduced = c10d.all_reduce_coalesced.default if stage == 1 else c10d.reduce_scatter_tensor.default
+    waits_of_reduction = [at[n] for n in nodes if n.target is c10d.wait_tensor.default
+                          and n.args[0].target in (reduced, operator.getitem)]
+    chunk = {name: (shard_rows(p.shape[0], 4, 1)[1], *p.shape[1:]) for name, p in model.named_parameters()}
+    gathers = [n for n in nodes if n.target is c10d.all_gather_into_tensor.default]
+    spec = {s.name: s.target for s in graph.signature.inputs}
+    for n in nodes:
+        if n.target is ops.copy_to_host.default:   # the gradients: this rank's chunks, after their reduction
+            names = [spec[h.name][0] for h in n.args[1]]   # the host scratch each lands in
+            assert [tuple(g.meta["val"].shape) for g in n.args[0]] == [chunk[name] for name in names]
+            assert any(w < at[n] for w in waits_of_reduction)
+        if n.target is ops.copy_to_device.default:   # the update: this rank's rows, fp32 masters of the chunk
+            masters, params = n.args[1], n.args[3]
+            assert [tuple(m.meta["val"].shape) for m in masters] == [tuple(p.meta["val"].shape) for p in params]
+            assert all(p.target is torch.ops.aten.slice.Tensor for p in params)
+            wait = next(u for u in n.users if u.target is ops.wait_device.default)
+            # every all-gather that packs one of these rows comes after the upload is waited for
+            readers = [g for g in gathers if set(params) & _packed(g)]
+            assert readers and all(at[wait] < at[g] for g in readers), n.meta["param"]
+    # binding the inputs places this rank's chunk state in host memory, as DTensors
+    step.last.executor.inputs((model, opt, batch), {})
+    for name, p in model.named_parameters():
+        for key in ("exp_avg", "exp_avg_sq", "master_param"):
+            t = opt.state[p][key]
+            assert isinstance(t, DTensor) and t.to_local().shape == chunk[name] and t.to_local().device.type == "cpu"
+    shards = graph.notes_of("zero", "shards")[0].fields
+    assert _host_numel(opt) == shards["state_numel"] + shards["local_numel"]   # moments + master weights
+
+
+def _packed(gather) -> set:
+    """The chunk views an all-gather's flat buffer is packed from."""
+    seen, todo = set(), [gather.args[0]]
+    while todo:
+        n = todo.pop()
+        if n.target is torch.ops.aten.slice.Tensor and n.args[0].op == "placeholder":
+            seen.add(n)
+            continue
+        todo += [a for a in n.all_input_nodes if a.op != "placeholder"]
+    return seen
+
+
+@pytest.mark.parametrize("extra, named", [
+    ({"accumulation_steps": 2}, "accumulation_steps > 1"),
+    ({"offload": Offload(overlap_next_step=True)}, r"Offload\(overlap_next_step=True\)"),
+    ({"offload": Offload(gpu_memory_budget="1GiB", activations="auto")}, r"Offload\(activations='auto'\)"),
+])
+def test_what_zero_offload_does_not_do_yet_is_refused_before_tracing(extra, named):
+    kwargs = {"offload": Offload(), **extra}
+    with pytest.raises(graphoffload.UnsupportedError, match=f"ZeRO data parallelism with offload= and {named} is "
+                                                            "not supported yet.*drop"):
+        graphoffload.offload_compile(gpt_step, data_parallel=graphoffload.ZeRO(stage=2), **kwargs)
+
+
+def test_the_plan_charges_the_bucket_collectives_on_the_link_and_counts_their_buffers(one_process_group):
+    world = 4
+    slow, fast = (dataclasses.replace(FAST_DEVICE, collective_bytes_per_s=rate) for rate in (1e6, 1e12))
+    notes = {}
+    for name, cal in (("slow", slow), ("fast", fast)):
+        graph = _compile_as(1, 2, Offload(calibration=cal), world=world)[1]
+        notes[name] = (graph.notes_of("offload_optimizer", "collectives")[0].fields,
+                       graph.notes_of("offload_optimizer", "plan")[0].fields, graph)
+    shards = notes["slow"][2].notes_of("zero", "shards")[0].fields
+    # a reduce-scatter of the padded buffer and an all-gather of this rank's part per bucket, fp64:
+    # a rank sends (N-1)/N of the one and N-1 times the other
+    part_bytes = shards["padded_numel"] // world * 8
+    assert notes["slow"][0]["collectives"] == 2 * shards["buckets"]
+    assert notes["slow"][0]["sent_bytes"] == pytest.approx(2 * (world - 1) * part_bytes, rel=1e-6)
+    assert notes["slow"][0]["seconds"] == pytest.approx(notes["slow"][0]["sent_bytes"] / 1e6)
+    assert notes["slow"][0]["calibrated"] and notes["slow"][0]["link_bytes_per_s"] == 1e6
+    assert FAST_DEVICE.link_bytes_per_s == FAST_DEVICE.d2h_bytes_per_s   # no collective rate calibrated
+    # the collectives are on the predicted timeline: a slower link lengthens the step by their time
+    longer = notes["slow"][1]["step_seconds"] - notes["fast"][1]["step_seconds"]
+    assert longer >= 0.99 * (notes["slow"][0]["seconds"] - notes["fast"][0]["seconds"]) > 0
+    # and their buffers in the predicted peak: the liveness holds an all-gather's packed chunks
+    # and its gathered output while it runs
+    graph = notes["fast"][2]
+    profile = graphoffload.memory.analyze_memory(graph)
+    nodes = list(graph.gm.graph.nodes)
+    for i, n in enumerate(nodes):
+        if n.target is c10d.all_gather_into_tensor.default:
+            out = n.meta["val"].numel() * n.meta["val"].element_size()
+            assert profile.live[i] - profile.live[i - 1] >= out
+            assert profile.live[i] >= profile.resident + out + n.args[0].meta["val"].numel() * 8
+
+
+# ---------------------------------------------------------------- a group of one process
+
+
+@pytest.mark.parametrize("stage, offload, step_fn", [
+    (2, Offload(device_updates="never"), gpt_step),
+    (1, Offload(device_updates=2, calibration=FAST_DEVICE), gpt_step),
+    (1, Offload(device_updates="never"), zero_first_step),   # .grad left set: the averages
+], ids=["stage2-cpu", "stage1-hybrid", "stage1-grad-left-set"])
+def test_one_rank_with_bf16_parameters_offloads_as_plain_offload_bit_for_bit(stage, offload, step_fn,
+                                                                            one_process_group):
+    """ZeRO over a group of one: the chunk is the whole parameter, so the step must do exactly what
+    offload alone does: bf16 parameters, fp32 master weights (narrowed through the staging buffers
+    on the CPU path, through the fp32 masters on the device path); also after a parameter is
+    changed outside the step (the rank's master weights mirror it again)."""
+    base = _gpt().to(torch.bfloat16)
+    models = [copy.deepcopy(base), copy.deepcopy(base)]
+    opts = [_optimizer("adamw", m) for m in models]
+    config = graphoffload.CompileConfig(fuse_optimizer=FUSE)
+    steps = [graphoffload.offload_compile(step_fn, offload=offload, config=config,
+                                          data_parallel=graphoffload.ZeRO(stage=stage, bucket_numel=4096)),
+             graphoffload.offload_compile(step_fn, offload=offload, config=config)]
+    for i, batch in enumerate(_batches(1)):
+        if i == 2:
+            for m in models:
+                with torch.no_grad():
+                    next(m.parameters()).mul_(0.5)
+        losses = [step(m, o, batch) for step, m, o in zip(steps, models, opts)]
+        assert torch.equal(*losses), (i, losses)
+        for p, q in zip(*(m.parameters() for m in models)):
+            assert torch.equal(p, q), i
+            assert (p.grad is None) == (q.grad is None) and (p.grad is None or torch.equal(p.grad, q.grad))
+    plan = steps[0].last.graph.notes_of("offload_optimizer", "plan")
+    assert (plan[0].fields["device_buckets"] if plan else 0) == (0 if offload.device_updates == "never" else
+                                                                  plan[0].fields["buckets"] // 2)
+    for p, q in zip(*(m.parameters() for m in models)):
+        mine, alone = opts[0].state[p]["master_param"], opts[1].state[q]["master_param"]
+        assert isinstance(mine, DTensor) and torch.equal(mine.to_local(), alone)
+
+
+
+def test_a_dcp_checkpoint_of_fp32_zero_offload_resumes_bit_for_bit(one_process_group, tmp_path):
+    """The README's DCP recipe with offload=: fp32 parameters (their master weights equal them, so a
+    fresh step mirrors them at its first call), the moments loaded into the fresh step's DTensors."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
+                                                         set_model_state_dict, set_optimizer_state_dict)
+
+    def fresh():
+        model = _gpt().float()
+        opt = _optimizer("adamw", model)
+        return model, opt, graphoffload.offload_compile(
+            gpt_step, offload=Offload(device_updates="never"), config=graphoffload.CompileConfig(fuse_optimizer=FUSE),
+            data_parallel=graphoffload.ZeRO(stage=2, bucket_numel=4096))
+
+    model, opt, step = fresh()
+    batches = _batches(1)
+    for batch in batches[:2]:
+        step(model, opt, batch)
+    dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)},
+             checkpoint_id=str(tmp_path / "ckpt"))
+    went_on = step(model, opt, batches[2])
+
+    model2, opt2, step2 = fresh()
+    step2.compile(model2, opt2, batches[2])
+    state = {"model": get_model_state_dict(model2), "optim": get_optimizer_state_dict(model2, opt2)}
+    dcp.load(state, checkpoint_id=str(tmp_path / "ckpt"))
+    set_model_state_dict(model2, state["model"])
+    set_optimizer_state_dict(model2, opt2, state["optim"])
+    assert torch.equal(step2(model2, opt2, batches[2]), went_on)
+    for p, q in zip(model.parameters(), model2.parameters()):
+        assert torch.equal(p, q)
+        for key, t in opt.state[p].items():
+            u = opt2.state[q][key]
+            assert type(u) is type(t) and torch.equal(*(x.to_local() if isinstance(x, DTensor) else x for x in (t, u)))
+
+
+def test_one_rank_clips_on_a_mix_of_paths_as_eager(one_process_group):
+    """clip_grad_norm_ with device-path buckets too (they scale on the device, the CPU path's on the host)."""
+    eager = _gpt()
+    model = copy.deepcopy(eager)
+    opt_e, opt = _optimizer("adamw", eager), _optimizer("adamw", model)
+    step = _step(2, Offload(device_updates=2, calibration=FAST_DEVICE), _clip_step)
+    for batch in _batches(1):
+        _clip_step(eager, opt_e, batch)
+        step(model, opt, batch)
+        worst = max(((p - q).abs().max() / q.abs().max()).item() for p, q in zip(model.parameters(), eager.parameters()))
+        assert worst <= RTOL, worst   # (fp32 master weights of an fp64 model)
+    assert 0 < step.last.graph.notes_of("offload_optimizer", "plan")[0].fields["device_buckets"]
