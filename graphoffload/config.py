@@ -232,3 +232,6 @@ class CompileConfig:
                                        "ZeRO stages 1 and 2 run with accumulation_steps and clip_grad_norm_ but not "
                                        f"with {' and '.join(not_yet)} for now; drop {' and '.join(not_yet)} or "
                                        "data_parallel=")
+            if getattr(self.data_parallel, "stage", None) == 3 and self.accumulation_steps > 1:
+                raise UnsupportedError("ZeRO stage 3 with accumulation_steps is not supported yet: use "
+                                       "ZeRO(stage=2) with accumulation_steps, or stage 3 without it")

@@ -33,7 +33,7 @@ from typing import Any, ClassVar
 
 from torch import Tensor
 
-from graphoffload.errors import RankTimeoutError, StateError, UnsupportedError
+from graphoffload.errors import RankTimeoutError, StateError
 from graphoffload.groups import OverGroup
 
 
@@ -45,7 +45,10 @@ class ZeRO(OverGroup):
         stage: 1 shards the optimizer state (gradients all-reduced, each rank updates its
             chunk of every parameter, then the chunks are all-gathered); 2 also the gradients
             (each bucket reduce-scattered, so a rank receives its chunks' gradients alone).
-            3 (parameters sharded between steps too) is not supported yet.
+            3 also the parameters: between steps each rank holds its `Shard(0)` rows of every
+            parameter (the model's parameters become DTensors when the step first compiles),
+            and the graph gathers each bucket of parameters before forward reads it and again
+            before backward does (`passes/zero_params.py`).
         group: the torch.distributed process group; None: the default (world) group.
         bucket_numel: most elements of gradients one collective covers (buckets follow the
             order gradients are produced in backward); per bucket, one gradient collective
@@ -67,11 +70,8 @@ class ZeRO(OverGroup):
                                        "(pad or drop the last, smaller batch).")
 
     def __post_init__(self) -> None:
-        if self.stage == 3:
-            raise UnsupportedError("ZeRO stage 3 (parameters sharded between steps) is not supported yet; "
-                                   "use ZeRO(stage=1) or ZeRO(stage=2)")
-        if self.stage not in (1, 2):
-            raise ValueError(f"ZeRO stage must be 1 or 2 (3 is not supported yet), got {self.stage!r}")
+        if self.stage not in (1, 2, 3):
+            raise ValueError(f"ZeRO stage must be 1, 2 or 3, got {self.stage!r}")
         if self.bucket_numel <= 0:
             raise ValueError("bucket_numel must be positive")
         if self.timeout_s <= 0:
@@ -95,7 +95,12 @@ def shard_rows(rows: int, world: int, rank: int) -> tuple[int, int]:
 
 
 def local_chunk(param: Tensor, world: int, rank: int) -> Tensor:
-    """`rank`'s chunk of `param` along dim 0, as a view (the parameter itself when 0-dim)."""
+    """`rank`'s chunk of `param` along dim 0, as a view (the parameter itself when 0-dim; the
+    local tensor of a DTensor, which a ZeRO stage 3 step sharded already)."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(param, DTensor):
+        return param.to_local()
     if param.dim() == 0:
         return param
     start, rows = shard_rows(param.shape[0], world, rank)
@@ -141,3 +146,16 @@ def shard_state(state: dict[str, Any], param: Tensor, name: str, mesh: Any, worl
                 "state_dict of another model loaded? Load a matching one")
         state[key] = DTensor.from_local(local, mesh, placement, run_check=False,
                                         shape=param.shape, stride=param.stride())
+
+
+def shard_parameter(param: Tensor, mesh: Any, world: int, rank: int) -> Tensor:
+    """ZeRO stage 3: a new `nn.Parameter` holding a `Shard(0)` DTensor of `param` over `mesh`
+    whose local tensor is a copy of this rank's rows (so the whole parameter can be freed),
+    as FSDP2's `fully_shard` leaves a model's parameters."""
+    from torch import nn
+    from torch.distributed.tensor import DTensor, Shard
+
+    local = local_chunk(param.detach(), world, rank).clone()
+    sharded = DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=param.shape,
+                                 stride=param.stride())
+    return nn.Parameter(sharded, requires_grad=param.requires_grad)

@@ -66,6 +66,7 @@ from graphoffload.diagnostics import user_line_of_stack_trace
 from graphoffload.errors import UnsupportedError
 from graphoffload.graph import TrainGraph, fake_mode_of, fake_value
 from graphoffload.passes.update_kernels import UpdateKernel, update_kernels_to_rewrite
+from graphoffload.passes.zero_params import ShardedParam, classify_reads, gather_for_use
 
 if TYPE_CHECKING:
     from graphoffload.passes.manager import PassContext
@@ -215,7 +216,7 @@ def _clipping(items: list[_Item], readers: set[fx.Node], output: fx.Node, stage:
                 continue
             if user is output:
                 raise UnsupportedError(
-                    f"ZeRO stage 2 keeps only this rank's own gradients, but the step leaves {it.name}.grad "
+                    f"ZeRO stage {stage} keeps only this rank's own gradients, but the step leaves {it.name}.grad "
                     "set after it returns: call optimizer.zero_grad() at the end of the step, or use "
                     "ZeRO(stage=1)")
             if _l2(user) and user.target is aten.linalg_vector_norm.default:
@@ -395,6 +396,18 @@ def _shard_state(emit: _Emitter, it: _Item, world: int, rank: int) -> int:
     return numel
 
 
+def _stage_3_params(items: list[_Item], clip: _Clip | None, position: dict[fx.Node, int]) -> list[ShardedParam]:
+    """The parameters stage 3 shards (every updated one but 0-dim ones), after refusing what it
+    cannot do yet, before the graph is changed."""
+    if clip is not None:
+        raise UnsupportedError(
+            f"ZeRO stage 3 with clip_grad_norm_ (at {_line(clip.total)}) is not supported yet: drop the clipping, "
+            "or use ZeRO(stage=2), which clips with the global norm")
+    sharded = [ShardedParam(it.param, it.name, tuple(it.shape), it.kernel.node) for it in items if not it.scalar]
+    classify_reads(sharded, position)
+    return sharded
+
+
 def zero(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
     dp = ctx.config.data_parallel
     if dp is None:
@@ -407,18 +420,21 @@ def zero(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
     output = next(n for n in g.nodes if n.op == "output")
     items, clip = _items(kernels, output, dp.stage)
     position = {n: i for i, n in enumerate(g.nodes)}
+    sharded = _stage_3_params(items, clip, position) if dp.stage == 3 else []
     buckets = _layout(items, position, dp.bucket_numel, world)
     emit = _Emitter(g)
 
     # the update's parameters: this rank's rows of each, views made right after the inputs (so
-    # they pin no update late), through which the kernels write
-    chunks: dict[fx.Node, fx.Node] = {}
-    last_input = [n for n in g.nodes if n.op == "placeholder"][-1]
-    with g.inserting_after(last_input):
-        for it in reversed(items):   # (inserting_after puts each new node first)
-            chunks[it.param] = _local_rows(emit, it, it.param, world, rank, phase="optimizer")
-    for it in items:
-        it.kernel.node.replace_input_with(it.param, chunks[it.param])
+    # they pin no update late), through which the kernels write; stage 3: the placeholders
+    # themselves, which hold this rank's rows alone
+    chunks: dict[fx.Node, fx.Node] = {it.param: it.param for it in items}
+    if dp.stage != 3:
+        last_input = [n for n in g.nodes if n.op == "placeholder"][-1]
+        with g.inserting_after(last_input):
+            for it in reversed(items):   # (inserting_after puts each new node first)
+                chunks[it.param] = _local_rows(emit, it, it.param, world, rank, phase="optimizer")
+        for it in items:
+            it.kernel.node.replace_input_with(it.param, chunks[it.param])
     state_numel = sum(_shard_state(emit, it, world, rank) for it in items)
 
     # gradients: each bucket's collective right after its last gradient; the update reads this
@@ -435,29 +451,40 @@ def zero(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
     if clip is not None:
         _global_norm(emit, clip, rank, group)
 
-    # parameters: gathered after the last update, in bucket order
-    last_kernel = max((k.node for k in kernels), key=position.__getitem__)
+    total = sum(it.numel for it in items)
+    local = sum(it.local_numel(world, rank) for it in items)
+    padded = sum(b.part for b in buckets) * world
     copied = 0
-    with g.inserting_before(last_kernel.next):
-        for bucket in buckets:
-            copied += _gather_parameters(emit, bucket, chunks, rank, world, group)
+    if dp.stage == 3:   # parameters: gathered before forward and backward read them (zero_params)
+        gathers = gather_for_use(emit, g, sharded, world, rank, group, dp.bucket_numel)
+    else:   # parameters: gathered after the last update, in bucket order
+        last_kernel = max((k.node for k in kernels), key=position.__getitem__)
+        with g.inserting_before(last_kernel.next):
+            for bucket in buckets:
+                copied += _gather_parameters(emit, bucket, chunks, rank, world, group)
     g.lint()
     written = written_placeholders(g)
     inputs = tuple(s if s.mutable or s.name not in written else type(s)(s.kind, s.name, s.target, True)
                    for s in graph.signature.inputs)
     graph = graph.with_signature(inputs=inputs)
 
-    total = sum(it.numel for it in items)
-    local = sum(it.local_numel(world, rank) for it in items)
-    padded = sum(b.part for b in buckets) * world
     collective = "all-reduce" if dp.stage == 1 else "reduce-scatter"
+    gathered = "parameters gathered before use (below)" if dp.stage == 3 else \
+        f"one {collective} and one all-gather each; {copied} parameters overwritten from the gathered chunks"
     graph.note("zero", f"ZeRO stage {dp.stage}, rank {rank} of {world}: updates its dim-0 chunk of each of "
                f"{len(items)} parameters ({local:,} of {total:,} elements; optimizer state {state_numel:,} "
-               f"elements besides step counters); {len(buckets)} gradient buckets, one {collective} and one "
-               f"all-gather each; {copied} parameters overwritten from the gathered chunks", "shards",
+               f"elements besides step counters); {len(buckets)} gradient buckets, {gathered}", "shards",
                stage=dp.stage, rank=rank, world=world, buckets=len(buckets), gradient_collective=collective,
                params=len(items), local_numel=local, numel=total, state_numel=state_numel,
                bucket_parts=tuple(b.part for b in buckets), padded_numel=padded)
+    if dp.stage == 3:
+        graph.note("zero", f"stage 3: {len(gathers.sharded)} parameters held as this rank's rows between steps "
+                   f"({local:,} of {total:,} elements); {len(gathers.forward_buckets)} parameter buckets gathered "
+                   f"before forward reads them and {len(gathers.backward_buckets)} again before backward does (the "
+                   f"next bucket's all-gather issued one bucket ahead), largest {max(gathers.forward_buckets, default=0):,} "
+                   f"elements; {gathers.recomputed} forward views of parameters repeated in backward", "params",
+                   sharded=gathers.sharded, forward_buckets=gathers.forward_buckets,
+                   backward_buckets=gathers.backward_buckets, recomputed=gathers.recomputed)
     if clip is not None:
         graph.note("zero", f"clip_grad_norm_: the global L2 norm of {len(clip.terms)} gradients from this rank's "
                    "chunks of their averages (squares summed, one all-reduce of a scalar), the clip coefficient "
