@@ -15,11 +15,10 @@ import copy
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 from ring_dist import run_ranks
 
-from test_zero import AsRank, one_process_group  # noqa: F401 - the fixture is used by name
+import test_zero
 
 import graphoffload
 from graphoffload.data_parallel import shard_rows
@@ -27,6 +26,8 @@ from graphoffload.memory import block_bytes
 
 STEPS = 3
 RTOL = 2e-5
+AsRank = test_zero.AsRank
+one_process_group = test_zero.one_process_group   # a fixture: the tests below name it
 c10d = torch.ops._c10d_functional
 
 
