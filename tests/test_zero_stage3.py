@@ -23,6 +23,7 @@ import test_zero
 import graphoffload
 from graphoffload.data_parallel import shard_rows
 from graphoffload.memory import block_bytes
+from graphoffload.torch_private import pytree
 
 STEPS = 3
 RTOL = 2e-5
@@ -137,9 +138,34 @@ def _trains_as_eager(rank, world, optimizer, dtype=torch.float64):
     return local / whole
 
 
+def _gpt_trains_as_eager(rank, world):
+    """The tiny GPT (attention, layer norms, tied embedding and head read twice in forward) with
+    updates fused into backward (small fusion buckets), so a bucket's update runs between
+    backward's gathers of the parameters: every parameter as eager's on the whole batch."""
+    from test_zero import _batches as gpt_batches, _gpt
+    from steps import train_step
+
+    eager = _gpt()
+    model = copy.deepcopy(eager)
+    opt_e, opt = _optimizer("adamw", eager), _optimizer("adamw", model)
+    config = graphoffload.CompileConfig(fuse_optimizer=graphoffload.FuseOptimizer(bucket_numel=2048))
+    step = graphoffload.offload_compile(train_step, config=config, data_parallel=_zero3(bucket_numel=4096))
+    for batch in gpt_batches(world):
+        train_step(eager, opt_e, batch)
+        rows = batch["input_ids"].shape[0] // world
+        step(model, opt, {k: v[rank * rows:(rank + 1) * rows] for k, v in batch.items()})
+        got = _full_params(model)
+        for name, q in eager.named_parameters():
+            err = ((got[name] - q).abs().max() / q.abs().max()).item()
+            assert err <= RTOL, f"stage 3 GPT: {name} is {err:.3g} from eager"
+    fused = [n.fields for n in step.last.graph.notes_of("fuse_optimizer", "bucket")]
+    assert any(f["in_backward"] for f in fused), fused
+
+
 def _world2(rank, world):
     fractions = [_trains_as_eager(rank, world, name) for name in ("adamw", "sgd")]
     _trains_as_eager(rank, world, "adamw", torch.float32)
+    _gpt_trains_as_eager(rank, world)
     print(f"rank {rank}: local parameter fraction {fractions[0]:.4f}")
 
 
@@ -276,3 +302,64 @@ def test_parameters_swapped_after_stage_3_sharded_them_are_refused(one_process_g
                                                       r"\(64, 64\), but this ZeRO stage 3 step sharded it .* load "
                                                       r"new values into the parameters the step made"):
         step.compile(model, opt, torch.randn(2, 64))
+
+
+def _world4(rank, world):
+    fraction = _trains_as_eager(rank, world, "adamw")
+    print(f"rank {rank}: local parameter fraction {fraction:.4f}")
+
+
+@pytest.mark.slow   # several processes
+def test_zero_stage_3_trains_as_eager_with_sharded_parameters_world4():
+    run_ranks(_world4, 4, deadline_s=300)
+
+
+def _full_state(model, opt) -> dict:
+    names = {p: n for n, p in model.named_parameters()}
+    return {names[p]: {k: t.full_tensor() if isinstance(t, DTensor) else t.clone() for k, t in s.items()}
+            for p, s in opt.state.items()}
+
+
+def _same(a: dict, b: dict) -> bool:
+    flat_a, flat_b = pytree.tree_leaves(a), pytree.tree_leaves(b)
+    return len(flat_a) == len(flat_b) and all(torch.equal(x, y) for x, y in zip(flat_a, flat_b))
+
+
+def _dcp_world2(rank, world, path):
+    """DCP saves the model's DTensor parameters and the optimizer's DTensor state; a fresh model
+    (other values) under a fresh step loads them into the DTensors its step made and goes on
+    bit-identically to the run that was not interrupted."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
+                                                         set_model_state_dict, set_optimizer_state_dict)
+
+    batches = [_micro(b, rank, world) for b in _batches(world)]
+    model = _Stack().double()
+    opt, step = _optimizer("adamw", model), graphoffload.offload_compile(_step, data_parallel=_zero3())
+    for batch in batches[:2]:
+        step(model, opt, batch)
+    dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}, checkpoint_id=path)
+    saved = (_full_params(model), _full_state(model, opt))
+    loss = step(model, opt, batches[2])
+    after = (_full_params(model), _full_state(model, opt))
+
+    fresh = _Stack().double()
+    with torch.no_grad():
+        for p in fresh.parameters():
+            p.add_(1.0)
+    opt, step = _optimizer("adamw", fresh), graphoffload.offload_compile(_step, data_parallel=_zero3())
+    step.compile(fresh, opt, batches[2])   # the parameters and state become this world's DTensors
+    sharded = list(fresh.parameters())
+    state = {"model": get_model_state_dict(fresh), "optim": get_optimizer_state_dict(fresh, opt)}
+    dcp.load(state, checkpoint_id=path)
+    set_model_state_dict(fresh, state["model"])
+    set_optimizer_state_dict(fresh, opt, state["optim"])
+    assert all(p is q for p, q in zip(fresh.parameters(), sharded))   # loaded into, not replaced
+    assert _same((_full_params(fresh), _full_state(fresh, opt)), saved)
+    assert torch.equal(step(fresh, opt, batches[2]), loss)
+    assert _same((_full_params(fresh), _full_state(fresh, opt)), after)   # bit-identical
+
+
+@pytest.mark.slow   # several processes
+def test_a_dcp_checkpoint_of_stage_3_resumes_bit_identically(tmp_path):
+    run_ranks(_dcp_world2, 2, str(tmp_path), deadline_s=300)
