@@ -152,6 +152,7 @@ class CompiledStep:
         self.trace_count = 0
         self._skipped: Tensor | None = None   # sum of the skip flags (skip_nonfinite), on the device
         self._interruption = InterruptionGuard()
+        self._before: Snapshot | None = None   # the running call's snapshot of what its update may write
         functools.update_wrapper(self, fn)
 
     @property
@@ -237,6 +238,9 @@ class CompiledStep:
                 sharded = capture.shard_parameters(graph, self.config.data_parallel)
                 self._sharded_params.update((n, weakref.ref(p)) for n, p in sharded.items())
                 self._replaced.update((id(p), id(before[n])) for n, p in sharded.items() if p is not before[n])
+                if any(p is not before[n] for n, p in sharded.items()):
+                    # what this call's update writes now: the new parameters' rows (and their state)
+                    self._before = Snapshot.take(capture.bindings)
         except BaseException:
             capture.discard_created_state()
             raise
@@ -343,11 +347,11 @@ class CompiledStep:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self._interruption.check(self._name)
         bindings = find_bindings(self.fn, args, kwargs)
-        before = Snapshot.take(bindings)
+        self._before = Snapshot.take(bindings)
         try:
             result = self._call(args, kwargs, bindings)
         except BaseException as exc:
-            updated = before.changed()
+            updated = self._before.changed()
             if not updated:
                 self._forget_unrun_variant()
                 raise    # nothing the user holds changed: retrying is safe

@@ -363,3 +363,21 @@ def _dcp_world2(rank, world, path):
 @pytest.mark.slow   # several processes
 def test_a_dcp_checkpoint_of_stage_3_resumes_bit_identically(tmp_path):
     run_ranks(_dcp_world2, 2, str(tmp_path), deadline_s=300)
+
+
+def test_a_first_call_interrupted_mid_update_names_the_sharded_parameters_it_changed(one_process_group):
+    """The step replaces the parameters when it first compiles, inside the first call: what that
+    call's fused updates changed before a failure is still reported (a one-rank group runs it)."""
+    from test_interrupted_step import ARMED, SMALL_BUCKETS, make, train_step
+
+    model, opt = make()
+    step = graphoffload.offload_compile(train_step, config=SMALL_BUCKETS, data_parallel=_zero3(bucket_numel=9))
+    ARMED["backward"] = RuntimeError
+    try:
+        with pytest.raises(graphoffload.PartialUpdateError, match=r"interrupted part-way.*last\.weight"):
+            step(model, opt, torch.randn(4, 8))
+    finally:
+        ARMED["backward"] = None
+    assert isinstance(model.last.weight, DTensor)
+    with pytest.raises(graphoffload.StateError, match="refusing to run"):
+        step(model, opt, torch.randn(4, 8))
