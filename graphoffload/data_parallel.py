@@ -1,5 +1,6 @@
-"""`ZeRO`: data parallelism with the optimizer state (stage 1) and the gradients (stage 2)
-sharded over the ranks of a group (Rajbhandari et al., 2020), done by the `zero` pass.
+"""`ZeRO`: data parallelism with the optimizer state (stage 1), the gradients (stage 2) and the
+parameters (stage 3) sharded over the ranks of a group (Rajbhandari et al., 2020), done by the
+`zero` pass.
 
     zero = graphoffload.ZeRO(stage=2, group=None)    # None: the world group
     step = graphoffload.offload_compile(train_step, data_parallel=zero)
@@ -21,9 +22,13 @@ values, cause not found yet; plain tensors do).
 This module holds the layout both the pass (which rewrites the graph to the chunks) and capture
 (which creates the state) use, so they cannot disagree.
 
-`accumulation_steps=k` works: gradients are reduced once per update (the `zero` pass). Not yet:
-stage 3, ZeRO with `offload=` or `sequence_parallel=`; each is refused with an
-`UnsupportedError` that says so.
+Stage 3 shards the parameters too: when the step first compiles, each parameter it updates
+(but 0-dim ones) becomes an `nn.Parameter` holding a `Shard(0)` DTensor of this rank's rows
+(`shard_parameter`), as FSDP2 leaves a model, and the graph gathers them before use.
+
+`accumulation_steps=k` works with stages 1 and 2: gradients are reduced once per update (the
+`zero` pass). Not yet: stage 3 with `accumulation_steps`, ZeRO with `offload=` or
+`sequence_parallel=`; each is refused with an `UnsupportedError` that says so.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
-"""zero: shard the optimizer update (ZeRO stage 1) and the gradients (stage 2) over the ranks
-of a `ZeRO` group, each rank training on its own micro-batch, in the FSDP2 layout.
+"""zero: shard the optimizer update (ZeRO stage 1), the gradients (stage 2) and the parameters
+(stage 3) over the ranks of a `ZeRO` group, each rank training on its own micro-batch, in the
+FSDP2 layout.
 
 The captured step computes this rank's gradients and updates every parameter. This pass cuts
 every parameter along dim 0 as DTensor's `Shard(0)` does (`graphoffload.data_parallel.shard_rows`:
@@ -44,6 +45,11 @@ chunks; its square is all-reduced (one scalar, after every bucket's collective) 
 replaces the total for everything that read it: the clip coefficient, which the step's `mul_`s
 apply to the chunks before the update, and the norm the step returns, the same on every rank.
 A 0-dim parameter's gradient is whole on every rank, so only rank 0 counts it.
+
+**Stage 3** reduces the gradients as stage 2 does, but a parameter's placeholder is this rank's
+chunk (the update writes it in place and nothing is gathered after it): `zero_params.py` gathers
+the whole parameters per bucket before forward reads them and again before backward does.
+Clipping, `.grad` left set and a returned parameter are refused for it.
 
 What the pass cannot shard yet (other reads or writes of the gradients besides the update:
 another norm, a GradScaler, skip_nonfinite; `.grad` left set after clipping; with stage 2,
