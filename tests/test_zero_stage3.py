@@ -383,3 +383,38 @@ def test_a_first_call_interrupted_mid_update_names_the_sharded_parameters_it_cha
     assert isinstance(model.last.weight, DTensor)
     with pytest.raises(graphoffload.StateError, match="refusing to run"):
         step(model, opt, torch.randn(4, 8))
+
+
+class _Checkpointed(_Stack):
+    """_Stack with its hidden layers under activation checkpointing: backward's recompute reads
+    the parameters again, from the backward gather."""
+
+    def forward(self, x, y):
+        from torch.utils.checkpoint import checkpoint
+
+        h = torch.tanh(self.inp(x))
+        for layer in self.hidden:
+            h = h + checkpoint(lambda t, layer=layer: torch.tanh(layer(t)), h, use_reentrant=False)
+        h = self.out(torch.tanh(self.narrow(self.norm(h))))
+        return ((h * self.scale - y) ** 2).mean()
+
+
+@pytest.mark.parametrize("module", [_Stack, _Checkpointed])
+def test_one_rank_trains_as_eager_through_the_gathers(module, one_process_group):
+    """A group of one rank runs the whole rewrite (gathers, views repeated in backward, a
+    checkpointed region's recompute reading the backward gather): parameters as eager's."""
+    eager = module().double()
+    model = copy.deepcopy(eager)
+    opt_e, opt = _optimizer("adamw", eager), _optimizer("adamw", model)
+    step = graphoffload.offload_compile(_step, data_parallel=_zero3())
+    for batch in _batches(1):
+        _step(eager, opt_e, batch)
+        step(model, opt, batch)
+        got = _full_params(model)
+        for name, q in eager.named_parameters():
+            assert torch.allclose(got[name], q, rtol=1e-12, atol=1e-12), name
+    if module is _Checkpointed:   # the recompute reads whole parameters gathered in backward
+        nodes = list(step.last.graph.gm.graph.nodes)
+        seed = next(i for i, n in enumerate(nodes) if n.meta.get("phase") == "backward")
+        reads = [i for n in nodes if n.meta.get("recompute") for i in n.all_input_nodes if i.meta.get("pass") == "zero"]
+        assert reads and all(nodes.index(i) > seed for i in reads)
