@@ -399,13 +399,24 @@ class _Checkpointed(_Stack):
         return ((h * self.scale - y) ** 2).mean()
 
 
-@pytest.mark.parametrize("module", [_Stack, _Checkpointed])
-def test_one_rank_trains_as_eager_through_the_gathers(module, one_process_group):
+def _groups(model):
+    """Two param groups (no weight decay on vectors), and the first layer frozen."""
+    model.inp.requires_grad_(False)
+    params = [p for p in model.parameters() if p.requires_grad]
+    return torch.optim.AdamW([{"params": [p for p in params if p.dim() > 1]},
+                              {"params": [p for p in params if p.dim() <= 1], "weight_decay": 0.0, "lr": 2e-2}],
+                             lr=1e-2, weight_decay=0.1)
+
+
+@pytest.mark.parametrize("module, optimizer", [(_Stack, "adamw"), (_Checkpointed, "adamw"), (_Stack, "groups")])
+def test_one_rank_trains_as_eager_through_the_gathers(module, optimizer, one_process_group):
     """A group of one rank runs the whole rewrite (gathers, views repeated in backward, a
-    checkpointed region's recompute reading the backward gather): parameters as eager's."""
+    checkpointed region's recompute reading the backward gather; two param groups and a frozen
+    layer, which stays a plain whole parameter): parameters as eager's."""
     eager = module().double()
     model = copy.deepcopy(eager)
-    opt_e, opt = _optimizer("adamw", eager), _optimizer("adamw", model)
+    make = _groups if optimizer == "groups" else lambda m: _optimizer(optimizer, m)
+    opt_e, opt = make(eager), make(model)
     step = graphoffload.offload_compile(_step, data_parallel=_zero3())
     for batch in _batches(1):
         _step(eager, opt_e, batch)
@@ -413,6 +424,8 @@ def test_one_rank_trains_as_eager_through_the_gathers(module, one_process_group)
         got = _full_params(model)
         for name, q in eager.named_parameters():
             assert torch.allclose(got[name], q, rtol=1e-12, atol=1e-12), name
+    frozen = [p for p in model.parameters() if not p.requires_grad]
+    assert all(not isinstance(p, DTensor) for p in frozen) and len(frozen) == (2 if optimizer == "groups" else 0)
     if module is _Checkpointed:   # the recompute reads whole parameters gathered in backward
         nodes = list(step.last.graph.gm.graph.nodes)
         seed = next(i for i, n in enumerate(nodes) if n.meta.get("phase") == "backward")
