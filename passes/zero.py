@@ -402,14 +402,16 @@ def _shard_state(emit: _Emitter, it: _Item, world: int, rank: int) -> int:
     return numel
 
 
-def _stage_3_params(items: list[_Item], clip: _Clip | None, position: dict[fx.Node, int]) -> list[ShardedParam]:
+def _stage_3_params(items: list[_Item], clip: _Clip | None, position: dict[fx.Node, int], world: int,
+                    rank: int) -> list[ShardedParam]:
     """The parameters stage 3 shards (every updated one but 0-dim ones), after refusing what it
     cannot do yet, before the graph is changed."""
     if clip is not None:
         raise UnsupportedError(
             f"ZeRO stage 3 with clip_grad_norm_ (at {_line(clip.total)}) is not supported yet: drop the clipping, "
             "or use ZeRO(stage=2), which clips with the global norm")
-    sharded = [ShardedParam(it.param, it.name, tuple(it.shape), it.kernel.node) for it in items if not it.scalar]
+    sharded = [ShardedParam(it.param, it.name, tuple(it.shape), it.chunk_rows(world), it.part(world),
+                            tuple(it.local_shape(world, rank)), it.kernel.node) for it in items if not it.scalar]
     classify_reads(sharded, position)
     return sharded
 
@@ -426,7 +428,7 @@ def zero(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
     output = next(n for n in g.nodes if n.op == "output")
     items, clip = _items(kernels, output, dp.stage)
     position = {n: i for i, n in enumerate(g.nodes)}
-    sharded = _stage_3_params(items, clip, position) if dp.stage == 3 else []
+    sharded = _stage_3_params(items, clip, position, world, rank) if dp.stage == 3 else []
     buckets = _layout(items, position, dp.bucket_numel, world)
     emit = _Emitter(g)
 
@@ -462,7 +464,7 @@ def zero(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
     padded = sum(b.part for b in buckets) * world
     copied = 0
     if dp.stage == 3:   # parameters: gathered before forward and backward read them (zero_params)
-        gathers = gather_for_use(emit, g, sharded, world, rank, group, dp.bucket_numel)
+        gathers = gather_for_use(emit, g, sharded, world, group, dp.bucket_numel)
     else:   # parameters: gathered after the last update, in bucket order
         last_kernel = max((k.node for k in kernels), key=position.__getitem__)
         with g.inserting_before(last_kernel.next):

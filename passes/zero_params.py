@@ -25,6 +25,7 @@ besides its update) is refused with `UnsupportedError`, before the graph is chan
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -33,7 +34,6 @@ from torch import fx
 
 from graphoffload.aliasing import written_args
 from graphoffload.bucketing import greedy_buckets
-from graphoffload.data_parallel import shard_rows
 from graphoffload.diagnostics import user_line_of_stack_trace
 from graphoffload.errors import UnsupportedError
 from graphoffload.ops.rng import draws_random_numbers
@@ -47,36 +47,24 @@ Emit = Callable[..., fx.Node]
 
 @dataclass(eq=False)   # a key of dicts: one per parameter, compared by identity
 class ShardedParam:
-    """One parameter stage 3 shards: its placeholder (from now on this rank's chunk) and its
-    whole shape, and where forward and backward read it."""
+    """One parameter stage 3 shards: its placeholder (from now on this rank's chunk), its whole
+    shape and its layout in the gather buffers (as the `zero` pass lays out the gradients'
+    reduce-scatter: `chunk_rows` = ceil(d0/N) rows a rank's part holds, `part` its elements,
+    `local_shape` this rank's chunk), and where forward and backward read it."""
 
     node: fx.Node
     name: str
     shape: tuple[int, ...]
+    chunk_rows: int
+    part: int
+    local_shape: tuple[int, ...]
     update: fx.Node                       # the update kernel that writes its chunk
     forward: list[fx.Node] = field(default_factory=list)
     backward: list[fx.Node] = field(default_factory=list)
 
     @property
     def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
-
-    @property
-    def row(self) -> int:
-        return self.numel // self.shape[0] if self.shape[0] else 1
-
-    def chunk_rows(self, world: int) -> int:
-        return shard_rows(self.shape[0], world, 0)[1]
-
-    def part(self, world: int) -> int:
-        """Elements in each rank's part of the gather buffer (a chunk padded to ceil(d0/N) rows)."""
-        return self.chunk_rows(world) * self.row
-
-    def local_shape(self, world: int, rank: int) -> list[int]:
-        return [shard_rows(self.shape[0], world, rank)[1], *self.shape[1:]]
+        return math.prod(self.shape)
 
 
 @dataclass(frozen=True)
@@ -117,13 +105,13 @@ def classify_reads(params: list[ShardedParam], position: dict[fx.Node, int]) -> 
                 "(.clone()), or use ZeRO(stage=2)")
 
 
-def _pack(emit: Emit, bucket: list[ShardedParam], world: int, rank: int, group: str) -> fx.Node:
+def _pack(emit: Emit, bucket: list[ShardedParam], world: int, group: str) -> fx.Node:
     """This rank's chunks of the bucket, padded and flattened into one buffer; the launched
     all-gather of it (its wait comes later)."""
     pieces = []
     for p in bucket:
         chunk = p.node
-        pad = p.chunk_rows(world) - p.local_shape(world, rank)[0]
+        pad = p.chunk_rows - p.local_shape[0]
         if pad:
             chunk = emit(aten.constant_pad_nd.default, (chunk, [0, 0] * (len(p.shape) - 1) + [0, pad]), p.node,
                          param=(p.name,))
@@ -136,23 +124,23 @@ def _unpack(emit: Emit, bucket: list[ShardedParam], launched: fx.Node, world: in
             like: fx.Node) -> dict[ShardedParam, fx.Node]:
     """Wait for the bucket's gather; each whole parameter from every rank's padded chunk."""
     gathered = emit(c10d.wait_tensor.default, (launched,), like)
-    part = sum(p.part(world) for p in bucket)
+    part = sum(p.part for p in bucket)
     by_rank = emit(aten.view.default, (gathered, [world, part]), like)
     whole, offset = {}, 0
     for p in bucket:
         mine = (p.name,)
         cols = by_rank if len(bucket) == 1 else \
-            emit(aten.slice.Tensor, (by_rank, 1, offset, offset + p.part(world)), like, param=mine)
-        rows = emit(aten.reshape.default, (cols, [world * p.chunk_rows(world), *p.shape[1:]]), like, param=mine)
-        if world * p.chunk_rows(world) != p.shape[0]:
+            emit(aten.slice.Tensor, (by_rank, 1, offset, offset + p.part), like, param=mine)
+        rows = emit(aten.reshape.default, (cols, [world * p.chunk_rows, *p.shape[1:]]), like, param=mine)
+        if world * p.chunk_rows != p.shape[0]:
             rows = emit(aten.slice.Tensor, (rows, 0, 0, p.shape[0]), like, param=mine)
         whole[p] = rows
-        offset += p.part(world)
+        offset += p.part
     return whole
 
 
 def _gather_in_order(emit: Emit, graph: fx.Graph, buckets: list[list[ShardedParam]], first: list[fx.Node],
-                     world: int, rank: int, group: str) -> dict[ShardedParam, fx.Node]:
+                     world: int, group: str) -> dict[ShardedParam, fx.Node]:
     """Per bucket, in order: its gather's wait and unpacking right before `first[i]`, its
     first read, and the next bucket's gather launched right after (one bucket ahead)."""
     whole: dict[ShardedParam, fx.Node] = {}
@@ -160,9 +148,9 @@ def _gather_in_order(emit: Emit, graph: fx.Graph, buckets: list[list[ShardedPara
     for i, bucket in enumerate(buckets):
         with graph.inserting_before(first[i]):
             if launched is None:
-                launched = _pack(emit, bucket, world, rank, group)
+                launched = _pack(emit, bucket, world, group)
             whole.update(_unpack(emit, bucket, launched, world, first[i]))
-            launched = _pack(emit, buckets[i + 1], world, rank, group) if i + 1 < len(buckets) else None
+            launched = _pack(emit, buckets[i + 1], world, group) if i + 1 < len(buckets) else None
     return whole
 
 
@@ -221,7 +209,7 @@ def _recompute_backward_reads(graph: fx.Graph, p: ShardedParam, forward_whole: f
     return len(copies) - 1
 
 
-def gather_for_use(emit: Emit, graph: fx.Graph, params: list[ShardedParam], world: int, rank: int, group: str,
+def gather_for_use(emit: Emit, graph: fx.Graph, params: list[ShardedParam], world: int, group: str,
                    bucket_numel: int) -> GatherReport:
     """Make every sharded parameter's placeholder this rank's chunk and gather the whole
     parameter before forward and again before backward reads it (see the module docstring).
@@ -230,13 +218,13 @@ def gather_for_use(emit: Emit, graph: fx.Graph, params: list[ShardedParam], worl
     for p in params:   # from here the placeholder holds this rank's rows
         val = p.node.meta["val"]
         with fake_mode:
-            p.node.meta["val"] = torch.empty(p.local_shape(world, rank), dtype=val.dtype, device=val.device)
+            p.node.meta["val"] = torch.empty(p.local_shape, dtype=val.dtype, device=val.device)
 
     position = {n: i for i, n in enumerate(graph.nodes)}
     read_in_forward = sorted((p for p in params if p.forward), key=lambda p: position[p.forward[0]])
     buckets = greedy_buckets(read_in_forward, lambda p: p.numel, bucket_numel, key=lambda p: p.node.meta["val"].dtype)
     first = [min((p.forward[0] for p in b), key=position.__getitem__) for b in buckets]
-    forward = _gather_in_order(emit, graph, buckets, first, world, rank, group)
+    forward = _gather_in_order(emit, graph, buckets, first, world, group)
     for p, whole in forward.items():
         for user in p.forward:
             user.replace_input_with(p.node, whole)
@@ -255,7 +243,7 @@ def gather_for_use(emit: Emit, graph: fx.Graph, params: list[ShardedParam], worl
     back_buckets = [b for b in back_buckets if b]
     back_buckets.sort(key=lambda b: min(position[backward_first[p]] for p in b))
     back_first = [min((backward_first[p] for p in b), key=position.__getitem__) for b in back_buckets]
-    backward = _gather_in_order(emit, graph, back_buckets, back_first, world, rank, group)
+    backward = _gather_in_order(emit, graph, back_buckets, back_first, world, group)
     position = {n: i for i, n in enumerate(graph.nodes)}
     recomputed = 0
     for p in params:
