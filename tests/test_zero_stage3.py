@@ -162,16 +162,17 @@ def _gpt_trains_as_eager(rank, world):
     assert any(f["in_backward"] for f in fused), fused
 
 
-def _world2(rank, world):
+def _world2(rank, world, path):
     fractions = [_trains_as_eager(rank, world, name) for name in ("adamw", "sgd")]
     _trains_as_eager(rank, world, "adamw", torch.float32)
     _gpt_trains_as_eager(rank, world)
+    _dcp_world2(rank, world, path)
     print(f"rank {rank}: local parameter fraction {fractions[0]:.4f}")
 
 
-@pytest.mark.slow   # several processes
-def test_zero_stage_3_trains_as_eager_with_sharded_parameters_world2():
-    run_ranks(_world2, 2, deadline_s=300)
+@pytest.mark.slow   # several processes; one spawn for every 2-rank check (starting ranks costs more than a run)
+def test_zero_stage_3_trains_as_eager_and_resumes_from_dcp_world2(tmp_path):
+    run_ranks(_world2, 2, str(tmp_path), deadline_s=300)
 
 
 # ---------------------------------------------------------------- single process: one rank's rewrite
@@ -361,10 +362,6 @@ def _dcp_world2(rank, world, path):
     assert torch.equal(step(fresh, opt, batches[2]), loss)
     assert _same((_full_params(fresh), _full_state(fresh, opt)), after)   # bit-identical
 
-
-@pytest.mark.slow   # several processes
-def test_a_dcp_checkpoint_of_stage_3_resumes_bit_identically(tmp_path):
-    run_ranks(_dcp_world2, 2, str(tmp_path), deadline_s=300)
 
 
 def test_a_first_call_interrupted_mid_update_names_the_sharded_parameters_it_changed(one_process_group):
