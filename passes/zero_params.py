@@ -116,7 +116,10 @@ def _pack(emit: Emit, bucket: list[ShardedParam], world: int, group: str) -> fx.
             chunk = emit(aten.constant_pad_nd.default, (chunk, [0, 0] * (len(p.shape) - 1) + [0, pad]), p.node,
                          param=(p.name,))
         pieces.append(emit(aten.reshape.default, (chunk, [-1]), p.node, param=(p.name,)))
-    flat = pieces[0] if len(pieces) == 1 else emit(aten.cat.default, (pieces,), bucket[0].node)
+    # a copy even of one chunk: the collective reads its input until its wait, and a view of the
+    # chunk would let an update fused into backward (which follows the last read it can see, this
+    # launch) overwrite the chunk while the gather still reads it
+    flat = emit(aten.cat.default, (pieces,), bucket[0].node)
     return emit(c10d.all_gather_into_tensor.default, (flat, world, group), bucket[0].node)
 
 

@@ -243,6 +243,8 @@ def test_stage_3_holds_1_over_n_of_the_parameters_and_gathers_about_one_layer_at
     waits = [i for i, n in enumerate(nodes) if n.target is c10d.wait_tensor.default
              and n.args[0].target is c10d.all_gather_into_tensor.default]
     assert len(launches) == len(waits) == 15
+    # every gather reads a copy of the chunks, never the chunk (an update may overwrite it meanwhile)
+    assert all(nodes[i].args[0].target is torch.ops.aten.cat.default for i in launches)
     for launch, wait in zip(launches[1:8], waits[1:8]):
         assert any(n.target is torch.ops.aten.addmm.default for n in nodes[launch:wait])
     for launch, wait in zip(launches[9:], waits[9:]):   # backward: the previous layer's matmuls between
