@@ -527,7 +527,7 @@ def test_four_ranks_each_hold_their_rows_of_every_parameters_state(stage, one_pr
         assert sum(rows[name]) == p.shape[0]
 
 
-@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("stage", [1, 2, 3])
 def test_the_zero_pass_stamps_exactly_the_nodes_it_created(stage, one_process_group):
     from test_provenance import assert_every_node_names_its_maker
 
