@@ -486,13 +486,19 @@ def zero(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
                params=len(items), local_numel=local, numel=total, state_numel=state_numel,
                bucket_parts=tuple(b.part for b in buckets), padded_numel=padded)
     if dp.stage == 3:
+        # each rank sends and receives (N-1)/N of what a collective covers; DDP's all-reduce moves
+        # twice the gradients: the ratio compares elements covered, padding included
+        gathered = sum(gathers.forward_buckets) + sum(gathers.backward_buckets)
+        ratio = (gathered + padded) / (2 * total) if total else 0.0
         graph.note("zero", f"stage 3: {len(gathers.sharded)} parameters held as this rank's rows between steps "
                    f"({local:,} of {total:,} elements); {len(gathers.forward_buckets)} parameter buckets gathered "
                    f"before forward reads them and {len(gathers.backward_buckets)} again before backward does (the "
                    f"next bucket's all-gather issued one bucket ahead), largest {max(gathers.forward_buckets, default=0):,} "
-                   f"elements; {gathers.recomputed} forward views of parameters repeated in backward", "params",
+                   f"elements; {gathers.recomputed} forward views of parameters repeated in backward; a step's "
+                   f"collectives cover {ratio:.2f}x the elements of DDP's all-reduce", "params",
                    sharded=gathers.sharded, forward_buckets=gathers.forward_buckets,
-                   backward_buckets=gathers.backward_buckets, recomputed=gathers.recomputed)
+                   backward_buckets=gathers.backward_buckets, recomputed=gathers.recomputed,
+                   gathered_numel=gathered, volume_vs_ddp=ratio)
     if clip is not None:
         graph.note("zero", f"clip_grad_norm_: the global L2 norm of {len(clip.terms)} gradients from this rank's "
                    "chunks of their averages (squares summed, one all-reduce of a scalar), the clip coefficient "

@@ -238,6 +238,10 @@ def test_stage_3_holds_1_over_n_of_the_parameters_and_gathers_about_one_layer_at
     params = stage3.last.graph.notes_of("zero", "params")[0].fields
     assert len(params["forward_buckets"]) == 8 and set(params["forward_buckets"]) == {LAYER}
     assert len(params["backward_buckets"]) == 7   # the first layer's weight: no input gradient to compute
+    assert set(params["backward_buckets"]) == {64 * 64}   # weights only: a bias is not read in backward
+    # volume: forward gathers every parameter, backward the 7 weights, the reduce-scatter every
+    # gradient: about 1.5x DDP's all-reduce (twice the gradients), as the ZeRO paper's analysis says
+    assert params["volume_vs_ddp"] == pytest.approx((8 * LAYER + 7 * 64 * 64 + 8 * LAYER) / (2 * 8 * LAYER))
     nodes = list(graph.nodes)
     launches = [i for i, n in enumerate(nodes) if n.target is c10d.all_gather_into_tensor.default]
     waits = [i for i, n in enumerate(nodes) if n.target is c10d.wait_tensor.default
