@@ -434,3 +434,32 @@ def test_one_rank_trains_as_eager_through_the_gathers(module, optimizer, one_pro
         seed = next(i for i, n in enumerate(nodes) if n.meta.get("phase") == "backward")
         reads = [i for n in nodes if n.meta.get("recompute") for i in n.all_input_nodes if i.meta.get("pass") == "zero"]
         assert reads and all(nodes.index(i) > seed for i in reads)
+
+
+def _autocast_step(model, optimizer, batch):
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(batch["x"], batch["y"])
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss
+
+
+def test_one_rank_under_bf16_autocast_repeats_the_weights_casts_in_backward(one_process_group):
+    """Autocast casts each weight in forward: backward reads the casts, which are repeated from
+    the backward gather (so the forward copies die after forward); fp32 parameters as eager's."""
+    eager = _Stack()
+    model = copy.deepcopy(eager)
+    opt_e, opt = _optimizer("adamw", eager), _optimizer("adamw", model)
+    step = graphoffload.offload_compile(_autocast_step, data_parallel=_zero3())
+    for batch in _batches(1):
+        batch = {k: v.float() for k, v in batch.items()}
+        assert torch.equal(step(model, opt, batch), _autocast_step(eager, opt_e, batch))
+        got = _full_params(model)
+        for name, q in eager.named_parameters():
+            err = ((got[name] - q).abs().max() / q.abs().max()).item()
+            assert err <= 1e-5, f"{name} is {err:.3g} from eager"
+    nodes = step.last.graph.gm.graph.nodes
+    casts = [n for n in nodes if n.target is torch.ops.aten._to_copy.default and n.meta.get("pass") == "zero"]
+    assert casts and all(n.meta["phase"] == "backward" for n in casts)
+    assert step.last.graph.notes_of("zero", "params")[0].fields["recomputed"] >= len(casts)
