@@ -156,6 +156,14 @@ def _optimizer_bindings(optimizers: list[torch.optim.Optimizer], param_names: di
             lr_groups.append((oi, gi))
             for p in group["params"]:
                 if id(p) not in param_names:
+                    from torch.distributed.tensor import DTensor
+
+                    if isinstance(p, DTensor):   # a ZeRO stage 3 step's shard, replaced in the model
+                        raise CaptureError(
+                            f"{type(opt).__name__} holds a DTensor parameter of shape {tuple(p.shape)} that belongs "
+                            "to none of the step's models: was a parameter a ZeRO stage 3 step sharded replaced in "
+                            "the model? Load new values into the parameters the step made (set_model_state_dict, "
+                            "torch.distributed.checkpoint) instead of replacing them")
                     raise CaptureError(f"{type(opt).__name__} holds a parameter of shape {tuple(p.shape)} "
                                        "that belongs to none of the step's models; pass its module too")
                 if id(p) in optimized:   # its state is looked up by parameter alone

@@ -305,7 +305,11 @@ def test_parameters_swapped_after_stage_3_sharded_them_are_refused(one_process_g
     assert any(p is sharded for g in opt.param_groups for p in g["params"]) and sharded in opt.state
     step.compile(model, opt, torch.randn(2, 64))   # the same parameters: no new trace
     assert step.trace_count == 1
-    new = model.layers[3].weight = torch.nn.Parameter(torch.zeros(64, 64))   # in the optimizer too
+    new = model.layers[3].weight = torch.nn.Parameter(torch.zeros(64, 64))
+    with pytest.raises(graphoffload.CaptureError, match=r"AdamW holds a DTensor parameter .* was a parameter a "
+                                                        r"ZeRO stage 3 step sharded replaced in the model\?"):
+        step.compile(model, opt, torch.randn(2, 64))
+    # replaced in the optimizer too
     opt.param_groups[0]["params"] = [new if p is sharded else p for p in opt.param_groups[0]["params"]]
     with pytest.raises(graphoffload.StateError, match=r"parameter layers.3.weight is a plain Parameter of shape "
                                                       r"\(64, 64\), but this ZeRO stage 3 step sharded it .* load "
