@@ -493,11 +493,12 @@ def zero(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
         graph.note("zero", f"stage 3: {len(gathers.sharded)} parameters held as this rank's rows between steps "
                    f"({local:,} of {total:,} elements); {len(gathers.forward_buckets)} parameter buckets gathered "
                    f"before forward reads them and {len(gathers.backward_buckets)} again before backward does (the "
-                   f"next bucket's all-gather issued one bucket ahead), largest {max(gathers.forward_buckets, default=0):,} "
+                   f"next bucket's all-gather issued one bucket ahead; {len(gathers.kept)} parameters of the last "
+                   f"forward bucket kept for backward), largest {max(gathers.forward_buckets, default=0):,} "
                    f"elements; {gathers.recomputed} forward views of parameters repeated in backward; a step's "
                    f"collectives cover {ratio:.2f}x the elements of DDP's all-reduce", "params",
                    sharded=gathers.sharded, forward_buckets=gathers.forward_buckets,
-                   backward_buckets=gathers.backward_buckets, recomputed=gathers.recomputed,
+                   backward_buckets=gathers.backward_buckets, recomputed=gathers.recomputed, kept=gathers.kept,
                    gathered_numel=gathered, volume_vs_ddp=ratio)
     if clip is not None:
         graph.note("zero", f"clip_grad_norm_: the global L2 norm of {len(clip.terms)} gradients from this rank's "

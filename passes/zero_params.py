@@ -13,7 +13,9 @@ and backward still need whole parameters, so the pass gathers them, per bucket o
   parameter in forward reads the gathered copy, which dies after its last forward read.
 * **Backward**: the same buckets gathered again, in the order backward first reads them, with
   only the parameters backward reads (a linear's weight for the input's gradient; not its bias),
-  prefetched likewise. What backward read of the forward's copy is recomputed from the new one:
+  prefetched likewise; but when backward first reads the bucket forward read last (the last
+  layer), forward's copies of it are kept for backward instead (as FSDP2 keeps its root
+  module's parameters): one gather fewer, one bucket held from forward into backward. What backward read of the forward's copy is recomputed from the new one:
   the chain of views forward made of the parameter alone (`t(weight)`, saved for the matmul's
   backward) is repeated on the backward copy, so the forward copy is not kept alive until
   backward; that chain must be pure (no random op, no write).
@@ -75,6 +77,7 @@ class GatherReport:
     backward_buckets: tuple[int, ...]      # ... each backward gather
     recomputed: int                        # forward views of a parameter repeated in backward
     sharded: tuple[str, ...]               # parameter names, in forward order
+    kept: tuple[str, ...]                  # parameters backward reads from forward's copy (not gathered again)
 
 
 def _line(node: fx.Node) -> str:
@@ -143,16 +146,19 @@ def _unpack(emit: Emit, bucket: list[ShardedParam], launched: fx.Node, world: in
 
 
 def _gather_in_order(emit: Emit, graph: fx.Graph, buckets: list[list[ShardedParam]], first: list[fx.Node],
-                     world: int, group: str) -> dict[ShardedParam, fx.Node]:
+                     world: int, group: str, kept: dict[ShardedParam, fx.Node] | None = None
+                     ) -> dict[ShardedParam, fx.Node]:
     """Per bucket, in order: its gather's wait and unpacking right before `first[i]`, its
-    first read, and the next bucket's gather launched right after (one bucket ahead)."""
-    whole: dict[ShardedParam, fx.Node] = {}
+    first read, and the next bucket's gather launched right after (one bucket ahead). With
+    `kept`, the first bucket is not gathered: its whole parameters are `kept`'s."""
+    whole: dict[ShardedParam, fx.Node] = dict(kept or {})
     launched = None
     for i, bucket in enumerate(buckets):
         with graph.inserting_before(first[i]):
-            if launched is None:
-                launched = _pack(emit, bucket, world, group)
-            whole.update(_unpack(emit, bucket, launched, world, first[i]))
+            if i or not kept:
+                if launched is None:
+                    launched = _pack(emit, bucket, world, group)
+                whole.update(_unpack(emit, bucket, launched, world, first[i]))
             launched = _pack(emit, buckets[i + 1], world, group) if i + 1 < len(buckets) else None
     return whole
 
@@ -246,14 +252,19 @@ def gather_for_use(emit: Emit, graph: fx.Graph, params: list[ShardedParam], worl
     back_buckets = [b for b in back_buckets if b]
     back_buckets.sort(key=lambda b: min(position[backward_first[p]] for p in b))
     back_first = [min((backward_first[p] for p in b), key=position.__getitem__) for b in back_buckets]
-    backward = _gather_in_order(emit, graph, back_buckets, back_first, world, group)
+    # backward usually first reads the bucket forward read last: its forward copies are kept for
+    # it (as FSDP2 keeps its root module's parameters) rather than freed and gathered again
+    kept = {p: forward[p] for p in back_buckets[0]} if back_buckets and buckets and \
+        set(back_buckets[0]) <= set(buckets[-1]) else {}
+    backward = _gather_in_order(emit, graph, back_buckets, back_first, world, group, kept)
     position = {n: i for i, n in enumerate(graph.nodes)}
     recomputed = 0
     for p in params:
         for user in p.backward:
             user.replace_input_with(p.node, backward[p])
-        if p in forward:
+        if p in forward and p not in kept:
             recomputed += _recompute_backward_reads(graph, p, forward[p], backward.get(p), position)
+    gathered = back_buckets[1:] if kept else back_buckets
     return GatherReport(tuple(sum(p.numel for p in b) for b in buckets),
-                        tuple(sum(p.numel for p in b) for b in back_buckets), recomputed,
-                        tuple(p.name for p in read_in_forward))
+                        tuple(sum(p.numel for p in b) for b in gathered), recomputed,
+                        tuple(p.name for p in read_in_forward), tuple(p.name for p in kept))
