@@ -723,7 +723,6 @@ class Capture:
                 shard_state(opt.state[p], p, bindings.param_names[id(p)], mesh, world, rank)
             self.created_state.append((opt, fresh))
 
-
     def shard_parameters(self, graph: TrainGraph, zero: ZeRO) -> dict[str, nn.Parameter]:
         """ZeRO stage 3: replace every parameter the final `graph` holds as this rank's rows (the
         `zero` pass's `params` note) by an `nn.Parameter` holding a `Shard(0)` DTensor of them
