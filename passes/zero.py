@@ -52,8 +52,8 @@ the whole parameters per bucket before forward reads them and again before backw
 Clipping, `.grad` left set and a returned parameter are refused for it.
 
 What the pass cannot shard yet (other reads or writes of the gradients besides the update:
-another norm, a GradScaler, skip_nonfinite; `.grad` left set after clipping; with stage 2,
-`.grad` left set at all) is refused with `UnsupportedError`.
+another norm, a GradScaler, skip_nonfinite; `.grad` left set after clipping; with stages 2 and
+3, `.grad` left set at all) is refused with `UnsupportedError`.
 """
 
 from __future__ import annotations
@@ -487,9 +487,10 @@ def zero(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
                bucket_parts=tuple(b.part for b in buckets), padded_numel=padded)
     if dp.stage == 3:
         # each rank sends and receives (N-1)/N of what a collective covers; DDP's all-reduce moves
-        # twice the gradients: the ratio compares elements covered, padding included
-        gathered = sum(gathers.forward_buckets) + sum(gathers.backward_buckets)
-        ratio = (gathered + padded) / (2 * total) if total else 0.0
+        # twice the gradients: the ratio compares elements covered (the gathers' whole parameters,
+        # the reduce-scatters' padded buffers)
+        gathered_numel = sum(gathers.forward_buckets) + sum(gathers.backward_buckets)
+        ratio = (gathered_numel + padded) / (2 * total) if total else 0.0
         graph.note("zero", f"stage 3: {len(gathers.sharded)} parameters held as this rank's rows between steps "
                    f"({local:,} of {total:,} elements); {len(gathers.forward_buckets)} parameter buckets gathered "
                    f"before forward reads them and {len(gathers.backward_buckets)} again before backward does (the "
@@ -499,7 +500,7 @@ def zero(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
                    f"collectives cover {ratio:.2f}x the elements of DDP's all-reduce", "params",
                    sharded=gathers.sharded, forward_buckets=gathers.forward_buckets,
                    backward_buckets=gathers.backward_buckets, recomputed=gathers.recomputed, kept=gathers.kept,
-                   gathered_numel=gathered, volume_vs_ddp=ratio)
+                   gathered_numel=gathered_numel, volume_vs_ddp=ratio)
     if clip is not None:
         graph.note("zero", f"clip_grad_norm_: the global L2 norm of {len(clip.terms)} gradients from this rank's "
                    "chunks of their averages (squares summed, one all-reduce of a scalar), the clip coefficient "
