@@ -1,6 +1,6 @@
-"""ZeRO benchmark: per-rank memory and step time of graphoffload's ZeRO stages 1 and 2 (also with
-`offload=`, ZeRO-Offload: modes ``zero1_offload``, ``zero2_offload``) against torch's
-DistributedDataParallel and FSDP2 (`fully_shard`), for N = 1, 2, 4 ranks.
+"""ZeRO benchmark: per-rank memory and step time of graphoffload's ZeRO stages 1, 2 and 3 (stages
+1 and 2 also with `offload=`, ZeRO-Offload: modes ``zero1_offload``, ``zero2_offload``) against
+torch's DistributedDataParallel and FSDP2 (`fully_shard`), for N = 1, 2, 4 ranks.
 
 Every (N, mode) pair runs in N freshly spawned processes (gloo on the CPU; NCCL with one GPU a
 rank under ``--device cuda``), so each process's peak memory is that mode's alone. Each rank
@@ -11,7 +11,11 @@ global batch is N x --batch) with AdamW; step times are rank 0's, between barrie
 Columns: ``state_MiB`` the optimizer state one rank holds, measured from ``optimizer.state``
 (its local shards for FSDP2), the largest over the ranks; ``state_share`` that over the whole
 model's state (1/N is ideal; with offload the state includes the fp32 master weights, in host
-memory, and so does the whole it is compared with; ``state_on``: the devices its tensors are on); ``peak_MiB`` the peak memory of a rank above what it held before
+memory, and so does the whole it is compared with); ``state_on`` the devices its tensors are on;
+``params_MiB`` the parameters one rank holds between steps, measured from ``model.parameters()``
+(a DTensor's local shard for FSDP2 and ZeRO stage 3), the largest over the ranks;
+``predicted_peak_MiB`` graphoffload's own prediction of a step's peak (``step.memory().peak``:
+the graph's inputs plus what the step allocates), rank 0's; ``peak_MiB`` the peak memory of a rank above what it held before
 the model was built, during the timed steps (after warm-up, so a compile's transient memory is
 not counted, what the compiled step keeps is), the largest over the ranks (CPU: the process's
 peak resident set, VmHWM, which includes allocator slack and, for graphoffload, the modules its
@@ -45,8 +49,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import autocast_train_step, build_gpt, device_name, median, print_table, write_json  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-MODES = ("zero1", "zero2", "zero1_offload", "zero2_offload", "ddp", "fsdp2")
-COLUMNS = ["world", "mode", "step_ms", "state_MiB", "state_share", "state_on", "peak_MiB", "step_peak_MiB", "status"]
+MODES = ("zero1", "zero2", "zero3", "zero1_offload", "zero2_offload", "ddp", "fsdp2")
+COLUMNS = ["world", "mode", "step_ms", "state_MiB", "state_share", "state_on", "params_MiB", "predicted_peak_MiB",
+           "peak_MiB", "step_peak_MiB", "status"]
 
 
 def _memory_bytes(device: torch.device) -> int:
@@ -82,8 +87,14 @@ def _state_bytes(opt: torch.optim.Optimizer) -> int:
     return total
 
 
-def _prepare(mode: str, model: torch.nn.Module, world: int, device: torch.device):
-    """The step to time for `mode`, and its optimizer."""
+def _param_bytes(model: torch.nn.Module) -> int:
+    """The parameters this rank holds: a DTensor's local shard (FSDP2, ZeRO stage 3)."""
+    local = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]
+    return sum(t.numel() * t.element_size() for t in local)
+
+
+def _prepare(mode: str, model: torch.nn.Module, world: int, device: torch.device, bucket_numel: int | None = None):
+    """The step to time for `mode`, its optimizer, and the compiled step (None: eager)."""
     import graphoffload
 
     def make_opt(params):
@@ -91,15 +102,17 @@ def _prepare(mode: str, model: torch.nn.Module, world: int, device: torch.device
     if mode.startswith("zero"):
         opt = make_opt(model.parameters())
         offload = graphoffload.Offload() if mode.endswith("_offload") else None
-        step = graphoffload.offload_compile(autocast_train_step, offload=offload,
-                                            data_parallel=graphoffload.ZeRO(stage=int(mode[4])))
-        return lambda batch: step(model, opt, batch), opt
+        zero = graphoffload.ZeRO(stage=int(mode[4]))
+        if bucket_numel:
+            zero = graphoffload.ZeRO(stage=zero.stage, bucket_numel=bucket_numel)
+        step = graphoffload.offload_compile(autocast_train_step, offload=offload, data_parallel=zero)
+        return lambda batch: step(model, opt, batch), opt, step
     if mode == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
         ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
         opt = make_opt(ddp.parameters())
-        return lambda batch: autocast_train_step(ddp, opt, batch), opt
+        return lambda batch: autocast_train_step(ddp, opt, batch), opt, None
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -108,7 +121,7 @@ def _prepare(mode: str, model: torch.nn.Module, world: int, device: torch.device
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
     opt = make_opt(model.parameters())
-    return lambda batch: autocast_train_step(model, opt, batch), opt
+    return lambda batch: autocast_train_step(model, opt, batch), opt, None
 
 
 def _worker(rank: int, world: int, store: str, mode: str, args: argparse.Namespace, out: str) -> None:
@@ -146,7 +159,7 @@ def _measure(rank: int, world: int, mode: str, args: argparse.Namespace, device:
     full_state = 2 * sum(p.numel() * p.element_size() for p in model.parameters())   # AdamW: exp_avg, exp_avg_sq
     if mode.endswith("_offload"):   # and the fp32 master weights
         full_state += sum(p.numel() * 4 for p in model.parameters())
-    run, opt = _prepare(mode, model, world, device)
+    run, opt, step = _prepare(mode, model, world, device, args.bucket_numel)
     g = torch.Generator().manual_seed(1 + rank)   # each rank its own micro-batch
     batch = torch.randint(0, cfg.vocab_size, (args.batch, cfg.seq_len), generator=g).to(device)
     times = []
@@ -167,6 +180,7 @@ def _measure(rank: int, world: int, mode: str, args: argparse.Namespace, device:
     where = sorted({t.device.type for t in locals_})   # offloaded: "cpu" under --device cuda too
     return {"status": "ok", "step_ms": median(times) * 1e3, "state": _state_bytes(opt), "full_state": full_state,
             "state_on": "+".join(where),
+            "params": _param_bytes(model), "predicted_peak": step.memory().peak if step is not None else None,
             "peak": _peak_bytes(device) - before, "step_peak": _peak_bytes(device) - held}
 
 
@@ -195,6 +209,8 @@ def run_mode(world: int, mode: str, args: argparse.Namespace) -> dict:
     row.update(step_ms=every[0]["step_ms"], state_MiB=state / 2**20, state_share=state / every[0]["full_state"],
                state_on=every[0]["state_on"],
                state_MiB_each=[r["state"] / 2**20 for r in every],
+               params_MiB=max(r["params"] for r in every) / 2**20,
+               predicted_peak_MiB=None if every[0]["predicted_peak"] is None else every[0]["predicted_peak"] / 2**20,
                peak_MiB=max(r["peak"] for r in every) / 2**20,
                step_peak_MiB=max(r["step_peak"] for r in every) / 2**20, status="ok")
     return row
@@ -215,6 +231,9 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--smoke", action="store_true", help="tiny model, N = 1, 2")
+    p.add_argument("--bucket-numel", type=int, default=None,
+                   help="ZeRO(bucket_numel=...): elements a gradient or (stage 3) parameter bucket holds; "
+                        "default: ZeRO's")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     args.worlds = args.worlds or ([1, 2] if args.smoke else [1, 2, 4])

@@ -1,16 +1,20 @@
-"""Train a GPT data-parallel with ZeRO stage 1 or 2: each rank its own micro-batch, the optimizer
-state (and with stage 2 the gradients) sharded over the ranks.
+"""Train a GPT data-parallel with ZeRO stage 1, 2 or 3: each rank its own micro-batch, the
+optimizer state (with stage 2 the gradients too, with stage 3 the parameters as well) sharded over
+the ranks.
 
     torchrun --nproc-per-node 2 examples/train_zero.py                        # CPU (gloo)
     torchrun --nproc-per-node 4 examples/train_zero.py --device cuda --stage 1 # one GPU per rank (NCCL)
     torchrun --nproc-per-node 2 examples/train_zero.py --offload              # ZeRO-Offload
+    torchrun --nproc-per-node 2 examples/train_zero.py --stage 3              # parameters sharded too
 
 The model code is the plain GPT of examples/gpt.py and the step an ordinary train step; the
 `zero` pass averages the gradients over the ranks, has each rank update only its dim-0 chunk of
 every parameter (keeping optimizer state for that chunk alone, as Shard(0) DTensors) and
-all-gathers the updated chunks, so every rank ends each step with the same model. With
---offload each rank keeps its chunks' fp32 master weights and optimizer state in host memory
-(ZeRO-Offload). Each rank prints the share of the optimizer state it holds at the end.
+all-gathers the updated chunks, so every rank ends each step with the same model (stage 3: the
+model's parameters stay Shard(0) DTensors of each rank's rows, gathered inside the step before
+forward and backward read them). With --offload (stages 1 and 2) each rank keeps its chunks'
+fp32 master weights and optimizer state in host memory (ZeRO-Offload). Each rank prints the
+share of the optimizer state and of the parameters it holds at the end.
 """
 
 from __future__ import annotations
@@ -32,6 +36,12 @@ import graphoffload  # noqa: E402
 from train_long_context import train_step  # noqa: E402  (the ordinary step)
 
 
+def local_bytes(tensors) -> int:
+    # a DTensor's numel() is the whole tensor's: count the chunk this rank holds
+    return sum(local.numel() * local.element_size() for t in tensors
+               for local in [t.to_local() if isinstance(t, DTensor) else t])
+
+
 def state_bytes(optimizer: torch.optim.Optimizer) -> int:
     # a DTensor's numel() is the whole tensor's: count the chunk this rank holds
     return sum(local.numel() * local.element_size() for s in optimizer.state.values() for t in s.values()
@@ -41,14 +51,16 @@ def state_bytes(optimizer: torch.optim.Optimizer) -> int:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    ap.add_argument("--stage", type=int, default=2, choices=[1, 2])
+    ap.add_argument("--stage", type=int, default=2, choices=[1, 2, 3])
+    ap.add_argument("--bucket-numel", type=int, default=None,
+                    help="ZeRO(bucket_numel=...); for stage 3 about one layer's parameters")
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--micro-batch", type=int, default=4, help="rows per rank and step")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--d-model", type=int, default=128)
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--offload", action="store_true", help="master weights and state in host memory")
+    ap.add_argument("--offload", action="store_true", help="master weights and state in host memory (stages 1 and 2)")
     args = ap.parse_args()
 
     rank, world, device = join_job(args.device)
@@ -58,8 +70,11 @@ def main() -> None:
                     d_model=args.d_model)
     model = GPT(cfg).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)
-    step = graphoffload.offload_compile(train_step, data_parallel=graphoffload.ZeRO(stage=args.stage),
+    zero = graphoffload.ZeRO(stage=args.stage) if args.bucket_numel is None else \
+        graphoffload.ZeRO(stage=args.stage, bucket_numel=args.bucket_numel)
+    step = graphoffload.offload_compile(train_step, data_parallel=zero,
                                         offload=graphoffload.Offload() if args.offload else None)
+    whole_params = sum(p.numel() * p.element_size() for p in model.parameters())
 
     data = torch.Generator().manual_seed(1 + rank)   # each rank its own micro-batches
     for i in range(args.steps):
@@ -76,7 +91,9 @@ def main() -> None:
     full = (2 * sum(p.numel() * p.element_size() for p in model.parameters()) + 4 * len(list(model.parameters()))
             + (4 * sum(p.numel() for p in model.parameters()) if args.offload else 0))
     print(f"rank {rank}: optimizer state {state_bytes(optimizer):,} bytes of {full:,} "
-          f"({state_bytes(optimizer) / full:.2f}), {len(optimizer.state)} parameters")
+          f"({state_bytes(optimizer) / full:.2f}), {len(optimizer.state)} parameters; parameters "
+          f"{local_bytes(model.parameters()):,} bytes of {whole_params:,} "
+          f"({local_bytes(model.parameters()) / whole_params:.2f})")
     dist.barrier()
     dist.destroy_process_group()
 

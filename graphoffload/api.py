@@ -67,12 +67,12 @@ def _leaf_key(x: Any) -> Any:
         return ("object", id(x))
 
 
-def _optimizer_key(opt: torch.optim.Optimizer) -> Any:
+def _optimizer_key(opt: torch.optim.Optimizer, token: Callable[[Tensor], int] = id) -> Any:
     groups = []
     for g in opt.param_groups:
         options = tuple(sorted((k, repr(v)) for k, v in g.items() if k not in ("params", "lr", "initial_lr")))
-        groups.append((options, tuple(id(p) for p in g["params"])))
-    return (type(opt), tuple(groups), tuple(id(p) for p in first_step_params(opt)))
+        groups.append((options, tuple(token(p) for p in g["params"])))
+    return (type(opt), tuple(groups), tuple(token(p) for p in first_step_params(opt)))
 
 
 @contextlib.contextmanager
@@ -145,9 +145,14 @@ class CompiledStep:
         # torch keeps it until destroy_process_group(), after which a step must not keep it
         # alive (gloo's threads abort the process when it is freed at interpreter exit)
         self._step_group: weakref.ref | None = None
+        # ZeRO stage 3: the DTensor parameters the step made (by name, held weakly), which every
+        # later call must find in the model (`_check_sharded_params`)
+        self._sharded_params: dict[str, weakref.ref] = {}
+        self._replaced: dict[int, int] = {}   # id of such a parameter -> id of the one it replaced
         self.trace_count = 0
         self._skipped: Tensor | None = None   # sum of the skip flags (skip_nonfinite), on the device
         self._interruption = InterruptionGuard()
+        self._before: Snapshot | None = None   # the running call's snapshot of what its update may write
         functools.update_wrapper(self, fn)
 
     @property
@@ -169,12 +174,14 @@ class CompiledStep:
         bindings = bindings if bindings is not None else find_bindings(self.fn, args, kwargs)
         accumulation = self._next_accumulation()
         # a variant that does not update depends on neither the optimizers' settings nor first steps
+        # a parameter ZeRO stage 3 sharded keys variants as the one it replaced (compiled before)
+        token = (lambda p: self._replaced.get(id(p), id(p))) if self._replaced else id
         optimizers = tuple(id(o) for o in bindings.optimizers) if accumulation is not None and not accumulation.update \
-            else tuple(_optimizer_key(o) for o in bindings.optimizers)
+            else tuple(_optimizer_key(o, token) for o in bindings.optimizers)
         return (
             None if accumulation is None else accumulation.update,
             tuple(_leaf_key(x) for x in pytree.tree_leaves((args, kwargs))),
-            tuple((n, tuple(p.shape), p.dtype, p.device, p.requires_grad, id(p)) for n, p in bindings.params.items()),
+            tuple((n, tuple(p.shape), p.dtype, p.device, p.requires_grad, token(p)) for n, p in bindings.params.items()),
             tuple((n, tuple(t.shape), t.dtype, t.device) for n in bindings.buffers for t in [bindings.buffer(n)]),
             tuple(m.training for model in bindings.modules for m in model.modules()),
             optimizers,
@@ -229,6 +236,14 @@ class CompiledStep:
             graph, stages = self.pass_manager.run(capture.graph, ctx)
             if self.config.data_parallel is not None:   # state for this rank's chunks only
                 capture.create_deferred_state(graph, self.config.data_parallel, self.config.offload is not None)
+                # stage 3: the parameters too (DTensors of this rank's rows, as FSDP2 keeps them)
+                before = dict(capture.bindings.params)
+                sharded = capture.shard_parameters(graph, self.config.data_parallel)
+                self._sharded_params.update((n, weakref.ref(p)) for n, p in sharded.items())
+                self._replaced.update((id(p), id(before[n])) for n, p in sharded.items() if p is not before[n])
+                if any(p is not before[n] for n, p in sharded.items()):
+                    # what this call's update writes now: the new parameters' rows (and their state)
+                    self._before = Snapshot.take(capture.bindings)
         except BaseException:
             capture.discard_created_state()
             raise
@@ -264,8 +279,33 @@ class CompiledStep:
         parallel = self.config.sequence_parallel or self.config.data_parallel
         return None if parallel is None else parallel.rank_failed
 
+    def _check_sharded_params(self, bindings: StepBindings) -> None:
+        """ZeRO stage 3: the model must still hold the DTensor parameters the step made (their
+        local rows are what the graph binds); refused before anything runs otherwise."""
+        from torch.distributed.tensor import DTensor
+
+        dp = self.config.data_parallel
+        if dp is None or dp.stage != 3:
+            return
+        for name, param in bindings.params.items():
+            ref = self._sharded_params.get(name)
+            ours = ref is not None and ref() is param
+            if ours or (ref is None and not isinstance(param, DTensor)):
+                continue
+            now = f"a DTensor the step did not make ({getattr(param, 'placements', '?')})" \
+                if isinstance(param, DTensor) else f"a plain {type(param).__name__} of shape {tuple(param.shape)}"
+            raise StateError(
+                f"parameter {name} is {now}, but this ZeRO stage 3 step " + (
+                    "sharded it into a Shard(0) DTensor parameter when it compiled, and the model no longer holds "
+                    "that one: load new values into the parameters the step made (set_model_state_dict, "
+                    "torch.distributed.checkpoint, or param.to_local().copy_(...)) instead of replacing them, or "
+                    "compile a new step for the new parameters" if ref is not None else
+                    "shards plain parameters itself: pass the model's parameters unsharded (not fully_shard'ed)"))
+
     def _variant(self, args: tuple, kwargs: dict,
                  bindings: StepBindings | None = None) -> tuple[Any, CompiledVariant]:
+        bindings = bindings if bindings is not None else find_bindings(self.fn, args, kwargs)
+        self._check_sharded_params(bindings)
         key = self._key(args, kwargs, bindings)
         variant = self._variants.get(key)
         if variant is None:
@@ -311,11 +351,11 @@ class CompiledStep:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self._interruption.check(self._name)
         bindings = find_bindings(self.fn, args, kwargs)
-        before = Snapshot.take(bindings)
+        self._before = Snapshot.take(bindings)
         try:
             result = self._call(args, kwargs, bindings)
         except BaseException as exc:
-            updated = before.changed()
+            updated = self._before.changed()
             if not updated:
                 self._forget_unrun_variant()
                 raise    # nothing the user holds changed: retrying is safe

@@ -37,7 +37,7 @@ from torch.overrides import TorchFunctionMode
 from graphoffload import nonfinite, optimizer_lowering
 from graphoffload.aliasing import written_placeholders
 from graphoffload.config import CompileConfig
-from graphoffload.data_parallel import ZeRO, local_chunk, shard_state
+from graphoffload.data_parallel import ZeRO, local_chunk, shard_parameter, shard_state
 from graphoffload.diagnostics import (OWN_DIRS, calling_user_line, is_installed_package, user_frame,
                                       user_line_of_stack_trace, where_in_user_code)
 from graphoffload.errors import CaptureError, GraphOffloadError, UnsupportedError, describe
@@ -156,6 +156,14 @@ def _optimizer_bindings(optimizers: list[torch.optim.Optimizer], param_names: di
             lr_groups.append((oi, gi))
             for p in group["params"]:
                 if id(p) not in param_names:
+                    from torch.distributed.tensor import DTensor
+
+                    if isinstance(p, DTensor):   # a ZeRO stage 3 step's shard, replaced in the model
+                        raise CaptureError(
+                            f"{type(opt).__name__} holds a DTensor parameter of shape {tuple(p.shape)} that belongs "
+                            "to none of the step's models: was a parameter a ZeRO stage 3 step sharded replaced in "
+                            "the model? Load new values into the parameters the step made (set_model_state_dict, "
+                            "torch.distributed.checkpoint) instead of replacing them")
                     raise CaptureError(f"{type(opt).__name__} holds a parameter of shape {tuple(p.shape)} "
                                        "that belongs to none of the step's models; pass its module too")
                 if id(p) in optimized:   # its state is looked up by parameter alone
@@ -718,6 +726,43 @@ class Capture:
                 shard_state(opt.state[p], p, bindings.param_names[id(p)], mesh, world, rank)
             self.created_state.append((opt, fresh))
 
+    def shard_parameters(self, graph: TrainGraph, zero: ZeRO) -> dict[str, nn.Parameter]:
+        """ZeRO stage 3: replace every parameter the final `graph` holds as this rank's rows (the
+        `zero` pass's `params` note) by an `nn.Parameter` holding a `Shard(0)` DTensor of them
+        (`data_parallel.shard_parameter`), in the model (tied parameters stay tied), in the
+        optimizers' param groups and as the key of their state, and in these bindings, so the
+        step binds the DTensors' local rows from now on and the whole parameters can be freed.
+        Returns the new parameters by name (those sharded before are kept, and returned too)."""
+        notes = graph.notes_of("zero", "params")
+        if not notes:
+            return {}
+        from torch.distributed.tensor import DTensor
+
+        bindings = self.bindings
+        mesh = zero.device_mesh(bindings.device.type)
+        new: dict[str, nn.Parameter] = {}
+        for name in notes[0].fields["sharded"]:
+            old = bindings.params[name]
+            if isinstance(old, DTensor):
+                new[name] = old
+                continue
+            param = new[name] = shard_parameter(old, mesh, zero.world_size, zero.rank)
+            for model in bindings.modules:
+                for mod in model.modules():
+                    for attr, p in list(mod._parameters.items()):
+                        if p is old:
+                            setattr(mod, attr, param)
+            for opt in bindings.optimizers:
+                for group in opt.param_groups:
+                    group["params"] = [param if p is old else p for p in group["params"]]
+                if old in opt.state:
+                    opt.state[param] = opt.state.pop(old)
+            bindings.params[name] = param
+            del bindings.param_names[id(old)]
+            bindings.param_names[id(param)] = name
+            self.created_state = [(opt, [param if p is old else p for p in ps]) for opt, ps in self.created_state]
+        return new
+
 
 def _discard_state(created: list[tuple[torch.optim.Optimizer, list[Tensor]]]) -> None:
     for opt, params in created:
@@ -820,7 +865,7 @@ def _capture_step(fn: Callable, args: tuple, kwargs: dict, config: CompileConfig
 
     fake_mode = _fake_mode() if offloaded or deferred else None
     real_inputs: list[Tensor] = (
-        [p.detach().requires_grad_(p.requires_grad) for p in bindings.params.values()]
+        [_traced_param(p, fake_mode) for p in bindings.params.values()]
         + [bindings.buffer(n) for n in buffer_names]
         + [_traced_state(bindings, pn, k, fake_mode) for pn, k in bindings.state_keys]
         + [torch.tensor(lr, dtype=torch.float64) for lr in lr_before]
@@ -933,6 +978,18 @@ def _fake_mode() -> FakeTensorMode:
     inputs and converts the other inputs into it."""
     with functorch_config.patch(fake_tensor_allow_unsafe_data_ptr_access=False):
         return FakeTensorMode(allow_fallback_kernels=True, shape_env=ShapeEnv(), static_shapes=True)
+
+
+def _traced_param(param: nn.Parameter, fake_mode: FakeTensorMode | None) -> Tensor:
+    """A parameter as the trace sees it: the parameter itself (detached), or, for a DTensor a
+    ZeRO stage 3 step sharded, a fake tensor of the whole parameter's shape (the `zero` pass
+    makes its placeholder this rank's rows again)."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(param, DTensor) and fake_mode is not None:
+        with fake_mode:
+            return torch.empty(param.shape, dtype=param.dtype, device=param.device).requires_grad_(param.requires_grad)
+    return param.detach().requires_grad_(param.requires_grad)
 
 
 def _traced_state(bindings: StepBindings, param_name: str, key: str, fake_mode: FakeTensorMode | None) -> Tensor:

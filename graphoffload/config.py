@@ -188,8 +188,9 @@ class CompileConfig:
         sequence_parallel: a `graphoffload.SequenceParallel`: split the sequence across the
             ranks of a process group (the `ring_attention` pass); None (default): no split.
         data_parallel: a `graphoffload.ZeRO`: each rank of a process group trains on its own
-            micro-batch, gradients averaged, optimizer state (and with stage 2 gradients)
-            sharded over the group (the `zero` pass); None (default): one process.
+            micro-batch, gradients averaged, optimizer state (with stage 2 gradients too, with
+            stage 3 parameters too) sharded over the group (the `zero` pass); None (default):
+            one process.
         accumulation_steps: k > 1 makes each call one micro-batch: its gradients (of the loss
             divided by k) are added into running sums kept on the device, and every k-th call
             updates from the sums (DeepSpeed's gradient_accumulation_steps). 1: every call updates.
@@ -225,16 +226,22 @@ class CompileConfig:
         object.__setattr__(self, "disable_passes", tuple(self.disable_passes))
         if self.data_parallel is not None:
             if self.sequence_parallel is not None:
-                raise UnsupportedError("ZeRO data parallelism with sequence_parallel= is not supported yet: ZeRO "
-                                       "stages 1 and 2 run with offload=, accumulation_steps and clip_grad_norm_ but "
-                                       "not with sequence_parallel= for now; drop sequence_parallel= or "
+                raise UnsupportedError("ZeRO data parallelism with sequence_parallel= is not supported yet: no "
+                                       "ZeRO stage runs with sequence_parallel= for now; drop sequence_parallel= or "
                                        "data_parallel=")
-            if self.offload is not None:
+            if getattr(self.data_parallel, "stage", None) == 3:
+                not_yet = [what for what, given in (
+                    ("accumulation_steps > 1", self.accumulation_steps > 1),
+                    ("offload=", self.offload is not None)) if given]
+                if not_yet:
+                    raise UnsupportedError(f"ZeRO stage 3 with {' and '.join(not_yet)} is not supported yet: use "
+                                           f"ZeRO(stage=2) with {' and '.join(not_yet)}, or stage 3 without it")
+            elif self.offload is not None:
                 self._check_zero_offload()
 
     def _check_zero_offload(self) -> None:
-        """ZeRO with offload= (ZeRO-Offload) covers each rank's chunk of a plain step; what it
-        does not cover yet is refused here, before anything is traced."""
+        """ZeRO stages 1 and 2 with offload= (ZeRO-Offload) cover each rank's chunk of a plain
+        step; what they do not cover yet is refused here, before anything is traced."""
         not_yet = [what for what, given in (
             ("accumulation_steps > 1", self.accumulation_steps > 1),
             ("Offload(overlap_next_step=True)", self.offload.overlap_next_step),

@@ -1,5 +1,6 @@
-"""`ZeRO`: data parallelism with the optimizer state (stage 1) and the gradients (stage 2)
-sharded over the ranks of a group (Rajbhandari et al., 2020), done by the `zero` pass.
+"""`ZeRO`: data parallelism with the optimizer state (stage 1), the gradients (stage 2) and the
+parameters (stage 3) sharded over the ranks of a group (Rajbhandari et al., 2020), done by the
+`zero` pass.
 
     zero = graphoffload.ZeRO(stage=2, group=None)    # None: the world group
     step = graphoffload.offload_compile(train_step, data_parallel=zero)
@@ -21,10 +22,15 @@ values, cause not found yet; plain tensors do).
 This module holds the layout both the pass (which rewrites the graph to the chunks) and capture
 (which creates the state) use, so they cannot disagree.
 
-`accumulation_steps=k` works: gradients are reduced once per update (the `zero` pass). With
-`offload=` (ZeRO-Offload) each rank keeps its chunks' fp32 master weights and state in host memory,
-still `Shard(0)` DTensors in `optimizer.state` (`as_shard`; runtime/host_state.py). Not yet:
-stage 3, ZeRO with `sequence_parallel=`, and with `offload=` together with accumulation_steps,
+Stage 3 shards the parameters too: when the step first compiles, each parameter it updates
+(but 0-dim ones) becomes an `nn.Parameter` holding a `Shard(0)` DTensor of this rank's rows
+(`shard_parameter`), as FSDP2 leaves a model, and the graph gathers them before use.
+
+`accumulation_steps=k` works with stages 1 and 2: gradients are reduced once per update (the
+`zero` pass). With `offload=` (ZeRO-Offload, stages 1 and 2) each rank keeps its chunks' fp32
+master weights and state in host memory, still `Shard(0)` DTensors in `optimizer.state`
+(`as_shard`; runtime/host_state.py). Not yet: stage 3 with `accumulation_steps` or `offload=`,
+ZeRO with `sequence_parallel=`, and `offload=` together with accumulation_steps,
 overlap_next_step or activations="auto"; each is refused with an `UnsupportedError` that says so.
 """
 
@@ -35,7 +41,7 @@ from typing import Any, ClassVar
 
 from torch import Tensor
 
-from graphoffload.errors import RankTimeoutError, StateError, UnsupportedError
+from graphoffload.errors import RankTimeoutError, StateError
 from graphoffload.groups import OverGroup
 
 
@@ -47,7 +53,10 @@ class ZeRO(OverGroup):
         stage: 1 shards the optimizer state (gradients all-reduced, each rank updates its
             chunk of every parameter, then the chunks are all-gathered); 2 also the gradients
             (each bucket reduce-scattered, so a rank receives its chunks' gradients alone).
-            3 (parameters sharded between steps too) is not supported yet.
+            3 also the parameters: between steps each rank holds its `Shard(0)` rows of every
+            parameter (the model's parameters become DTensors when the step first compiles),
+            and the graph gathers each bucket of parameters before forward reads it and again
+            before backward does (`passes/zero_params.py`).
         group: the torch.distributed process group; None: the default (world) group.
         bucket_numel: most elements of gradients one collective covers (buckets follow the
             order gradients are produced in backward); per bucket, one gradient collective
@@ -69,11 +78,8 @@ class ZeRO(OverGroup):
                                        "(pad or drop the last, smaller batch).")
 
     def __post_init__(self) -> None:
-        if self.stage == 3:
-            raise UnsupportedError("ZeRO stage 3 (parameters sharded between steps) is not supported yet; "
-                                   "use ZeRO(stage=1) or ZeRO(stage=2)")
-        if self.stage not in (1, 2):
-            raise ValueError(f"ZeRO stage must be 1 or 2 (3 is not supported yet), got {self.stage!r}")
+        if self.stage not in (1, 2, 3):
+            raise ValueError(f"ZeRO stage must be 1, 2 or 3, got {self.stage!r}")
         if self.bucket_numel <= 0:
             raise ValueError("bucket_numel must be positive")
         if self.timeout_s <= 0:
@@ -97,7 +103,12 @@ def shard_rows(rows: int, world: int, rank: int) -> tuple[int, int]:
 
 
 def local_chunk(param: Tensor, world: int, rank: int) -> Tensor:
-    """`rank`'s chunk of `param` along dim 0, as a view (the parameter itself when 0-dim)."""
+    """`rank`'s chunk of `param` along dim 0, as a view (the parameter itself when 0-dim; the
+    local tensor of a DTensor, which a ZeRO stage 3 step sharded already)."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(param, DTensor):
+        return param.to_local()
     if param.dim() == 0:
         return param
     start, rows = shard_rows(param.shape[0], world, rank)
@@ -151,3 +162,13 @@ def as_shard(local: Tensor, param: Tensor, mesh: Any) -> Any:
     from torch.distributed.tensor import DTensor, Shard
 
     return DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=param.shape, stride=param.stride())
+
+
+def shard_parameter(param: Tensor, mesh: Any, world: int, rank: int) -> Tensor:
+    """ZeRO stage 3: a new `nn.Parameter` holding a `Shard(0)` DTensor of `param` over `mesh`
+    whose local tensor is a copy of this rank's rows (so the whole parameter can be freed),
+    as FSDP2's `fully_shard` leaves a model's parameters."""
+    from torch import nn
+
+    local = local_chunk(param.detach(), world, rank).clone()
+    return nn.Parameter(as_shard(local, param, mesh), requires_grad=param.requires_grad)

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 
 from graphoffload.errors import StateError, describe
 
@@ -33,7 +34,9 @@ class Snapshot:
     @staticmethod
     def take(bindings: Any) -> Snapshot:
         names = {id(p): n for n, p in bindings.params.items()}
-        params = tuple((n, p, p._version) for n, p in bindings.params.items())
+        # a ZeRO stage 3 parameter is a DTensor: the step writes its local rows
+        params = tuple((n, w, w._version) for n, p in bindings.params.items()
+                       for w in [p.detach().to_local() if isinstance(p, DTensor) else p])
         state = tuple((f"{names.get(id(p), '?')}.{key}", watched, watched._version)
                       for opt in bindings.optimizers for p, s in opt.state.items()
                       for key, t in s.items() if isinstance(t, Tensor)

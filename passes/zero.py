@@ -1,5 +1,6 @@
-"""zero: shard the optimizer update (ZeRO stage 1) and the gradients (stage 2) over the ranks
-of a `ZeRO` group, each rank training on its own micro-batch, in the FSDP2 layout.
+"""zero: shard the optimizer update (ZeRO stage 1), the gradients (stage 2) and the parameters
+(stage 3) over the ranks of a `ZeRO` group, each rank training on its own micro-batch, in the
+FSDP2 layout.
 
 The captured step computes this rank's gradients and updates every parameter. This pass cuts
 every parameter along dim 0 as DTensor's `Shard(0)` does (`graphoffload.data_parallel.shard_rows`:
@@ -45,9 +46,14 @@ replaces the total for everything that read it: the clip coefficient, which the 
 apply to the chunks before the update, and the norm the step returns, the same on every rank.
 A 0-dim parameter's gradient is whole on every rank, so only rank 0 counts it.
 
+**Stage 3** reduces the gradients as stage 2 does, but a parameter's placeholder is this rank's
+chunk (the update writes it in place and nothing is gathered after it): `zero_params.py` gathers
+the whole parameters per bucket before forward reads them and again before backward does.
+Clipping, `.grad` left set and a returned parameter are refused for it.
+
 What the pass cannot shard yet (other reads or writes of the gradients besides the update:
-another norm, a GradScaler, skip_nonfinite; `.grad` left set after clipping; with stage 2,
-`.grad` left set at all) is refused with `UnsupportedError`.
+another norm, a GradScaler, skip_nonfinite; `.grad` left set after clipping; with stages 2 and
+3, `.grad` left set at all) is refused with `UnsupportedError`.
 """
 
 from __future__ import annotations
@@ -66,6 +72,8 @@ from graphoffload.diagnostics import user_line_of_stack_trace
 from graphoffload.errors import UnsupportedError
 from graphoffload.graph import TrainGraph, fake_mode_of, fake_value
 from graphoffload.passes.update_kernels import UpdateKernel, update_kernels_to_rewrite
+from graphoffload.passes.zero_params import (ShardedParam, classify_reads, gather_for_use, padded_flat,
+                                              whole_from_gathered)
 
 if TYPE_CHECKING:
     from graphoffload.passes.manager import PassContext
@@ -215,7 +223,7 @@ def _clipping(items: list[_Item], readers: set[fx.Node], output: fx.Node, stage:
                 continue
             if user is output:
                 raise UnsupportedError(
-                    f"ZeRO stage 2 keeps only this rank's own gradients, but the step leaves {it.name}.grad "
+                    f"ZeRO stage {stage} keeps only this rank's own gradients, but the step leaves {it.name}.grad "
                     "set after it returns: call optimizer.zero_grad() at the end of the step, or use "
                     "ZeRO(stage=1)")
             if _l2(user) and user.target is aten.linalg_vector_norm.default:
@@ -287,13 +295,11 @@ def _rows_by_rank(emit: _Emitter, it: _Item, full: fx.Node, world: int) -> fx.No
     return emit(aten.reshape.default, (full, [world, it.part(world)]), full)
 
 
-def _padded_chunk(emit: _Emitter, it: _Item, chunk: fx.Node, world: int, rank: int) -> fx.Node:
+def _padded_chunk(emit: _Emitter, it: _Item, chunk: fx.Node, world: int) -> fx.Node:
     """This rank's chunk (shaped `local_shape`), padded to ceil(d0/N) rows and flattened."""
-    if not it.scalar:
-        pad = it.chunk_rows(world) - it.local_shape(world, rank)[0]
-        if pad:
-            chunk = emit(aten.constant_pad_nd.default, (chunk, [0, 0] * (len(it.shape) - 1) + [0, pad]), chunk)
-    return emit(aten.reshape.default, (chunk, [-1]), chunk)
+    if it.scalar:
+        return emit(aten.reshape.default, (chunk, [-1]), chunk)
+    return padded_flat(emit, chunk, it.shape, it.chunk_rows(world), it.name, chunk)
 
 
 def _local_rows(emit: _Emitter, it: _Item, full: fx.Node, world: int, rank: int, phase: str = "comm") -> fx.Node:
@@ -355,12 +361,11 @@ def _global_norm(emit: _Emitter, clip: _Clip, rank: int, group: str) -> None:
         user.replace_input_with(total, norm)
 
 
-def _gather_parameters(emit: _Emitter, bucket: _Bucket, chunks: dict[fx.Node, fx.Node], rank: int, world: int,
+def _gather_parameters(emit: _Emitter, bucket: _Bucket, chunks: dict[fx.Node, fx.Node], world: int,
                        group: str) -> int:
     """All-gather the bucket's updated chunks; overwrite every (non 0-dim) parameter from them."""
     like = bucket.items[0].param
-    flat = emit(aten.cat.default, ([_padded_chunk(emit, it, chunks[it.param], world, rank)
-                                    for it in bucket.items],), like)
+    flat = emit(aten.cat.default, ([_padded_chunk(emit, it, chunks[it.param], world) for it in bucket.items],), like)
     gathered = emit(c10d.wait_tensor.default,
                     (emit(c10d.all_gather_into_tensor.default, (flat, world, group), flat),), flat)
     by_rank = emit(aten.view.default, (gathered, [world, bucket.part]), flat)
@@ -368,13 +373,9 @@ def _gather_parameters(emit: _Emitter, bucket: _Bucket, chunks: dict[fx.Node, fx
     for it in bucket.items:
         if it.scalar:   # every rank updated it alike
             continue
-        mine = (it.name,)
-        cols = emit(aten.slice.Tensor, (by_rank, 1, it.offset, it.offset + it.part(world)), it.param, param=mine)
-        rows = emit(aten.reshape.default, (cols, [world * it.chunk_rows(world), *it.shape[1:]]), it.param,
-                    param=mine)
-        if world * it.chunk_rows(world) != it.shape[0]:
-            rows = emit(aten.slice.Tensor, (rows, 0, 0, it.shape[0]), it.param, param=mine)
-        emit(aten.copy_.default, (it.param, rows), it.param, param=mine)
+        rows = whole_from_gathered(emit, by_rank, it.offset, it.part(world), it.shape, it.chunk_rows(world), world,
+                                   it.name, it.param)
+        emit(aten.copy_.default, (it.param, rows), it.param, param=(it.name,))
         copied += 1
     return copied
 
@@ -395,6 +396,20 @@ def _shard_state(emit: _Emitter, it: _Item, world: int, rank: int) -> int:
     return numel
 
 
+def _stage_3_params(items: list[_Item], clip: _Clip | None, position: dict[fx.Node, int], world: int,
+                    rank: int) -> list[ShardedParam]:
+    """The parameters stage 3 shards (every updated one but 0-dim ones), after refusing what it
+    cannot do yet, before the graph is changed."""
+    if clip is not None:
+        raise UnsupportedError(
+            f"ZeRO stage 3 with clip_grad_norm_ (at {_line(clip.total)}) is not supported yet: drop the clipping, "
+            "or use ZeRO(stage=2), which clips with the global norm")
+    sharded = [ShardedParam(it.param, it.name, tuple(it.shape), it.chunk_rows(world), it.part(world),
+                            tuple(it.local_shape(world, rank)), it.kernel.node) for it in items if not it.scalar]
+    classify_reads(sharded, position)
+    return sharded
+
+
 def zero(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
     dp = ctx.config.data_parallel
     if dp is None:
@@ -407,18 +422,21 @@ def zero(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
     output = next(n for n in g.nodes if n.op == "output")
     items, clip = _items(kernels, output, dp.stage)
     position = {n: i for i, n in enumerate(g.nodes)}
+    sharded = _stage_3_params(items, clip, position, world, rank) if dp.stage == 3 else []
     buckets = _layout(items, position, dp.bucket_numel, world)
     emit = _Emitter(g)
 
     # the update's parameters: this rank's rows of each, views made right after the inputs (so
-    # they pin no update late), through which the kernels write
-    chunks: dict[fx.Node, fx.Node] = {}
-    last_input = [n for n in g.nodes if n.op == "placeholder"][-1]
-    with g.inserting_after(last_input):
-        for it in reversed(items):   # (inserting_after puts each new node first)
-            chunks[it.param] = _local_rows(emit, it, it.param, world, rank, phase="optimizer")
-    for it in items:
-        it.kernel.node.replace_input_with(it.param, chunks[it.param])
+    # they pin no update late), through which the kernels write; stage 3: the placeholders
+    # themselves, which hold this rank's rows alone
+    chunks: dict[fx.Node, fx.Node] = {it.param: it.param for it in items}
+    if dp.stage != 3:
+        last_input = [n for n in g.nodes if n.op == "placeholder"][-1]
+        with g.inserting_after(last_input):
+            for it in reversed(items):   # (inserting_after puts each new node first)
+                chunks[it.param] = _local_rows(emit, it, it.param, world, rank, phase="optimizer")
+        for it in items:
+            it.kernel.node.replace_input_with(it.param, chunks[it.param])
     state_numel = sum(_shard_state(emit, it, world, rank) for it in items)
 
     # gradients: each bucket's collective right after its last gradient; the update reads this
@@ -435,29 +453,48 @@ def zero(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
     if clip is not None:
         _global_norm(emit, clip, rank, group)
 
-    # parameters: gathered after the last update, in bucket order
-    last_kernel = max((k.node for k in kernels), key=position.__getitem__)
+    total = sum(it.numel for it in items)
+    local = sum(it.local_numel(world, rank) for it in items)
+    padded = sum(b.part for b in buckets) * world
     copied = 0
-    with g.inserting_before(last_kernel.next):
-        for bucket in buckets:
-            copied += _gather_parameters(emit, bucket, chunks, rank, world, group)
+    if dp.stage == 3:   # parameters: gathered before forward and backward read them (zero_params)
+        gathers = gather_for_use(emit, g, sharded, world, group, dp.bucket_numel)
+    else:   # parameters: gathered after the last update, in bucket order
+        last_kernel = max((k.node for k in kernels), key=position.__getitem__)
+        with g.inserting_before(last_kernel.next):
+            for bucket in buckets:
+                copied += _gather_parameters(emit, bucket, chunks, world, group)
     g.lint()
     written = written_placeholders(g)
     inputs = tuple(s if s.mutable or s.name not in written else type(s)(s.kind, s.name, s.target, True)
                    for s in graph.signature.inputs)
     graph = graph.with_signature(inputs=inputs)
 
-    total = sum(it.numel for it in items)
-    local = sum(it.local_numel(world, rank) for it in items)
-    padded = sum(b.part for b in buckets) * world
     collective = "all-reduce" if dp.stage == 1 else "reduce-scatter"
+    gathered = "parameters gathered before use (below)" if dp.stage == 3 else \
+        f"one {collective} and one all-gather each; {copied} parameters overwritten from the gathered chunks"
     graph.note("zero", f"ZeRO stage {dp.stage}, rank {rank} of {world}: updates its dim-0 chunk of each of "
                f"{len(items)} parameters ({local:,} of {total:,} elements; optimizer state {state_numel:,} "
-               f"elements besides step counters); {len(buckets)} gradient buckets, one {collective} and one "
-               f"all-gather each; {copied} parameters overwritten from the gathered chunks", "shards",
+               f"elements besides step counters); {len(buckets)} gradient buckets, {gathered}", "shards",
                stage=dp.stage, rank=rank, world=world, buckets=len(buckets), gradient_collective=collective,
                params=len(items), local_numel=local, numel=total, state_numel=state_numel,
                bucket_parts=tuple(b.part for b in buckets), padded_numel=padded)
+    if dp.stage == 3:
+        # each rank sends and receives (N-1)/N of what a collective covers; DDP's all-reduce moves
+        # twice the gradients: the ratio compares elements covered (the gathers' whole parameters,
+        # the reduce-scatters' padded buffers)
+        gathered_numel = sum(gathers.forward_buckets) + sum(gathers.backward_buckets)
+        ratio = (gathered_numel + padded) / (2 * total) if total else 0.0
+        graph.note("zero", f"stage 3: {len(gathers.sharded)} parameters held as this rank's rows between steps "
+                   f"({local:,} of {total:,} elements); {len(gathers.forward_buckets)} parameter buckets gathered "
+                   f"before forward reads them and {len(gathers.backward_buckets)} again before backward does (the "
+                   f"next bucket's all-gather issued one bucket ahead; {len(gathers.kept)} parameters of the last "
+                   f"forward bucket kept for backward), largest {max(gathers.forward_buckets, default=0):,} "
+                   f"elements; {gathers.recomputed} forward views of parameters repeated in backward; a step's "
+                   f"collectives cover {ratio:.2f}x the elements of DDP's all-reduce", "params",
+                   sharded=gathers.sharded, forward_buckets=gathers.forward_buckets,
+                   backward_buckets=gathers.backward_buckets, recomputed=gathers.recomputed, kept=gathers.kept,
+                   gathered_numel=gathered_numel, volume_vs_ddp=ratio)
     if clip is not None:
         graph.note("zero", f"clip_grad_norm_: the global L2 norm of {len(clip.terms)} gradients from this rank's "
                    "chunks of their averages (squares summed, one all-reduce of a scalar), the clip coefficient "

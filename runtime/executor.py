@@ -97,7 +97,7 @@ class Executor:
             elif spec.host:
                 values.append(self.host_state.tensor(spec, self.vals[spec.name], in_flight))
             elif spec.kind == "param":
-                values.append(b.params[spec.target].detach())
+                values.append(self.placed_param(spec.target, self.vals[spec.name]))
             elif spec.kind == "buffer":
                 values.append(b.buffer(spec.target))
             elif spec.kind == "state":
@@ -109,6 +109,21 @@ class Executor:
             else:
                 values.append(batch[spec.target].detach())
         return values
+
+    def placed_param(self, name: str, like: Tensor) -> Tensor:
+        """A parameter as the graph reads it: detached, or, for a DTensor a ZeRO stage 3 step
+        sharded, its local rows (writes land in them), which must be what the graph holds."""
+        p = self.capture.bindings.params[name]
+        if not isinstance(p, DTensor):
+            return p.detach()
+        local = p.detach().to_local()
+        if local.shape != like.shape or local.dtype != like.dtype or local.device != like.device:
+            raise StateError(
+                f"parameter {name} is a DTensor whose local rows are {local.dtype} of shape {tuple(local.shape)} on "
+                f"{local.device}, but the step was compiled for {like.dtype} of shape {tuple(like.shape)} on "
+                f"{like.device}: load values into the parameters the step sharded (set_model_state_dict or "
+                "torch.distributed.checkpoint), or compile a new step")
+        return local
 
     def placed_state(self, target: tuple[str, str], like: Tensor) -> Tensor:
         """An optimizer-state tensor where the graph was traced to find it. `load_state_dict`

@@ -75,7 +75,7 @@ def test_compile_time_smoke_run_reports_every_stage(tmp_path):
 
 @pytest.mark.slow   # spawns 2 ranks twice
 def test_zero_benchmark_smoke_run_measures_each_rank(tmp_path):
-    result = _run("zero.py", "--smoke", "--worlds", "2", "--modes", "zero2", "ddp", out=tmp_path / "z.json")
+    result = _run("zero.py", "--smoke", "--worlds", "2", "--modes", "zero2", "zero3", "ddp", out=tmp_path / "z.json")
     rows = {r["mode"]: r for r in result["rows"]}
     assert all(r["status"] == "ok" for r in rows.values()), rows
     # measured: ZeRO keeps half the optimizer state on each of 2 ranks (up to the largest parameter), DDP all of it
@@ -83,3 +83,7 @@ def test_zero_benchmark_smoke_run_measures_each_rank(tmp_path):
     assert 0.3 < rows["zero2"]["state_share"] < 0.7 and sum(rows["zero2"]["state_MiB_each"]) == \
         pytest.approx(rows["ddp"]["state_MiB"])
     assert all(r["step_ms"] > 0 and r["peak_MiB"] > 0 for r in rows.values())
+    # stage 3 holds about half the parameters on each of 2 ranks between steps, stage 2 and DDP all
+    assert rows["zero2"]["params_MiB"] == rows["ddp"]["params_MiB"]
+    assert 0.4 < rows["zero3"]["params_MiB"] / rows["ddp"]["params_MiB"] < 0.6
+    assert rows["zero3"]["predicted_peak_MiB"] > 0 and rows["ddp"]["predicted_peak_MiB"] is None
