@@ -802,10 +802,20 @@ def _drop_unused_grad_sums(capture: Capture, accumulation: Accumulation, on_host
         capture.graph = graph.without_inputs(unused)
     sums = [placeholders[s.name].meta["val"] for s in capture.graph.signature.inputs if s.kind == "grad_sum"]
     nbytes = sum(v.numel() * (4 if on_host else v.element_size()) for v in sums)   # host sums are fp32
+    # what the window's update will update: every parameter of an optimizer the step steps that
+    # gets a gradient (has a running sum). An accumulating variant has no update in its graph, so
+    # this is how a pass that must treat both variants' parameters alike (ZeRO stage 3 shards
+    # them) knows them there
+    bindings = capture.bindings
+    stepped = {bindings.param_names[id(p)] for i in capture.stepped_optimizers
+               for group in bindings.optimizers[i].param_groups for p in group["params"]}
+    updated = tuple(s.target for s in capture.graph.signature.inputs if s.kind == "grad_sum" and s.target in stepped)
     capture.graph.note("capture", f"accumulation_steps={accumulation.steps}: this variant "
                        f"{'adds the last micro-batch of a window and updates' if accumulation.update else 'adds a micro-batch'}; "
                        f"{len(sums)} running gradient sums, {nbytes:,} bytes "
-                       + ("in host memory (fp32), kept between calls" if on_host else "on the device, kept between calls"))
+                       + ("in host memory (fp32), kept between calls" if on_host else "on the device, kept between calls"),
+                       "accumulation", steps=accumulation.steps, update=accumulation.update, sums=len(sums),
+                       sum_bytes=nbytes, updated=updated)
 
 
 def _drop_unread_state(capture: Capture, fresh: list[tuple[torch.optim.Optimizer, list[Tensor]]],

@@ -231,8 +231,7 @@ class CompileConfig:
                                        "data_parallel=")
             if getattr(self.data_parallel, "stage", None) == 3:
                 not_yet = [what for what, given in (
-                    ("accumulation_steps > 1", self.accumulation_steps > 1),
-                    ("offload=", self.offload is not None)) if given]
+                    ("offload=", self.offload is not None),) if given]
                 if not_yet:
                     raise UnsupportedError(f"ZeRO stage 3 with {' and '.join(not_yet)} is not supported yet: use "
                                            f"ZeRO(stage=2) with {' and '.join(not_yet)}, or stage 3 without it")

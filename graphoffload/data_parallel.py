@@ -26,10 +26,10 @@ Stage 3 shards the parameters too: when the step first compiles, each parameter 
 (but 0-dim ones) becomes an `nn.Parameter` holding a `Shard(0)` DTensor of this rank's rows
 (`shard_parameter`), as FSDP2 leaves a model, and the graph gathers them before use.
 
-`accumulation_steps=k` works with stages 1 and 2: gradients are reduced once per update (the
-`zero` pass). With `offload=` (ZeRO-Offload, stages 1 and 2) each rank keeps its chunks' fp32
+`accumulation_steps=k` works with stages 1, 2 and 3: gradients are reduced once per update (the
+`zero` pass; each rank's running sums are whole gradients, also with stage 3). With `offload=` (ZeRO-Offload, stages 1 and 2) each rank keeps its chunks' fp32
 master weights and state in host memory, still `Shard(0)` DTensors in `optimizer.state`
-(`as_shard`; runtime/host_state.py). Not yet: stage 3 with `accumulation_steps` or `offload=`,
+(`as_shard`; runtime/host_state.py). Not yet: stage 3 with `offload=`,
 ZeRO with `sequence_parallel=`, and `offload=` together with accumulation_steps,
 overlap_next_step or activations="auto"; each is refused with an `UnsupportedError` that says so.
 """

@@ -32,11 +32,25 @@ divided by the ranks: gloo has no average); the loss the step returns stays the 
 Collectives are emitted in bucket order at positions every rank's graph shares, so all ranks
 issue them in the same order.
 
-With `accumulation_steps=k` the pass has nothing to do on the accumulating calls (their graphs
-hold no update): each rank adds its own gradients into its running sums, full-size local
-partial sums, with no collective at all. On the updating call the gradient the update reads is
-the sum plus the last micro-batch's gradient, so the bucket collectives above reduce the whole
-window's sums, once per update, not once per micro-batch.
+With `accumulation_steps=k` the pass has nothing to do on the accumulating calls of stages 1
+and 2 (their graphs hold no update): each rank adds its own gradients into its running sums,
+full-size local partial sums, with no collective at all. On the updating call the gradient the
+update reads is the sum plus the last micro-batch's gradient, so the bucket collectives above
+reduce the whole window's sums, once per update, not once per micro-batch.
+
+Stage 3 keeps the sums the same way, whole on every rank (what FSDP2 does under `no_sync`),
+rather than sharded (reduce-scattering every micro-batch's gradients and adding this rank's
+chunk into a running sum of its rows, as DeepSpeed's ZeRO-3 does). Why: the gradients then cross
+the group once per update, as issue 18 asks and as stages 1 and 2 do (with P the parameters'
+elements, a window moves about 2kP gathered + P reduce-scattered, where sharded sums move 3kP:
+1.2x as much at k = 2, towards 1.5x for large k), and both calls stay the programs stages 1-2
+already have plus stage 3's gathers: nothing new to get wrong in the reduction. The
+cost is memory: a whole gradient set per rank for the window, where sharded sums would hold 1/N
+of it (stage 3 still saves (N-1)/N of the parameters; `README.md` has the measured peaks).
+Sharded sums are not done yet. An accumulating call has no update in its graph, so the
+parameters it shards come from capture's `accumulation` note (`updated`: those the window's
+update updates), the same ones the updating call shards; it gathers them for forward and for
+backward exactly as the updating call does (`_accumulating_stage_3`).
 
 **Clipping** (`clip_grad_norm_`, L2, in its per-tensor or foreach form): the step's norms of the
 gradients are pointed at this rank's chunks of the averages (on stage 1 too, which holds every
@@ -48,8 +62,9 @@ A 0-dim parameter's gradient is whole on every rank, so only rank 0 counts it.
 
 **Stage 3** reduces the gradients as stage 2 does, but a parameter's placeholder is this rank's
 chunk (the update writes it in place and nothing is gathered after it): `zero_params.py` gathers
-the whole parameters per bucket before forward reads them and again before backward does.
-Clipping, `.grad` left set and a returned parameter are refused for it.
+the whole parameters per bucket before forward reads them and again before backward does, on
+every call (with `accumulation_steps`, the accumulating calls too). Clipping, `.grad` left set
+and a returned parameter are refused for it.
 
 What the pass cannot shard yet (other reads or writes of the gradients besides the update:
 another norm, a GradScaler, skip_nonfinite; `.grad` left set after clipping; with stages 2 and
@@ -58,6 +73,7 @@ another norm, a GradScaler, skip_nonfinite; `.grad` left set after clipping; wit
 
 from __future__ import annotations
 
+import math
 import operator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -72,8 +88,8 @@ from graphoffload.diagnostics import user_line_of_stack_trace
 from graphoffload.errors import UnsupportedError
 from graphoffload.graph import TrainGraph, fake_mode_of, fake_value
 from graphoffload.passes.update_kernels import UpdateKernel, update_kernels_to_rewrite
-from graphoffload.passes.zero_params import (ShardedParam, classify_reads, gather_for_use, padded_flat,
-                                              whole_from_gathered)
+from graphoffload.passes.zero_params import (GatherReport, ShardedParam, classify_reads, gather_for_use,
+                                              padded_flat, whole_from_gathered)
 
 if TYPE_CHECKING:
     from graphoffload.passes.manager import PassContext
@@ -396,6 +412,16 @@ def _shard_state(emit: _Emitter, it: _Item, world: int, rank: int) -> int:
     return numel
 
 
+def _sharded_param(node: fx.Node, name: str, world: int, rank: int, update: fx.Node | None) -> ShardedParam:
+    """Stage 3's view of a (not 0-dim) parameter placeholder: its layout in the gather buffers,
+    the same as its gradient's in the reduce-scatter (`_Item`: ceil(d0/N) rows a part)."""
+    shape = tuple(node.meta["val"].shape)
+    chunk_rows = shard_rows(shape[0], world, 0)[1]
+    row = math.prod(shape[1:])
+    return ShardedParam(node, name, shape, chunk_rows, chunk_rows * row,
+                        (shard_rows(shape[0], world, rank)[1], *shape[1:]), update)
+
+
 def _stage_3_params(items: list[_Item], clip: _Clip | None, position: dict[fx.Node, int], world: int,
                     rank: int) -> list[ShardedParam]:
     """The parameters stage 3 shards (every updated one but 0-dim ones), after refusing what it
@@ -404,16 +430,61 @@ def _stage_3_params(items: list[_Item], clip: _Clip | None, position: dict[fx.No
         raise UnsupportedError(
             f"ZeRO stage 3 with clip_grad_norm_ (at {_line(clip.total)}) is not supported yet: drop the clipping, "
             "or use ZeRO(stage=2), which clips with the global norm")
-    sharded = [ShardedParam(it.param, it.name, tuple(it.shape), it.chunk_rows(world), it.part(world),
-                            tuple(it.local_shape(world, rank)), it.kernel.node) for it in items if not it.scalar]
+    sharded = [_sharded_param(it.param, it.name, world, rank, it.kernel.node) for it in items if not it.scalar]
     classify_reads(sharded, position)
     return sharded
+
+
+def _accumulating_stage_3(graph: TrainGraph, dp: Any, updated: tuple[str, ...]) -> TrainGraph:
+    """Stage 3's accumulating call (`accumulation_steps=k`; no update in its graph): the
+    parameters the window's update updates (`updated`, from capture's `accumulation` note; but
+    0-dim ones) are this rank's rows here too, as on the updating call, and are gathered for
+    forward and again for backward alike; the gradients go into the whole running sums with no
+    collective (the module docstring says why)."""
+    g = graph.graph
+    placeholders = graph.placeholders()
+    sharded = [_sharded_param(placeholders[s.name], s.target, dp.world_size, dp.rank, None)
+               for s in graph.signature.inputs
+               if s.kind == "param" and s.target in updated and placeholders[s.name].meta["val"].dim()]
+    if not sharded:
+        graph.note("zero", "accumulating call: no parameter to shard")
+        return graph
+    classify_reads(sharded, {n: i for i, n in enumerate(g.nodes)})
+    gathers = gather_for_use(_Emitter(g), g, sharded, dp.world_size, dp.group_name, dp.bucket_numel)
+    g.lint()
+    total = sum(p.numel for p in sharded)
+    local = sum(math.prod(p.local_shape) for p in sharded)
+    _note_params(graph, gathers, local, total, 0)
+    return graph
+
+
+def _note_params(graph: TrainGraph, gathers: GatherReport, local: int, total: int, reduced: int) -> None:
+    """Stage 3's `params` note (`reduced`: the elements the gradients' reduce-scatters cover)."""
+    # each rank sends and receives (N-1)/N of what a collective covers; DDP's all-reduce moves
+    # twice the gradients: the ratio compares elements covered (the gathers' whole parameters,
+    # the reduce-scatters' padded buffers)
+    gathered_numel = sum(gathers.forward_buckets) + sum(gathers.backward_buckets)
+    ratio = (gathered_numel + reduced) / (2 * total) if total else 0.0
+    graph.note("zero", f"stage 3: {len(gathers.sharded)} parameters held as this rank's rows between steps "
+               f"({local:,} of {total:,} elements); {len(gathers.forward_buckets)} parameter buckets gathered "
+               f"before forward reads them and {len(gathers.backward_buckets)} again before backward does (the "
+               f"next bucket's all-gather issued one bucket ahead; {len(gathers.kept)} parameters of the last "
+               f"forward bucket kept for backward), largest {max(gathers.forward_buckets, default=0):,} "
+               f"elements; {gathers.recomputed} forward views of parameters repeated in backward; a step's "
+               f"collectives cover {ratio:.2f}x the elements of DDP's all-reduce"
+               + ("" if reduced else " (an accumulating call: no gradient collective)"), "params",
+               sharded=gathers.sharded, forward_buckets=gathers.forward_buckets,
+               backward_buckets=gathers.backward_buckets, recomputed=gathers.recomputed, kept=gathers.kept,
+               gathered_numel=gathered_numel, volume_vs_ddp=ratio)
 
 
 def zero(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
     dp = ctx.config.data_parallel
     if dp is None:
         return graph
+    window = graph.notes_of("capture", "accumulation")
+    if dp.stage == 3 and window and not window[0].fields["update"]:
+        return _accumulating_stage_3(graph, dp, window[0].fields["updated"])
     kernels = update_kernels_to_rewrite(graph, "zero", "shard")
     if not kernels:
         return graph
@@ -480,21 +551,7 @@ def zero(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
                params=len(items), local_numel=local, numel=total, state_numel=state_numel,
                bucket_parts=tuple(b.part for b in buckets), padded_numel=padded)
     if dp.stage == 3:
-        # each rank sends and receives (N-1)/N of what a collective covers; DDP's all-reduce moves
-        # twice the gradients: the ratio compares elements covered (the gathers' whole parameters,
-        # the reduce-scatters' padded buffers)
-        gathered_numel = sum(gathers.forward_buckets) + sum(gathers.backward_buckets)
-        ratio = (gathered_numel + padded) / (2 * total) if total else 0.0
-        graph.note("zero", f"stage 3: {len(gathers.sharded)} parameters held as this rank's rows between steps "
-                   f"({local:,} of {total:,} elements); {len(gathers.forward_buckets)} parameter buckets gathered "
-                   f"before forward reads them and {len(gathers.backward_buckets)} again before backward does (the "
-                   f"next bucket's all-gather issued one bucket ahead; {len(gathers.kept)} parameters of the last "
-                   f"forward bucket kept for backward), largest {max(gathers.forward_buckets, default=0):,} "
-                   f"elements; {gathers.recomputed} forward views of parameters repeated in backward; a step's "
-                   f"collectives cover {ratio:.2f}x the elements of DDP's all-reduce", "params",
-                   sharded=gathers.sharded, forward_buckets=gathers.forward_buckets,
-                   backward_buckets=gathers.backward_buckets, recomputed=gathers.recomputed, kept=gathers.kept,
-                   gathered_numel=gathered_numel, volume_vs_ddp=ratio)
+        _note_params(graph, gathers, local, total, padded)
     if clip is not None:
         graph.note("zero", f"clip_grad_norm_: the global L2 norm of {len(clip.terms)} gradients from this rank's "
                    "chunks of their averages (squares summed, one all-reduce of a scalar), the clip coefficient "

@@ -60,7 +60,7 @@ class ShardedParam:
     chunk_rows: int
     part: int
     local_shape: tuple[int, ...]
-    update: fx.Node                       # the update kernel that writes its chunk
+    update: fx.Node | None                # the update kernel that writes its chunk (None: an accumulating call's)
     forward: list[fx.Node] = field(default_factory=list)
     backward: list[fx.Node] = field(default_factory=list)
 

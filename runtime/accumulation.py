@@ -6,6 +6,8 @@ the step's two compiled variants (accumulate; accumulate and update), so they ar
 by the step, and enter each graph as `grad_sum` placeholders the graph mutates in place.
 Each is allocated once, on the parameter's device, zero-filled, the first time a graph needs it:
 the update variant leaves it zeroed again for the next window, so it is never reallocated.
+It is a plain tensor shaped like the whole parameter, also when ZeRO stage 3 holds the parameter
+as a `Shard(0)` DTensor of this rank's rows (passes/zero.py says why the sums stay whole).
 With `Offload(accumulate_on="host")` a sum lives in host memory in fp32 instead (pinned when the
 parameter is on a GPU, so the copies into it are asynchronous): the graphs mark those
 placeholders `host`, and the buffer is made there once.
@@ -38,7 +40,10 @@ class GradSums:
         if on_host:
             return self._host_tensor(name, param, t)
         if t is None:
-            t = self._sums[name] = torch.zeros_like(param, memory_format=torch.contiguous_format)
+            # a plain tensor of the whole parameter's shape, also for a ZeRO stage 3 parameter (a
+            # `Shard(0)` DTensor): each rank sums its own micro-batches' whole gradients until the
+            # updating call reduce-scatters them (passes/zero.py)
+            t = self._sums[name] = torch.zeros(param.shape, dtype=param.dtype, device=param.device)
         elif t.shape != param.shape:
             raise _shape_error(name, t, param)
         elif t.device != param.device or t.dtype != param.dtype:   # e.g. loaded from a CPU checkpoint

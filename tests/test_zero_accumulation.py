@@ -1,9 +1,11 @@
-"""ZeRO (stages 1 and 2) with `accumulation_steps=k`, in spawned gloo processes: the accumulating
-calls add each rank's own gradients into its running sums with no collective at all (their
-graphs hold none: counted), and the updating call adds the last micro-batch's gradient and
-reduces the sums once per bucket (all-reduce or reduce-scatter), updates its chunks and
-all-gathers them. N ranks, k micro-batches each, train as single-process eager accumulation
-over the whole batches (AdamW and SGD with momentum, within test_zero's tolerance in fp64)."""
+"""ZeRO with `accumulation_steps=k`, in spawned gloo processes: the accumulating calls add each
+rank's own gradients into its running sums with no gradient collective at all (their graphs hold
+none: counted), and the updating call adds the last micro-batch's gradient and reduces the sums
+once per bucket (all-reduce or reduce-scatter), updates its chunks and (stages 1 and 2)
+all-gathers them. Stage 3 gathers its parameter buckets for forward and backward on every call,
+accumulating or updating (counted too). N ranks, k micro-batches each, train as single-process
+eager accumulation over the whole batches (AdamW and SGD with momentum, within test_zero's
+tolerance in fp64)."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import copy
 
 import pytest
 import torch
+from torch.distributed.tensor import DTensor
 from ring_dist import run_ranks
 from steps import train_step
 
@@ -55,6 +58,21 @@ def _collectives(graph) -> int:
     return sum(n.target in COLLECTIVES for n in graph.graph.nodes)
 
 
+def _expected(stage: int, update: bool, graph, buckets: int) -> int:
+    """Collectives a call's graph should hold: stages 1 and 2 none on an accumulating call, one
+    gradient collective and one all-gather per bucket on the updating call; stage 3 every call
+    one all-gather per parameter bucket forward and backward gather, the updating call one
+    reduce-scatter per gradient bucket besides."""
+    if stage < 3:
+        return 2 * buckets if update else 0
+    params = graph.notes_of("zero", "params")[0].fields
+    return len(params["forward_buckets"]) + len(params["backward_buckets"]) + (buckets if update else 0)
+
+
+def _full(p):
+    return p.full_tensor() if isinstance(p, DTensor) else p
+
+
 def _accumulates_as_eager(rank, world, stage, optimizer):
     eager = _gpt()
     model = copy.deepcopy(eager)
@@ -72,25 +90,33 @@ def _accumulates_as_eager(rank, world, stage, optimizer):
             (eager(batch["input_ids"], labels=batch["labels"]) / K).backward()
             got = step(model, opt, mine)
             assert torch.allclose(got, own, rtol=RTOL, atol=0), (got, own)
-            counts.append(_collectives(step.last.graph))
+            counts.append((_collectives(step.last.graph), step.last.graph))
         opt_e.step()
         opt_e.zero_grad()
         assert step.micro_step == 0
         for (name, p), q in zip(model.named_parameters(), eager.parameters()):
             assert p.grad is None
-            err = ((p - q).abs().max() / q.abs().max()).item()
+            assert isinstance(p, DTensor) == (stage == 3 and p.dim() > 0), name
+            err = ((_full(p) - q).abs().max() / q.abs().max()).item()
             assert err <= RTOL, f"stage {stage} {optimizer}: {name} is {err:.3g} from eager"
     # gradients cross the group once per update: the accumulating calls' graphs hold no
-    # collective; the updating call's one gradient collective and one all-gather per bucket
+    # gradient collective; the updating call's one gradient collective per bucket
     shards = step.last.graph.notes_of("zero", "shards")[0].fields
-    assert counts == [0, 0, 2 * shards["buckets"]] * WINDOWS, counts
     assert shards["buckets"] > 1
+    want = [_expected(stage, (i + 1) % K == 0, graph, shards["buckets"]) for i, (_, graph) in enumerate(counts)]
+    assert [n for n, _ in counts] == want, (counts, want)
+    if stage == 3:   # the gathers themselves are the same on both kinds of call
+        params = [graph.notes_of("zero", "params")[0].fields for _, graph in counts[:K]]
+        assert params[0]["sharded"] == params[-1]["sharded"]
+        assert params[0]["forward_buckets"] == params[-1]["forward_buckets"]
 
 
 def _world2(rank, world):
     for stage in (1, 2):
         for optimizer in ("adamw", "sgd"):
             _accumulates_as_eager(rank, world, stage, optimizer)
+    _accumulates_as_eager(rank, world, 3, "adamw")
+    _accumulates_as_eager(rank, world, 3, "sgd")
 
 
 @pytest.mark.slow   # several processes

@@ -295,14 +295,13 @@ def test_what_stage_3_cannot_do_yet_is_refused_before_anything_changes(step_fn, 
     assert not any(isinstance(p, DTensor) for p in model.parameters())
 
 
-def test_stage_3_with_accumulation_or_offload_is_refused():
-    with pytest.raises(graphoffload.UnsupportedError, match=r"ZeRO stage 3 with accumulation_steps > 1 is not "
-                                                            r"supported yet: use ZeRO\(stage=2\)"):
-        graphoffload.CompileConfig(data_parallel=graphoffload.ZeRO(stage=3), accumulation_steps=2)
-    # stages 1 and 2 offload (tests/test_zero_offload.py); stage 3 not yet
+def test_stage_3_with_offload_is_refused():
+    # accumulation_steps works (tests/test_zero_accumulation.py, test_stage_3_accumulation_* below)
+    graphoffload.CompileConfig(data_parallel=graphoffload.ZeRO(stage=3), accumulation_steps=2)
+    # stages 1 and 2 offload (tests/test_zero_offload.py); stage 3 not yet, with accumulation or without
     with pytest.raises(graphoffload.UnsupportedError, match="ZeRO stage 3 with offload= is not supported yet"):
         graphoffload.CompileConfig(data_parallel=graphoffload.ZeRO(stage=3), offload=graphoffload.Offload())
-    with pytest.raises(graphoffload.UnsupportedError, match="with accumulation_steps > 1 and offload= is not"):
+    with pytest.raises(graphoffload.UnsupportedError, match="ZeRO stage 3 with offload= is not supported yet"):
         graphoffload.CompileConfig(data_parallel=graphoffload.ZeRO(stage=3), offload=graphoffload.Offload(),
                                    accumulation_steps=2)
 
@@ -499,3 +498,93 @@ def test_one_rank_under_bf16_autocast_repeats_the_weights_casts_in_backward(one_
     casts = [n for n in nodes if n.target is torch.ops.aten._to_copy.default and n.meta.get("pass") == "zero"]
     assert casts and all(n.meta["phase"] == "backward" for n in casts)
     assert step.last.graph.notes_of("zero", "params")[0].fields["recomputed"] >= len(casts)
+
+
+# ---------------------------------------------------------------- accumulation_steps
+
+
+def _compile_deep_window(stage, update, world=2, k=2):
+    """One rank's accumulating (or, `update`, updating) call of an `accumulation_steps=k` step."""
+    model = _Deep()
+    opt = torch.optim.AdamW(model.parameters())
+    step = graphoffload.offload_compile(_deep_step, accumulation_steps=k, data_parallel=AsRank(
+        stage=stage, bucket_numel=LAYER, as_world=world))
+    if update:   # at the window's last micro-batch, as a step loaded from a checkpoint taken there
+        step.load_state_dict({"optimizers": [opt.state_dict()],
+                              "accumulation": {"steps": k, "micro_step": k - 1, "grad_sums": {}}}, optimizers=[opt])
+    step.compile(model, opt, torch.randn(2, 64))
+    return step, model
+
+
+def test_stage_3_accumulation_gathers_every_call_and_reduce_scatters_once_per_window(one_process_group):
+    """Both calls of a window gather each layer's bucket for forward and again for backward; only
+    the updating call reduce-scatters (once per gradient bucket), the sums of the whole window."""
+    for update in (False, True):
+        step, model = _compile_deep_window(3, update)
+        graph = step.last.graph
+        targets = [n.target for n in graph.gm.graph.nodes]
+        params = graph.notes_of("zero", "params")[0].fields
+        assert len(params["forward_buckets"]) == 8 and len(params["backward_buckets"]) == 6, params
+        assert params["kept"] == ("layers.7.weight",)
+        assert targets.count(c10d.all_gather_into_tensor.default) == 14
+        assert targets.count(c10d.reduce_scatter_tensor.default) == (8 if update else 0)   # a layer a bucket
+        assert targets.count(c10d.all_reduce.default) == targets.count(c10d.all_reduce_coalesced.default) == 0
+        # the running sums stay whole on every rank (each rank's own micro-batches, not reduced yet)
+        sums = [s for s in graph.signature.inputs if s.kind == "grad_sum"]
+        placeholders = graph.placeholders()
+        assert len(sums) == 16 and all(placeholders[s.name].meta["val"].shape == model.get_parameter(s.target).shape
+                                       for s in sums)
+        assert all(isinstance(p, DTensor) and p.to_local().shape[0] == p.shape[0] // 2 for p in model.parameters())
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_stage_3_accumulating_call_predicts_the_parameters_saving_over_stage_2(world, one_process_group):
+    """Accumulating calls hold the whole running sums under both stages; stage 3 holds this
+    rank's rows of the parameters instead of the whole ones, and at its peak (backward) at most
+    two gathered buckets (the one read and the next, in flight)."""
+    (s2, model2), (s3, model3) = _compile_deep_window(2, False, world), _compile_deep_window(3, False, world)
+    whole = sum(block_bytes(p) for p in model2.parameters())
+    mine = sum(block_bytes(p.to_local()) for p in model3.parameters())
+    m2, m3 = s2.memory(), s3.memory()
+    assert m2.resident - m3.resident == whole - mine
+    assert whole - mine - 2 * LAYER * 4 <= m2.peak - m3.peak < whole - mine, (m2.peak - m3.peak, whole - mine)
+
+
+def test_one_rank_accumulates_as_eager_and_resumes_mid_window(one_process_group):
+    """A group of one rank runs both calls of the window through the gathers: parameters as eager
+    accumulation's; a step taken mid-window (`step.state_dict()`: micro_step and the whole running
+    sums) resumes in a fresh model, optimizer and step bit-identically."""
+    k = 2
+    eager = _Stack().double()
+    model = copy.deepcopy(eager)
+    opt_e, opt = _optimizer("adamw", eager), _optimizer("adamw", model)
+    step = graphoffload.offload_compile(_step, accumulation_steps=k, data_parallel=_zero3())
+    batches = _batches(1) + _batches(1)[:1]
+    for i, batch in enumerate(batches[:2 * k]):
+        (eager(batch["x"], batch["y"]) / k).backward()
+        step(model, opt, batch)
+        if i % k == k - 1:
+            opt_e.step()
+            opt_e.zero_grad()
+            got = _full_params(model)
+            for name, q in eager.named_parameters():
+                assert torch.allclose(got[name], q, rtol=1e-12, atol=1e-12), name
+    assert step.micro_step == 0 and all(p.grad is None for p in model.parameters())
+
+    # mid-window: one micro-batch into the third window
+    step(model, opt, batches[0])
+    saved = copy.deepcopy(step.state_dict())
+    assert saved["accumulation"]["micro_step"] == 1
+    assert {n: t.shape for n, t in saved["accumulation"]["grad_sums"].items()} == \
+        {n: p.shape for n, p in model.named_parameters()}
+    fresh = _Stack().double()
+    opt_f = _optimizer("adamw", fresh)
+    resumed = graphoffload.offload_compile(_step, accumulation_steps=k, data_parallel=_zero3())
+    resumed.compile(fresh, opt_f, batches[1])   # shards the fresh parameters; then load into them
+    with torch.no_grad():
+        for p, q in zip(fresh.parameters(), model.parameters()):
+            (p.to_local() if isinstance(p, DTensor) else p).copy_(q.to_local() if isinstance(q, DTensor) else q)
+    resumed.load_state_dict(saved, optimizers=[opt_f])
+    assert resumed.micro_step == 1
+    assert torch.equal(resumed(fresh, opt_f, batches[1]), step(model, opt, batches[1]))
+    assert _same((_full_params(fresh), _full_state(fresh, opt_f)), (_full_params(model), _full_state(model, opt)))
