@@ -6,6 +6,7 @@ the ranks.
     torchrun --nproc-per-node 4 examples/train_zero.py --device cuda --stage 1 # one GPU per rank (NCCL)
     torchrun --nproc-per-node 2 examples/train_zero.py --offload              # ZeRO-Offload
     torchrun --nproc-per-node 2 examples/train_zero.py --stage 3              # parameters sharded too
+    torchrun --nproc-per-node 2 examples/train_zero.py --accumulation-steps 4 # one update per 4 calls
 
 The model code is the plain GPT of examples/gpt.py and the step an ordinary train step; the
 `zero` pass averages the gradients over the ranks, has each rank update only its dim-0 chunk of
@@ -13,8 +14,10 @@ every parameter (keeping optimizer state for that chunk alone, as Shard(0) DTens
 all-gathers the updated chunks, so every rank ends each step with the same model (stage 3: the
 model's parameters stay Shard(0) DTensors of each rank's rows, gathered inside the step before
 forward and backward read them). With --offload (stages 1 and 2) each rank keeps its chunks'
-fp32 master weights and optimizer state in host memory (ZeRO-Offload). Each rank prints the
-share of the optimizer state and of the parameters it holds at the end.
+fp32 master weights and optimizer state in host memory (ZeRO-Offload). With
+--accumulation-steps k each call is one micro-batch and every k-th call updates, the gradients
+reduced once per update (not with --offload yet). Each rank prints the share of the optimizer
+state and of the parameters it holds at the end.
 """
 
 from __future__ import annotations
@@ -61,6 +64,8 @@ def main() -> None:
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--offload", action="store_true", help="master weights and state in host memory (stages 1 and 2)")
+    ap.add_argument("--accumulation-steps", type=int, default=1,
+                    help="micro-batches per update (gradients reduced once per update)")
     args = ap.parse_args()
 
     rank, world, device = join_job(args.device)
@@ -72,7 +77,7 @@ def main() -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)
     zero = graphoffload.ZeRO(stage=args.stage) if args.bucket_numel is None else \
         graphoffload.ZeRO(stage=args.stage, bucket_numel=args.bucket_numel)
-    step = graphoffload.offload_compile(train_step, data_parallel=zero,
+    step = graphoffload.offload_compile(train_step, data_parallel=zero, accumulation_steps=args.accumulation_steps,
                                         offload=graphoffload.Offload() if args.offload else None)
     whole_params = sum(p.numel() * p.element_size() for p in model.parameters())
 
@@ -86,7 +91,9 @@ def main() -> None:
         if rank == 0:
             print(f"step {i}: loss {loss.item():.4f} (rank 0's micro-batch)  "
                   f"{1e3 * (time.perf_counter() - start):.1f} ms, {world} ranks, ZeRO stage {args.stage}"
-                  + (" + offload" if args.offload else ""))
+                  + (" + offload" if args.offload else "")
+                  + (("  (updated)" if step.micro_step == 0 else "  (accumulated)") if args.accumulation_steps > 1
+                     else ""))
     # AdamW's moments and step counters (and with --offload the fp32 master weights)
     full = (2 * sum(p.numel() * p.element_size() for p in model.parameters()) + 4 * len(list(model.parameters()))
             + (4 * sum(p.numel() for p in model.parameters()) if args.offload else 0))
