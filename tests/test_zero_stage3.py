@@ -7,7 +7,9 @@ parameter bucket before forward and again before backward, reduce-scatters each 
 bucket, and updates this rank's rows in place: the collectives are counted. One rank's rewrite is
 also compiled in a single process (`AsRank`, from test_zero) for what needs no other rank: the
 predicted peak against the parameters' bytes, what is refused, and parameters swapped by the
-user."""
+user; with `accumulation_steps`, each call's collectives (gathers on both calls, reduce-scatters on
+the updating call alone), the accumulating call's peak against stage 2's, and a one-rank group
+trained through windows and resumed mid-window (the 2-rank run: tests/test_zero_accumulation.py)."""
 
 from __future__ import annotations
 
