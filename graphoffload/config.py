@@ -229,14 +229,11 @@ class CompileConfig:
                 raise UnsupportedError("ZeRO data parallelism with sequence_parallel= is not supported yet: no "
                                        "ZeRO stage runs with sequence_parallel= for now; drop sequence_parallel= or "
                                        "data_parallel=")
-            if getattr(self.data_parallel, "stage", None) == 3:
-                not_yet = [what for what, given in (
-                    ("accumulation_steps > 1", self.accumulation_steps > 1),
-                    ("offload=", self.offload is not None)) if given]
-                if not_yet:
-                    raise UnsupportedError(f"ZeRO stage 3 with {' and '.join(not_yet)} is not supported yet: use "
-                                           f"ZeRO(stage=2) with {' and '.join(not_yet)}, or stage 3 without it")
-            elif self.offload is not None:
+            if getattr(self.data_parallel, "stage", None) == 3 and self.accumulation_steps > 1:
+                with_offload = " (with or without offload=)" if self.offload is not None else ""
+                raise UnsupportedError(f"ZeRO stage 3 with accumulation_steps > 1{with_offload} is not supported yet: "
+                                       "use ZeRO(stage=2) with accumulation_steps > 1, or stage 3 without it")
+            if self.offload is not None:   # stages 1, 2 and 3 alike
                 self._check_zero_offload()
 
     def _check_zero_offload(self) -> None:
