@@ -1,5 +1,5 @@
-"""ZeRO benchmark: per-rank memory and step time of graphoffload's ZeRO stages 1, 2 and 3 (stages
-1 and 2 also with `offload=`, ZeRO-Offload: modes ``zero1_offload``, ``zero2_offload``) against
+"""ZeRO benchmark: per-rank memory and step time of graphoffload's ZeRO stages 1, 2 and 3 (each
+also with `offload=`, ZeRO-Offload: modes ``zero1_offload``, ``zero2_offload``, ``zero3_offload``) against
 torch's DistributedDataParallel and FSDP2 (`fully_shard`), for N = 1, 2, 4 ranks.
 
 Every (N, mode) pair runs in N freshly spawned processes (gloo on the CPU; NCCL with one GPU a
@@ -49,7 +49,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import autocast_train_step, build_gpt, device_name, median, print_table, write_json  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-MODES = ("zero1", "zero2", "zero3", "zero1_offload", "zero2_offload", "ddp", "fsdp2")
+MODES = ("zero1", "zero2", "zero3", "zero1_offload", "zero2_offload", "zero3_offload", "ddp", "fsdp2")
 COLUMNS = ["world", "mode", "step_ms", "state_MiB", "state_share", "state_on", "params_MiB", "predicted_peak_MiB",
            "peak_MiB", "step_peak_MiB", "status"]
 

@@ -6,6 +6,7 @@ the ranks.
     torchrun --nproc-per-node 4 examples/train_zero.py --device cuda --stage 1 # one GPU per rank (NCCL)
     torchrun --nproc-per-node 2 examples/train_zero.py --offload              # ZeRO-Offload
     torchrun --nproc-per-node 2 examples/train_zero.py --stage 3              # parameters sharded too
+    torchrun --nproc-per-node 2 examples/train_zero.py --stage 3 --offload    # ... and ZeRO-Offload
     torchrun --nproc-per-node 2 examples/train_zero.py --accumulation-steps 4 # one update per 4 calls
 
 The model code is the plain GPT of examples/gpt.py and the step an ordinary train step; the
@@ -13,11 +14,12 @@ The model code is the plain GPT of examples/gpt.py and the step an ordinary trai
 every parameter (keeping optimizer state for that chunk alone, as Shard(0) DTensors) and
 all-gathers the updated chunks, so every rank ends each step with the same model (stage 3: the
 model's parameters stay Shard(0) DTensors of each rank's rows, gathered inside the step before
-forward and backward read them). With --offload (stages 1 and 2) each rank keeps its chunks'
-fp32 master weights and optimizer state in host memory (ZeRO-Offload). With
---accumulation-steps k each call is one micro-batch and every k-th call updates, the gradients
-reduced once per update (not with --offload yet). Each rank prints the share of the optimizer
-state and of the parameters it holds at the end.
+forward and backward read them). With --offload (any stage) each rank keeps its chunks' fp32
+master weights and optimizer state in host memory (ZeRO-Offload; stage 3: the host update's
+result is uploaded into the rank's rows of the parameters). With --accumulation-steps k each
+call is one micro-batch and every k-th call updates, the gradients reduced once per update (not
+with --offload yet). Each rank prints the share of the optimizer state and of the parameters it
+holds at the end.
 """
 
 from __future__ import annotations
@@ -63,7 +65,7 @@ def main() -> None:
     ap.add_argument("--d-model", type=int, default=128)
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--offload", action="store_true", help="master weights and state in host memory (stages 1 and 2)")
+    ap.add_argument("--offload", action="store_true", help="master weights and state in host memory (any stage)")
     ap.add_argument("--accumulation-steps", type=int, default=1,
                     help="micro-batches per update (gradients reduced once per update)")
     args = ap.parse_args()

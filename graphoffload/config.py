@@ -229,13 +229,7 @@ class CompileConfig:
                 raise UnsupportedError("ZeRO data parallelism with sequence_parallel= is not supported yet: no "
                                        "ZeRO stage runs with sequence_parallel= for now; drop sequence_parallel= or "
                                        "data_parallel=")
-            if getattr(self.data_parallel, "stage", None) == 3:
-                not_yet = [what for what, given in (
-                    ("offload=", self.offload is not None),) if given]
-                if not_yet:
-                    raise UnsupportedError(f"ZeRO stage 3 with {' and '.join(not_yet)} is not supported yet: use "
-                                           f"ZeRO(stage=2) with {' and '.join(not_yet)}, or stage 3 without it")
-            elif self.offload is not None:
+            if self.offload is not None:   # stages 1, 2 and 3 alike
                 self._check_zero_offload()
 
     def _check_zero_offload(self) -> None:
@@ -247,6 +241,5 @@ class CompileConfig:
             ("Offload(activations='auto')", self.offload.activations == "auto")) if given]
         if not_yet:
             raise UnsupportedError(f"ZeRO data parallelism with offload= and {' and '.join(not_yet)} is not "
-                                   "supported yet (each rank offloads its chunk of a step that updates every call, "
-                                   "and waits for its uploads before the all-gather); drop "
+                                   "supported yet (each rank offloads its chunk of a step that updates every call); drop "
                                    f"{' and '.join(not_yet)}, or offload=")

@@ -26,7 +26,10 @@ Under ZeRO (the `zero` pass ran first) the update kernels already read this rank
 parameter (slice views), its gradient chunks and chunk-shaped state, so the same rewrite offloads
 the rank's chunks only: master weights and host scratch take the chunks' shapes, and the first
 read of a CPU-path bucket's rows after its update is the all-gather's pack, so its upload is
-waited for there (`wait_device`) before the parameters are gathered. With clip_grad_norm_ the
+waited for there (`wait_device`) before the parameters are gathered. Under stage 3 the kernels'
+parameters are the rank's row placeholders themselves (nothing is gathered after the update):
+the upload writes the rows and, as nothing in the step reads them after it, is waited for before
+the step's output, so the next call's gathers and the user's reads find them written. With clip_grad_norm_ the
 `zero` pass has already made the norm global (one all-reduce) and the scaling act on the chunks:
 each chunk goes to the host when final and the host applies the coefficient, as without ZeRO.
 The planner charges the

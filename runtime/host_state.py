@@ -14,7 +14,8 @@ reserved together, so they take one allocation of their exact size.
 Under ZeRO (`data_parallel=`) a rank offloads its own dim-0 chunk of every parameter: its state
 and master weights are chunk-sized host tensors, and `optimizer.state` holds them as the
 `Shard(0)` DTensors the step keeps without offload (their local tensors are the host tensors the
-graph reads and writes); the master weights mirror the rank's rows of the parameter.
+graph reads and writes); the master weights mirror the rank's rows of the parameter (stage 3:
+the rows the parameter's DTensor holds, which the uploads write).
 """
 
 from __future__ import annotations
@@ -107,7 +108,7 @@ class HostState:
         version counter moving is not enough: another compiled variant of the step (a new input
         shape) uploads it too, and a resumed checkpoint loads parameters and master weights
         together; mirroring the low-precision parameter then would drop the fp32 master bits."""
-        if self.versions.get(name) == param._version:
+        if self.versions.get(name) == _version(param):
             return False
         mirrored = self._mirrored(param)
         return master.shape != mirrored.shape or not torch.equal(
@@ -118,7 +119,18 @@ class HostState:
         those in `skip`, whose upload is still in flight)."""
         for name, param in self.bindings.params.items():
             if name not in skip:
-                self.versions[name] = param._version
+                self.versions[name] = _version(param)
+
+
+def _version(param: Tensor) -> int | tuple[int, int]:
+    """What moves when the parameter is changed outside the step. A DTensor (a ZeRO stage 3
+    step's rows) has two counters: its own, which its ops move (`mul_`, `copy_` from
+    `set_model_state_dict`), and its local tensor's, which writes through `to_local()` move (the
+    step's uploads write through another alias and move neither)."""
+    if isinstance(param, DTensor):
+        with torch.no_grad():   # (under grad mode to_local() gives a view no one may write)
+            return param._version, param.to_local()._version
+    return param._version
 
 
 def _local(t: Tensor | None) -> Tensor | None:

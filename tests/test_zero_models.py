@@ -3,8 +3,8 @@ rotary positions, RMSNorm, no biases) and GPT-2 (SGD with momentum; fused qkv wi
 learned positions, tied embeddings), 2 gloo ranks each on its own micro-batch, against eager
 single-process training on the whole batch with the mean loss (the ranks' micro-batches are
 equal and every label counts, so the whole batch's mean is the mean of theirs), 2 steps each.
-With offload= too (ZeRO-Offload, every update on the CPU path): Llama stage 1 and GPT-2 stage 2.
-One spawn runs all eight. Llama runs in fp64 (its master weights fp32 when offloaded), as
+With offload= too (ZeRO-Offload, every update on the CPU path): Llama stages 1 and 3, GPT-2 stage 2.
+One spawn runs all nine. Llama runs in fp64 (its master weights fp32 when offloaded), as
 tests/test_zero.py's GPT does under AdamW; GPT-2
 under SGD (linear in the gradient) matches in fp32."""
 
@@ -89,9 +89,11 @@ def _both_models_every_stage(rank, world):
     # ZeRO-Offload: each rank's chunks' fp32 master weights and state in host memory, on the CPU path
     _train_and_compare(rank, world, hf_llama, "adamw", 1, torch.float64, graphoffload.Offload(device_updates="never"))
     _train_and_compare(rank, world, hf_gpt2, "sgd", 2, torch.float32, graphoffload.Offload(device_updates="never"))
+    # stage 3 with offload=: the host updates write this rank's rows of the DTensor parameters
+    _train_and_compare(rank, world, hf_llama, "adamw", 3, torch.float64, graphoffload.Offload(device_updates="never"))
 
 
 @pytest.mark.slow   # two processes
 def test_zero_trains_hf_llama_and_gpt2_as_eager_on_the_whole_batch():
-    # one spawn for all eight runs: starting ranks and their first compile cost more than a run
+    # one spawn for all nine runs: starting ranks and their first compile cost more than a run
     run_ranks(_both_models_every_stage, 2, deadline_s=300)
