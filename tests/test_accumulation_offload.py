@@ -321,6 +321,48 @@ def test_auto_sums_keep_on_the_device_what_the_step_reads_there():
         step(model, opt, *batches(1)[0])
 
 
+def trial_compile_peaks(step) -> dict[bool, tuple[int, ...]]:
+    """The exact method, per variant: one trial compile of offload_optimizer per number m of
+    buckets whose sums move to the host (the oracle of the modelled peaks the step used)."""
+    from graphoffload.passes.host_accumulation import trial_peaks
+    from graphoffload.passes.manager import PassContext
+    from graphoffload.passes.offload_optimizer import _trial
+
+    [placement] = step._sum_placements.values()
+    peaks = {}
+    for key, variant in step._variants.items():
+        stages = list(variant.stages)
+        before = variant.stages[stages[stages.index("offload_optimizer") - 1]]   # the pass's input
+        ctx = PassContext(step._pass_config(), variant.capture.bindings.device, grad_sum_placement=placement)
+        peaks[key[0]] = trial_peaks(before.copy(), ctx, placement, _trial)
+    return peaks
+
+
+@pytest.mark.parametrize("case", ["mlp", "gpt"])
+def test_auto_sums_modelled_peaks_equal_a_trial_compile_for_every_count_of_buckets_moved(case):
+    # the placement predicts both variants' peaks for every m from one trial compile each (plus
+    # one with every sum moved, as a check); one trial compile per m must give the same bytes
+    from helpers import tiny_gpt, token_batches, train_step
+
+    if case == "mlp":
+        model, fn, data, budget = mlp(), step_fn, batches(K), 85_000
+    else:
+        model, fn, data, budget = tiny_gpt(), train_step, [(b,) for b in token_batches(K)], 10**12
+    opt = OPTIMIZERS["adamw"](model)
+    step = auto_step(budget, fn)
+    for batch in data:
+        step(model, opt, *batch)
+    [placement] = step._sum_placements.values()
+    assert placement.methods == {False: "model", True: "model"}
+    assert len(placement.groups) >= (3 if case == "mlp" else 8)
+    trials = trial_compile_peaks(step)
+    for update in (False, True):
+        assert placement.peaks[update] == trials[update], update
+        assert len(set(trials[update])) > 1    # moving sums changes the peak
+    [note] = step.train_graph.notes_of("offload_optimizer", "grad_sum_placement")
+    assert note.fields["method"] == {"accumulate": "model", "update": "model"}
+
+
 # ---- the CPU adds of an accumulating call run on after it returns (issue 18): the next call
 # waits for each right before it first touches that sum, every read from outside the step waits
 
