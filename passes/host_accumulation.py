@@ -31,9 +31,10 @@ only a few nodes beside its adds, in a form the rewrite here fixes, so `modelled
 every m's liveness from ONE trial compile with all sums on the device, as intervals per bucket
 summed over the first m; `predicted_peaks` checks it against the trials at m = 0 and m = all and
 falls back to the trials when they disagree (or the graph has a form the model does not know).
-Why not search over m with a few trials instead: the peaks need not fall monotonically as
-buckets move (a host copy's ticket can add a block where a sum's bytes are not the peak's), and
-a search still compiles the pass log(m) times per variant; the model is exact at every m.
+Why not search over m with a few trials instead: nothing makes the peaks fall monotonically as
+buckets move (a host sum keeps the micro-batch's gradient alive until its copy, and when that
+gradient is a view of a larger buffer it keeps more than the sum it saves), and a search would
+still compile the pass about log2(m) times per variant; the model is exact at every m.
 """
 
 from __future__ import annotations
