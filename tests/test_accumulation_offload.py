@@ -498,6 +498,47 @@ def test_an_error_in_a_handed_over_add_surfaces_at_the_next_call_or_sync_point(s
     assert "step.load_state_dict" in str(info.value)
 
 
+def test_after_a_failed_handed_over_add_every_call_refuses_until_the_step_is_restored():
+    eager = mlp()
+    model = copy.deepcopy(eager)
+    opt_e, opt = OPTIMIZERS["adamw"](eager), OPTIMIZERS["adamw"](model)
+    step = compiled("host")
+    data = batches(2 * K)
+    step.compile(model, opt, *data[0])
+    checkpoint = (copy.deepcopy(model.state_dict()), step.state_dict())   # at an update boundary
+    gate = hold_worker(step)
+    try:
+        step(model, opt, *data[0])
+        scratch = step.last.executor.host_state.scratch
+        intact = scratch[("4.weight", "grad")].detach()   # the buffer's own memory, to put back
+        scratch[("4.weight", "grad")].set_(torch.zeros(3))   # the add handed over will fail
+    finally:
+        gate.set()
+    with pytest.raises(StateError, match="running gradient sum of 4.weight failed after that call returned"):
+        step(model, opt, *data[1])
+    for _ in range(2):   # not only the call that met the error: every later one, until restored
+        with pytest.raises(StateError, match="refusing to run .*4.weight failed.*step.load_state_dict") as info:
+            step(model, opt, *data[1])
+        assert isinstance(info.value.__cause__, RuntimeError)
+    with pytest.raises(StateError, match="refusing to save the window"):
+        step.state_dict()    # a checkpoint of incomplete sums would resume them
+    assert step.micro_step == 1
+    # restored from the checkpoint (and the broken buffer repaired), the step trains like eager
+    scratch[("4.weight", "grad")].set_(intact)
+    model.load_state_dict(checkpoint[0])
+    step.load_state_dict(checkpoint[1])
+    assert step.micro_step == 0
+    for i, (x, y) in enumerate(data):
+        (torch.nn.functional.mse_loss(eager(x), y) / K).backward()
+        if i % K == K - 1:
+            opt_e.step()
+            opt_e.zero_grad()
+        step(model, opt, x, y)
+    step.synchronize()
+    for (name, pe), pc in zip(eager.named_parameters(), model.parameters()):
+        torch.testing.assert_close(pc.detach(), pe.detach(), rtol=1e-5, atol=1e-7, msg=name)
+
+
 @pytest.mark.slow   # a fresh interpreter imports torch and compiles (~10 s; more on a busy machine)
 def test_the_process_exits_after_the_adds_a_last_call_handed_over_have_run(tmp_path):
     script = tmp_path / "exit_mid_window.py"
