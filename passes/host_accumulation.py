@@ -327,6 +327,13 @@ def _only(values: list, what: str):
     return values[0]
 
 
+def _summed(cells: list[tuple[int, int, int]], rows: int, columns: int) -> torch.Tensor:
+    """A rows x columns int64 matrix holding the sum of the values of the (row, column, value) cells."""
+    out = torch.zeros(rows, columns, dtype=torch.int64)
+    row, column, value = (torch.tensor(c, dtype=torch.int64) for c in zip(*cells))
+    return out.index_put_((row, column), value, accumulate=True)
+
+
 def modelled_peaks(base: TrainGraph, unseen: dict[str, int], groups: tuple[tuple[str, tuple[str, ...]], ...],
                    update: bool) -> tuple[int, ...]:
     """Each variant's predicted device peak with the sums of the first m groups on the host, for
@@ -376,7 +383,7 @@ def modelled_peaks(base: TrainGraph, unseen: dict[str, int], groups: tuple[tuple
         touched.add(sid)
         return storage_span(storages, sid, on_host)
 
-    def device_only(j: int, sid: int) -> tuple[int, int]:
+    def device_only(j: int, sid: int) -> tuple[int, tuple[int, int]]:
         nbytes, span = span_of(sid)
         if span is None:
             raise _Unmodelled("a gradient that is an input")
@@ -458,25 +465,18 @@ def modelled_peaks(base: TrainGraph, unseen: dict[str, int], groups: tuple[tuple
             return size - 1
         return main[at] if isinstance(at, int) else slot[at]
 
-    rows = len(groups) + 1
-    live = torch.zeros(rows, size + 1, dtype=torch.int64)
     for sid in range(len(storages.creator)):   # what no group changes
-        if sid in touched:
-            continue
-        nbytes, span = storage_span(storages, sid, on_host)
-        first, last = (0, size - 1) if span is None else (index(span[0]), index(span[1]))
-        live[0, first] += nbytes
-        live[0, last + 1] -= nbytes
-    for first, last, nbytes, row in intervals:
-        first, last = index(first), index(last)
-        live[row, first] += nbytes
-        live[row, last + 1] -= nbytes
-    live = live.cumsum(1).cumsum(0)[:, :size]
-    present = torch.zeros(rows, size, dtype=torch.int64)
-    present[0, main] = 1
-    for at, row, change in presence:
-        present[row, index(at)] += change
-    present = present.cumsum(0) > 0
+        if sid not in touched:
+            nbytes, span = storage_span(storages, sid, on_host)
+            intervals.append(("start", "end", nbytes, 0) if span is None else (span[0], span[1], nbytes, 0))
+    rows = len(groups) + 1
+    # difference arrays: +bytes where an interval starts, -bytes after it ends, one row per group
+    cells = [(row, index(first), nbytes) for first, _, nbytes, row in intervals] + \
+        [(row, index(last) + 1, -nbytes) for _, last, nbytes, row in intervals]
+    live = _summed(cells, rows, size + 1).cumsum(1).cumsum(0)[:, :size]
+    # a position is present in variant m when its rows 0..m add up to more than nothing
+    cells = [(row, index(at), change) for at, row, change in presence] + [(0, i, 1) for i in main]
+    present = _summed(cells, rows, size).cumsum(0) > 0
     peaks = torch.where(present, live, torch.iinfo(torch.int64).min).amax(1).tolist()
     base_held = unseen.get("copy_held", 0)
     other = sum(unseen.values()) - base_held
