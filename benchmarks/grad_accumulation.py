@@ -20,7 +20,9 @@ beside the next call's forward, as the step does by itself. `--forms host` runs 
 `--forms auto-cost` measures instead what `Offload(accumulate_on="auto")` adds to compiling
 form B, on the meta device (nothing runs; compile_time.py's GPT sizes, `--auto-layers`): both
 variants compiled with every sum on the device vs with "auto" under a budget (which probes the
-other variant and makes one trial rewrite per candidate count of buckets moved, per variant).
+other variant, and per variant predicts the peak for every candidate count of buckets moved from
+two trial rewrites: passes/host_accumulation.py, `modelled_peaks`). Wall and CPU seconds (this
+process's), the CPU ones less disturbed by other load on a shared machine.
 """
 
 from __future__ import annotations
@@ -93,19 +95,22 @@ def auto_cost_rows(args) -> list[dict]:
             opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
             step = graphoffload.offload_compile(autocast_train_step, accumulation_steps=args.k, offload=graphoffload.Offload(
                 accumulate_on=where, gpu_memory_budget=budget, calibration=cal, replan_after=0, plan_cache=False))
-            start = time.perf_counter()
-            step.compile(model, opt, batch)                   # the accumulating variant (with "auto": probe, trials)
+            start, cpu = time.perf_counter(), time.process_time()
+            step.compile(model, opt, batch)                   # the accumulating variant (with "auto": probe, peaks)
             row[f"{where}_accumulate_s"] = time.perf_counter() - start
             step._micro_step = args.k - 1                     # the updating variant next (no public way to skip ahead)
             start = time.perf_counter()
             graph = step.compile(model, opt, batch)
             row[f"{where}_update_s"] = time.perf_counter() - start
             row[f"{where}_s"] = row[f"{where}_accumulate_s"] + row[f"{where}_update_s"]
+            row[f"{where}_cpu_s"] = time.process_time() - cpu   # this process' CPU time: less hit by others' load
             if where == "auto":
                 [placement] = graph.notes_of("offload_optimizer", "grad_sum_placement")
                 row["candidates"] = placement.fields["movable"] + 1
+                row["method"] = "/".join(sorted(set(placement.fields["method"].values())))
         row["auto_extra_s"] = row["auto_s"] - row["device_s"]
         row["auto_vs_device"] = row["auto_s"] / row["device_s"]
+        row["auto_vs_device_cpu"] = row["auto_cpu_s"] / row["device_cpu_s"]
         rows.append(row)
         print(f"{layers} layers: device {row['device_s']:.1f} s, auto {row['auto_s']:.1f} s", flush=True)
     return rows
@@ -139,7 +144,8 @@ def main() -> None:
         rows = auto_cost_rows(args)
         print(f"compile cost of accumulate_on='auto' (k={args.k}), benchmark GPT d=2048 on the meta device; seconds")
         print_table(rows, ["mode", "params", "candidates", "device_accumulate_s", "device_update_s", "device_s",
-                           "auto_accumulate_s", "auto_update_s", "auto_s", "auto_extra_s", "auto_vs_device"])
+                           "auto_accumulate_s", "auto_update_s", "auto_s", "auto_extra_s", "auto_vs_device",
+                           "device_cpu_s", "auto_cpu_s", "auto_vs_device_cpu", "method"])
         write_json(args.out, {"benchmark": "grad_accumulation auto-cost", "device": "meta", "config": vars(args),
                               "rows": rows})
         return

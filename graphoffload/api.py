@@ -350,6 +350,7 @@ class CompiledStep:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self._interruption.check(self._name)
+        self._refuse_incomplete_sums("run")
         bindings = find_bindings(self.fn, args, kwargs)
         self._before = Snapshot.take(bindings)
         try:
@@ -376,6 +377,14 @@ class CompiledStep:
         if flag is not None:   # summed where it is, so counting costs no synchronization
             self._skipped = flag.clone() if self._skipped is None else self._skipped + flag.to(self._skipped.device)
         return result
+
+    def _refuse_incomplete_sums(self, what: str) -> None:
+        """After a handed-over CPU add into a running sum failed (it surfaced as a StateError at
+        a call or a sync point), every call and step.state_dict() refuse with that error until
+        step.load_state_dict(...) resets the window: the sums miss a micro-batch."""
+        failed = self._runtimes.failed_sums()
+        if failed is not None:
+            raise StateError(f"refusing to {what} {self._name}: {failed}") from failed.__cause__
 
     @property
     def skipped_steps(self) -> int:
@@ -464,6 +473,7 @@ class CompiledStep:
         """The state of every optimizer the step drives, as `optimizer.state_dict()` gives it:
         offloaded state (fp32 master weights, moments) stays in host memory."""
         self.synchronize()
+        self._refuse_incomplete_sums("save the window of")
         state: dict[str, Any] = {"optimizers": [opt.state_dict() for opt in self.last.capture.bindings.optimizers]}
         if self._accumulation is not None:
             # mid-window, the micro-batches done so far live only in the running sums
@@ -477,7 +487,12 @@ class CompiledStep:
         were saved (unlike `optimizer.load_state_dict`, which casts state to each parameter's
         device and dtype, so offloaded fp32 state would land on the GPU in bf16). Before the
         step's first call, pass the optimizers it will drive."""
-        self.synchronize()
+        try:
+            self.synchronize()
+        except StateError:
+            if self._runtimes.failed_sums() is None:
+                raise
+            # a failed CPU add into a running sum: this load resets the sums it left incomplete
         if optimizers is None:
             optimizers = self.last.capture.bindings.optimizers
         saved = state["optimizers"]
@@ -497,6 +512,9 @@ class CompiledStep:
         if window is not None and k > 1:
             self._grad_sums.load_state_dict(window["grad_sums"] if window["micro_step"] else {})
             self._micro_step = window["micro_step"]
+        elif self._runtimes.failed_sums() is not None:
+            self._grad_sums.load_state_dict({})   # at an update boundary: no sums yet
+        self._runtimes.forget_failed_sums()
         self._interruption.restored_optimizers(optimizers)
 
     # ------------------------------------------------------------------ inspection

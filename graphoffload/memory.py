@@ -11,6 +11,7 @@ with `torch.cuda.max_memory_allocated`. Later passes (fusion, offload) plan agai
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import torch
@@ -51,6 +52,19 @@ class MemoryProfile:
         return self.live[self.nodes.index(node_name)]
 
 
+def storage_span(storages: StorageMap, sid: int, on_host: Collection[str]) -> tuple[int, tuple[int, int] | None]:
+    """(device bytes, (first, last) position it is live at) of storage `sid`, as the analysis
+    counts it: a placeholder or constant is resident (span None; 0 bytes when the signature
+    places it on the host), a storage the step's outputs read lives to the end."""
+    creator = storages.creator[sid]
+    val = creator.meta["val"]
+    tensor = val if isinstance(val, torch.Tensor) else next(v for v, i in zip(val, storages.ids[creator]) if i == sid)
+    if creator.op in ("placeholder", "get_attr"):
+        return (0 if creator.op == "placeholder" and creator.name in on_host else block_bytes(tensor)), None
+    last = len(storages.nodes) if sid in storages.output_reads else max(a.position for a in storages.accesses[sid])
+    return block_bytes(tensor), (storages.position[creator], last)
+
+
 def analyze_memory(graph: TrainGraph, storages: StorageMap | None = None) -> MemoryProfile:
     """`storages`: the graph's StorageMap when the caller has it already (a planner that
     analyses many edits of one graph), else built here."""
@@ -60,18 +74,12 @@ def analyze_memory(graph: TrainGraph, storages: StorageMap | None = None) -> Mem
     end = len(nodes)
     delta = [0] * (end + 2)
     resident = 0
-    for sid, creator in enumerate(storages.creator):
-        val = creator.meta["val"]
-        tensor = val if isinstance(val, torch.Tensor) else next(
-            v for v, i in zip(val, storages.ids[creator]) if i == sid)
-        nbytes = block_bytes(tensor)
-        if creator.name in on_host and creator.op == "placeholder":
-            continue
-        if creator.op in ("placeholder", "get_attr"):
+    for sid in range(len(storages.creator)):
+        nbytes, span = storage_span(storages, sid, on_host)
+        if span is None:
             resident += nbytes
             continue
-        born = storages.position[creator]
-        last = end if sid in storages.output_reads else max(a.position for a in storages.accesses[sid])
+        born, last = span
         delta[born] += nbytes
         delta[last + 1] -= nbytes
     live, running = [], resident

@@ -23,6 +23,18 @@ while the predicted peaks of both compiled variants fit `gpu_memory_budget`; oth
 move to the host, in backward order, until they fit. The choice is made once, when both
 variants' predicted peaks are known (the step compiles the other variant as a probe first), and
 both variants read it from the one `SumPlacement` the step keeps, so they always agree.
+
+The decision needs each variant's peak for every count m of buckets moved. Compiling the pass
+once per m (`trial_peaks`) is exact but costs a rewrite and a liveness analysis per bucket: on
+a 12-layer GPT, 130 of them, 8.5x the compile of both variants. Moving a bucket's sums edits
+only a few nodes beside its adds, in a form the rewrite here fixes, so `modelled_peaks` derives
+every m's liveness from ONE trial compile with all sums on the device, as intervals per bucket
+summed over the first m; `predicted_peaks` checks it against the trials at m = 0 and m = all and
+falls back to the trials when they disagree (or the graph has a form the model does not know).
+Why not search over m with a few trials instead: nothing makes the peaks fall monotonically as
+buckets move (a host sum keeps the micro-batch's gradient alive until its copy, and when that
+gradient is a view of a larger buffer it keeps more than the sum it saves), and a search would
+still compile the pass about log2(m) times per variant; the model is exact at every m.
 """
 
 from __future__ import annotations
@@ -38,8 +50,9 @@ from torch import fx
 from graphoffload.diagnostics import user_line_of_stack_trace
 from graphoffload.errors import UnsupportedError
 from graphoffload.graph import InputSpec, TrainGraph, fake_mode_of, placeholder_name
-from graphoffload.memory import format_bytes
-from graphoffload.ops.host_transfer import grad_sum_key
+from graphoffload.aliasing import StorageMap
+from graphoffload.memory import analyze_memory, block_bytes, format_bytes, storage_span
+from graphoffload.ops.host_transfer import VALUE_RULES, grad_sum_key
 from graphoffload.passes.update_kernels import UpdateKernel
 
 if TYPE_CHECKING:
@@ -48,6 +61,9 @@ if TYPE_CHECKING:
 aten = torch.ops.aten
 ops = torch.ops.graphoffload
 SUM_DTYPE = torch.float32
+# one compile of offload_optimizer under a trial context: the graph it made, and what the CUDA
+# allocator holds outside the graph's tensors (offload_optimizer.unseen_device_bytes' terms)
+Trial = Callable[[TrainGraph, "PassContext"], tuple[TrainGraph, dict[str, int]]]
 
 
 def move_sums_to_host(graph: TrainGraph, specs: list[InputSpec], only: frozenset[str] | None = None
@@ -76,6 +92,26 @@ def _refuse(name: str, reader: fx.Node, what: str) -> UnsupportedError:
         "gradient on the device)")
 
 
+def _accumulating_add(name: str, s: fx.Node) -> fx.Node:
+    """The accumulating call's `sum.add_(grad)` into the running sum `s`, its only use."""
+    adds = [u for u in s.users if u.target is aten.add_.Tensor and u.args[0] is s and len(u.args) == 2
+            and not u.kwargs]
+    if len(s.users) != 1 or len(adds) != 1 or adds[0].users:
+        raise _refuse(name, next(iter(s.users)), "the accumulating call does more with it than add the "
+                      "micro-batch's gradient")
+    return adds[0]
+
+
+def _final_add(name: str, s: fx.Node) -> tuple[fx.Node, list[fx.Node]]:
+    """The updating call's uses of the running sum `s`: the add `grad + sum` that makes the
+    gradient final, and the `zero_` nodes that clear the sum after the update."""
+    adds = [u for u in s.users if u.target is aten.add.Tensor and u.args[1] is s and not u.kwargs]
+    zeros = [u for u in s.users if u.target is aten.zero_.default and not u.users]
+    if len(adds) != 1 or len(s.users) != 1 + len(zeros):
+        raise _refuse(name, next(u for u in s.users if u not in adds + zeros), "the updating call reads the sum itself")
+    return adds[0], zeros
+
+
 def wait_for_sums(g: fx.Graph, before: fx.Node, sums: list[tuple[str, fx.Node]], hosts: list[fx.Node]
                   ) -> list[fx.Node]:
     """Right before `before`, this call's first copy into the host gradient buffers `hosts` of
@@ -95,12 +131,7 @@ def accumulate_on_host(graph: TrainGraph, specs: list[InputSpec], sums: dict[str
     the sum's host buffer), and `synchronize()` (a checkpoint, a recompile) waits for all."""
     g = graph.graph
     for name, s in sums.items():
-        adds = [u for u in s.users if u.target is aten.add_.Tensor and u.args[0] is s and len(u.args) == 2
-                and not u.kwargs]
-        if len(s.users) != 1 or len(adds) != 1 or adds[0].users:
-            raise _refuse(name, next(iter(s.users)), "the accumulating call does more with it than add the "
-                          "micro-batch's gradient")
-        add = adds[0]
+        add = _accumulating_add(name, s)
         grad = add.args[1]
         gval = grad.meta["val"]
         host = graph.add_host_input(specs, InputSpec("host_scratch", placeholder_name("h_grad", name), (name, "grad"),
@@ -130,12 +161,8 @@ def drain_host_sums(k: UpdateKernel, names: list[str], sums: dict[str, fx.Node])
     out = []
     for name in names:
         s = sums[name]
-        adds = [u for u in s.users if u.target is aten.add.Tensor and u.args[1] is s and not u.kwargs]
-        zeros = [u for u in s.users if u.target is aten.zero_.default and not u.users]
-        if len(adds) != 1 or len(s.users) != 1 + len(zeros):
-            raise _refuse(name, next(u for u in s.users if u not in adds + zeros),
-                          "the updating call reads the sum itself")
-        final, grad = adds[0], adds[0].args[0]
+        final, zeros = _final_add(name, s)
+        grad = final.args[0]
         for user in list(final.users):
             readers = list(user.users) if user.target is aten.detach.default else [user]
             outside = [r for r in readers if r not in unit]
@@ -192,6 +219,7 @@ class SumPlacement:
     groups: tuple[tuple[str, tuple[str, ...]], ...] | None = None
     peaks: dict[bool, tuple[int, ...]] = field(default_factory=dict)
     chosen: int = 0                   # how many groups moved
+    methods: dict[bool, str] = field(default_factory=dict)   # per variant: "model" or "trials" (predicted_peaks)
     pinned: frozenset[str] = frozenset()   # sums kept on the device because the step reads them there
 
     def hosted(self, m: int) -> frozenset[str]:
@@ -213,12 +241,12 @@ def candidate_groups(kernels: list[UpdateKernel], names_of: list[list[str]], pin
 
 def place_sums(graph: TrainGraph, ctx: PassContext, update: bool, sums: list[str],
                groups: Callable[[frozenset[str]], tuple[tuple[str, tuple[str, ...]], ...]],
-               peak_with: Callable[[TrainGraph, PassContext], int]) -> frozenset[str] | None:
+               trial: Trial) -> frozenset[str] | None:
     """The parameters whose running sums live on the host in this compile. "device"/"host":
     none/all. "auto": the step's `SumPlacement` decides once; a variant compiled before the
-    decision records its predicted peak with each number of buckets moved (`peak_with` of a
-    copy of the graph, compiled under `trial_context`), and returns None when the other
-    variant's peaks are still missing (a probe: the step discards its graph)."""
+    decision records its predicted peak with each number of buckets moved (`predicted_peaks`,
+    from `trial` compiles of copies of the graph under `trial_context`), and returns None when
+    the other variant's peaks are still missing (a probe: the step discards its graph)."""
     where = ctx.config.offload.accumulate_on
     if where != "auto" or not sums:
         return frozenset(sums) if where == "host" else frozenset()
@@ -237,8 +265,7 @@ def place_sums(graph: TrainGraph, ctx: PassContext, update: bool, sums: list[str
     elif placement.groups is None:
         raise UnsupportedError("Offload(accumulate_on='auto'): the accumulating variant was planned before the "
                                "updating one recorded its buckets; please report this")
-    placement.peaks[update] = tuple(peak_with(graph.copy(), trial_context(ctx, placement.hosted(m)))
-                                    for m in range(len(placement.groups) + 1))
+    placement.peaks[update], placement.methods[update] = predicted_peaks(graph, ctx, placement, update, trial)
     if len(placement.peaks) < 2:
         return None
     _decide(placement, ctx.config.offload.gpu_memory_budget)
@@ -255,6 +282,210 @@ def trial_context(ctx: PassContext, host: frozenset[str]) -> PassContext:
     return dataclasses.replace(ctx, config=dataclasses.replace(ctx.config, offload=offload), timings={},
                                measured_node_seconds=None,
                                grad_sum_placement=SumPlacement(None, host=host))
+
+
+def trial_peak(graph: TrainGraph, ctx: PassContext, host: frozenset[str], trial: Trial) -> int:
+    """The exact predicted device peak of one variant with the sums of `host` on the host: a
+    trial compile of a copy of the graph, its liveness analysis and the allocator's unseen bytes."""
+    out, unseen = trial(graph.copy(), trial_context(ctx, host))
+    return analyze_memory(out).peak + sum(unseen.values())
+
+
+def trial_peaks(graph: TrainGraph, ctx: PassContext, placement: SumPlacement, trial: Trial) -> tuple[int, ...]:
+    """One trial compile per number m of groups moved (0 .. len(groups)): exact, and the oracle
+    `predicted_peaks` is tested against, but a whole rewrite and analysis per m."""
+    return tuple(trial_peak(graph, ctx, placement.hosted(m), trial) for m in range(len(placement.groups) + 1))
+
+
+def predicted_peaks(graph: TrainGraph, ctx: PassContext, placement: SumPlacement, update: bool, trial: Trial
+                    ) -> tuple[tuple[int, ...], str]:
+    """A variant's predicted device peak for every m, and how it was found: "model" (two trial
+    compiles, m = 0 and m = all, and `modelled_peaks` for every m from the first, which must
+    give both trials' peaks exactly), else "trials" (`trial_peaks`: the rewrite has a form the
+    model does not cover, or it disagreed)."""
+    movable = len(placement.groups)
+    if movable == 0:
+        return trial_peaks(graph, ctx, placement, trial), "trials"
+    base, unseen = trial(graph.copy(), trial_context(ctx, frozenset()))
+    exact = (analyze_memory(base).peak + sum(unseen.values()), trial_peak(graph, ctx, placement.hosted(movable), trial))
+    try:
+        peaks = modelled_peaks(base, unseen, placement.groups, update)
+    except _Unmodelled:
+        peaks = None
+    if peaks is None or (peaks[0], peaks[-1]) != exact:
+        return trial_peaks(graph, ctx, placement, trial), "trials"
+    return peaks, "model"
+
+
+class _Unmodelled(Exception):
+    """The trial graph is not in the form `modelled_peaks` models."""
+
+
+def _only(values: list, what: str):
+    if len(values) != 1:
+        raise _Unmodelled(what)
+    return values[0]
+
+
+def _summed(cells: list[tuple[int, int, int]], rows: int, columns: int) -> torch.Tensor:
+    """A rows x columns int64 matrix holding the sum of the values of the (row, column, value) cells."""
+    out = torch.zeros(rows, columns, dtype=torch.int64)
+    row, column, value = (torch.tensor(c, dtype=torch.int64) for c in zip(*cells))
+    return out.index_put_((row, column), value, accumulate=True)
+
+
+def modelled_peaks(base: TrainGraph, unseen: dict[str, int], groups: tuple[tuple[str, tuple[str, ...]], ...],
+                   update: bool) -> tuple[int, ...]:
+    """Each variant's predicted device peak with the sums of the first m groups on the host, for
+    every m, from ONE trial compile with every sum on the device (`base`, under trial_context).
+
+    Why this is exact: moving a sum changes nothing but a few nodes beside the sum's own adds,
+    so the graph with m groups moved is `base` with, per moved group, known nodes dropped,
+    known nodes inserted and known storages living over other spans, which the rewrite above
+    fixes (`accumulate_on_host`, `drain_host_sums`, `_emit_cpu_path`):
+
+    - every moved sum's placeholder leaves the device: its bytes leave every position;
+    - accumulating call: the add `sum.add_(grad)` (one position) becomes four, the wait for the
+      last call's add, the copy of `grad` (which reads it where the add did), the host add and
+      its hand-over; the copy's and the add's tickets live from their node to the next one;
+    - updating call: the add `final = grad + sum` and the sum's `zero_` go; everything that
+      read `final` (and its views) reads `grad`, so `grad`'s storage lives until `final`'s
+      last reader and `final`'s storage is gone; before the bucket's copy to the host come the
+      waits for the sums' adds, after it the drain, which now reads the copy's ticket (so it
+      dies there) and hands its own ticket to the update.
+
+    So each storage is an interval over the positions of `base` plus these inserted ones, each
+    present always, only with group j on the device, or only with j on the host. Live bytes are
+    summed by difference arrays, one row per group, and the variant with m groups moved is the
+    first m + 1 rows summed: all m at once, in time linear in the graph plus groups x nodes of
+    vector work, instead of a rewrite and a liveness analysis per m. `predicted_peaks` checks
+    the model against the trials at m = 0 and m = all, and `tests/test_accumulation_offload.py`
+    against a trial at every m (equal to the byte)."""
+    storages = StorageMap(base.graph)
+    nodes, position = storages.nodes, storages.position
+    n = len(nodes)
+    on_host = {spec.name for spec in base.signature.inputs if spec.host}
+    placeholders = base.placeholders()
+    sum_of = {spec.target: placeholders[spec.name] for spec in base.signature.inputs if spec.kind == "grad_sum"}
+    with fake_mode_of(base.graph):
+        ticket = block_bytes(VALUE_RULES[ops.copy_to_host.default]([], []))
+        drain_ticket = block_bytes(VALUE_RULES[ops.host_accumulate_.default](None, [], [], True))
+    before: dict[int, list] = {}   # extra positions, inserted before / after a node of base
+    after: dict[int, list] = {}
+    intervals: list[tuple[object, object, int, int]] = []   # (first, last, bytes, row): +bytes in row
+    presence: list[tuple[object, int, int]] = []            # (position, row, +1 or -1): present from that row on
+    held = [0] * len(groups)      # per group: the largest device copy its host form adds (unseen copy_held)
+    touched: set[int] = set()     # storages whose interval depends on a group
+
+    def span_of(sid: int) -> tuple[int, tuple[int, int] | None]:
+        if sid in touched:
+            raise _Unmodelled("a storage shared by two groups' gradients")
+        touched.add(sid)
+        return storage_span(storages, sid, on_host)
+
+    def device_only(j: int, sid: int) -> tuple[int, tuple[int, int]]:
+        nbytes, span = span_of(sid)
+        if span is None:
+            raise _Unmodelled("a gradient that is an input")
+        intervals.append((span[0], span[1], nbytes, 0))
+        intervals.append((span[0], span[1], -nbytes, j + 1))
+        return nbytes, span
+
+    for j, (_, names) in enumerate(groups):
+        copies: list[fx.Node] = []
+        for name in names:
+            s = sum_of[name]
+            nbytes, _ = span_of(_only(storages.of(s), "a sum's storage"))
+            intervals.append(("start", "end", nbytes, 0))       # the device sum, resident
+            intervals.append(("start", "end", -nbytes, j + 1))
+            try:
+                add, zeros = (_accumulating_add(name, s), []) if not update else _final_add(name, s)
+            except UnsupportedError as e:
+                raise _Unmodelled(str(e)) from e
+            presence.extend((position[node], j + 1, -1) for node in [add, *zeros])   # the device form's only
+            grad = add.args[1] if not update else add.args[0]
+            g_sid = _only(storages.of(grad), "a gradient's storage")
+            if g_sid in storages.output_reads or (update and set(storages.of(add)) & storages.output_reads):
+                raise _Unmodelled("the step returns a gradient")
+            g_bytes, g_span = device_only(j, g_sid)
+            if not update:
+                at = position[add]
+                labels = [("accumulate", name, what) for what in ("wait", "copy", "add", "hand_over")]
+                after.setdefault(at, []).extend(labels)
+                presence.extend((label, j + 1, 1) for label in labels)
+                others = [a.position for a in storages.accesses[g_sid] if a.node is not add]
+                last = max(others, default=-1)
+                intervals.append((g_span[0], last if last > at else labels[1], g_bytes, j + 1))
+                intervals.append((labels[1], labels[2], ticket, j + 1))
+                intervals.append((labels[2], labels[3], drain_ticket, j + 1))
+                if grad.meta["val"].device.type == "cuda":
+                    held[j] = max(held[j], grad.meta["val"].numel() * grad.meta["val"].element_size())
+                continue
+            f_sid = _only(storages.of(add), "the final gradient's storage")
+            device_only(j, f_sid)
+            last = max(a.position for sid in (g_sid, f_sid) for a in storages.accesses[sid] if a.node is not add)
+            intervals.append((g_span[0], last, g_bytes, j + 1))
+            readers = [u for u in add.users] + [r for u in add.users if u.target is aten.detach.default
+                                                 for r in u.users]
+            copies += [r for r in readers if r.target is ops.copy_to_host.default]
+        if update:
+            # the waits for the sums' adds go before each copy of the bucket's gradients (one, or
+            # one per gradient when they leave as they are final and the update waits past
+            # backward), the drain right after the copy whose ticket the host update reads
+            copies = list(dict.fromkeys(copies))
+            for c, copy in enumerate(copies):
+                before.setdefault(position[copy], []).append(("waits", j, c))
+                presence.append((("waits", j, c), j + 1, 1))
+            updates = [u for h in copies[0].args[1] for u in h.users if u.target is not ops.copy_to_host.default]
+            ticket_of = _only(list(dict.fromkeys(u.args[0] for u in updates)), "one host update of a bucket")
+            if ticket_of.target is not ops.copy_to_host.default:
+                raise _Unmodelled("a host update that does not follow a copy")
+            at, drain = position[ticket_of], ("drain", j)
+            after.setdefault(at, []).append(drain)
+            presence.append((drain, j + 1, 1))
+            t_bytes, t_span = device_only(j, _only(storages.of(ticket_of), "a copy's ticket"))
+            intervals.append((t_span[0], drain, t_bytes, j + 1))
+            intervals.append((drain, max(t_span[1], at), drain_ticket, j + 1))
+    # number every position: base's nodes with the inserted ones around them
+    slot: dict[object, int] = {}
+    main = []
+    for i in range(n):
+        for label in before.get(i, ()):
+            slot[label] = len(slot)
+        main.append(len(slot))
+        slot[("node", i)] = len(slot)
+        for label in after.get(i, ()):
+            slot[label] = len(slot)
+    size = len(slot)
+
+    def index(at: object) -> int:
+        if at == "start":
+            return 0
+        if at == "end" or (isinstance(at, int) and at >= n):
+            return size - 1
+        return main[at] if isinstance(at, int) else slot[at]
+
+    for sid in range(len(storages.creator)):   # what no group changes
+        if sid not in touched:
+            nbytes, span = storage_span(storages, sid, on_host)
+            intervals.append(("start", "end", nbytes, 0) if span is None else (span[0], span[1], nbytes, 0))
+    rows = len(groups) + 1
+    # difference arrays: +bytes where an interval starts, -bytes after it ends, one row per group
+    cells = [(row, index(first), nbytes) for first, _, nbytes, row in intervals] + \
+        [(row, index(last) + 1, -nbytes) for _, last, nbytes, row in intervals]
+    live = _summed(cells, rows, size + 1).cumsum(1).cumsum(0)[:, :size]
+    # a position is present in variant m when its rows 0..m add up to more than nothing
+    cells = [(row, index(at), change) for at, row, change in presence] + [(0, i, 1) for i in main]
+    present = _summed(cells, rows, size).cumsum(0) > 0
+    peaks = torch.where(present, live, torch.iinfo(torch.int64).min).amax(1).tolist()
+    base_held = unseen.get("copy_held", 0)
+    other = sum(unseen.values()) - base_held
+    out, most = [], base_held
+    for m, peak in enumerate(peaks):
+        out.append(peak + other + most)
+        if m < len(groups):
+            most = max(most, held[m])
+    return tuple(out)
 
 
 def _decide(placement: SumPlacement, budget_text: int | str) -> None:

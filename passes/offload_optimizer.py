@@ -492,14 +492,15 @@ def _note_grad_sums(graph: TrainGraph, host: dict[str, fx.Node], device: dict[st
                    f"{format_bytes(peaks[True][0])})", "grad_sum_placement", moved=m, movable=len(placement.groups),
                    buckets=tuple(b for b, _ in placement.groups[:m]), budget=placement.budget,
                    accumulate_peak=peaks[False][m], update_peak=peaks[True][m],
-                   peaks={"accumulate": peaks[False], "update": peaks[True]})
+                   peaks={"accumulate": peaks[False], "update": peaks[True]},
+                   method={"accumulate": placement.methods[False], "update": placement.methods[True]})
 
 
-def _predicted_peak(graph: TrainGraph, ctx: PassContext) -> int:
-    """Device peak of `graph` compiled by this pass under `ctx`, with what the CUDA allocator
-    holds outside the graph's tensors (host_accumulation.place_sums' trials)."""
+def _trial(graph: TrainGraph, ctx: PassContext) -> tuple[TrainGraph, dict[str, int]]:
+    """`graph` compiled by this pass under `ctx`, and what the CUDA allocator holds outside the
+    graph's tensors (host_accumulation.place_sums' trials)."""
     out = offload_optimizer(graph, ctx)
-    return analyze_memory(out).peak + sum(unseen_device_bytes(out.graph, ctx.device).values())
+    return out, unseen_device_bytes(out.graph, ctx.device)
 
 
 def _plan_activations(graph: TrainGraph, ctx: PassContext,
@@ -569,7 +570,7 @@ def offload_optimizer(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
     placeholders = graph.placeholders()
     device_sums = {s.target: placeholders[s.name] for s in specs if s.kind == "grad_sum"}
     on_host = place_sums(graph, ctx, bool(kernels), list(device_sums), lambda pinned: candidate_groups(
-        kernels, [[specs[spec_of[p.name]].target for p in k.param_inputs()] for k in kernels], pinned), _predicted_peak) \
+        kernels, [[specs[spec_of[p.name]].target for p in k.param_inputs()] for k in kernels], pinned), _trial) \
         if device_sums else frozenset()
     if on_host is None:   # a probe of the other variant before the placement is decided: its graph is dropped
         return graph

@@ -93,6 +93,10 @@ class OffloadRuntime:
         # device-path write-backs a step let land after it returned (carry_host_write): the host
         # tensor's address -> the copy's future; readers of that host memory wait for it
         self.host_writes: dict[int, Future] = {}
+        # the error of the first handed-over add into a running sum that failed: the window's
+        # sums are incomplete, so the step refuses to run or save until its load_state_dict
+        # resets them (and clears this)
+        self.failed_sums: StateError | None = None
         # fp32 copies of low-precision host gradients, by (gradient buffer, shape, dtype): kept
         # across steps, as the gradient buffers themselves are
         self.widened_grads: dict[tuple[int, tuple[int, ...], torch.dtype], Tensor] = {}
@@ -202,11 +206,14 @@ class OffloadRuntime:
         try:
             return fut.result()
         except Exception as exc:
-            raise StateError(
+            error = StateError(
                 f"the CPU add of an earlier accumulating call into the running gradient sum of {param} failed after "
                 f"that call returned ({describe(exc)}), so this accumulation window's sums are incomplete and an "
                 "update from them would be wrong. Restore the model, the optimizer and the step from a checkpoint "
-                "(step.load_state_dict(...) resets the window to the checkpoint's), then go on") from exc
+                "(step.load_state_dict(...) resets the window to the checkpoint's), then go on")
+            if self.failed_sums is None:
+                self.failed_sums = error
+            raise error from exc
 
     @property
     def in_flight(self) -> bool:

@@ -21,6 +21,7 @@ import torch
 
 from graphoffload.calibration import host_update_threads
 from graphoffload.config import Offload
+from graphoffload.errors import StateError
 from graphoffload.runtime.host_offload import OffloadRuntime
 from graphoffload.runtime.sanitizer import Sanitizer, sanitize_requested
 
@@ -51,6 +52,16 @@ class SharedRuntimes:
             runtime = self._runtimes[device] = OffloadRuntime(
                 device, offload.cpu_workers, host_update_threads(offload.cpu_threads), sanitizer)
         return runtime
+
+    def failed_sums(self) -> StateError | None:
+        """The error of a handed-over add into a running sum that failed (`OffloadRuntime.failed_sums`),
+        until `forget_failed_sums()`: the step's accumulation window is incomplete."""
+        return next((r.failed_sums for r in self._runtimes.values() if r.failed_sums is not None), None)
+
+    def forget_failed_sums(self) -> None:
+        """The step reset its running sums (its load_state_dict): a failed add no longer matters."""
+        for runtime in self._runtimes.values():
+            runtime.failed_sums = None
 
     def __len__(self) -> int:
         return len(self._runtimes)

@@ -321,6 +321,78 @@ def test_auto_sums_keep_on_the_device_what_the_step_reads_there():
         step(model, opt, *batches(1)[0])
 
 
+def trial_compile_peaks(step) -> dict[bool, tuple[int, ...]]:
+    """The exact method, per variant: one trial compile of offload_optimizer per number m of
+    buckets whose sums move to the host (the oracle of the modelled peaks the step used)."""
+    from graphoffload.passes.host_accumulation import trial_peaks
+    from graphoffload.passes.manager import PassContext
+    from graphoffload.passes.offload_optimizer import _trial
+
+    [placement] = step._sum_placements.values()
+    peaks = {}
+    for key, variant in step._variants.items():
+        stages = list(variant.stages)
+        before = variant.stages[stages[stages.index("offload_optimizer") - 1]]   # the pass's input
+        ctx = PassContext(step._pass_config(), variant.capture.bindings.device, grad_sum_placement=placement)
+        peaks[key[0]] = trial_peaks(before.copy(), ctx, placement, _trial)
+    return peaks
+
+
+@pytest.mark.parametrize("case", ["mlp", "gpt"])
+def test_auto_sums_modelled_peaks_equal_a_trial_compile_for_every_count_of_buckets_moved(case):
+    # the placement predicts both variants' peaks for every m from one trial compile each (plus
+    # one with every sum moved, as a check); one trial compile per m must give the same bytes
+    from helpers import tiny_gpt, token_batches, train_step
+
+    if case == "mlp":
+        model, fn, data, budget = mlp(), step_fn, batches(K), 85_000
+    else:
+        model, fn, data, budget = tiny_gpt(), train_step, [(b,) for b in token_batches(K)], 10**12
+    opt = OPTIMIZERS["adamw"](model)
+    step = auto_step(budget, fn)
+    for batch in data:
+        step(model, opt, *batch)
+    [placement] = step._sum_placements.values()
+    assert placement.methods == {False: "model", True: "model"}
+    assert len(placement.groups) >= (3 if case == "mlp" else 8)
+    trials = trial_compile_peaks(step)
+    for update in (False, True):
+        assert placement.peaks[update] == trials[update], update
+        assert len(set(trials[update])) > 1    # moving sums changes the peak
+    [note] = step.train_graph.notes_of("offload_optimizer", "grad_sum_placement")
+    assert note.fields["method"] == {"accumulate": "model", "update": "model"}
+
+
+def test_auto_sums_fall_back_to_a_trial_compile_per_count_when_the_model_disagrees():
+    # a trial whose compile with every sum moved holds 512 bytes more than the graph shows (as an
+    # allocator term the model knew nothing of would): the check at m = all fails, so the peaks
+    # come from one trial per count, those bytes included
+    from graphoffload.passes.host_accumulation import predicted_peaks, trial_peaks
+    from graphoffload.passes.manager import PassContext
+    from graphoffload.passes.offload_optimizer import _trial
+
+    model = mlp()
+    opt = OPTIMIZERS["adamw"](model)
+    step = auto_step(85_000)
+    for batch in batches(K):
+        step(model, opt, *batch)
+    [placement] = step._sum_placements.values()
+    everything = placement.hosted(len(placement.groups))
+
+    def skewed(graph, ctx):
+        out, unseen = _trial(graph, ctx)
+        return out, {**unseen, "unknown": 512 if ctx.grad_sum_placement.host == everything else 0}
+
+    for key, variant in step._variants.items():
+        stages = list(variant.stages)
+        before = variant.stages[stages[stages.index("offload_optimizer") - 1]]
+        ctx = PassContext(step._pass_config(), variant.capture.bindings.device, grad_sum_placement=placement)
+        peaks, method = predicted_peaks(before.copy(), ctx, placement, key[0], skewed)
+        assert method == "trials"
+        assert peaks == trial_peaks(before.copy(), ctx, placement, skewed)
+        assert peaks[-1] == placement.peaks[key[0]][-1] + 512 and peaks[:-1] == placement.peaks[key[0]][:-1]
+
+
 # ---- the CPU adds of an accumulating call run on after it returns (issue 18): the next call
 # waits for each right before it first touches that sum, every read from outside the step waits
 
@@ -454,6 +526,47 @@ def test_an_error_in_a_handed_over_add_surfaces_at_the_next_call_or_sync_point(s
             step.state_dict()
     assert isinstance(info.value.__cause__, RuntimeError)
     assert "step.load_state_dict" in str(info.value)
+
+
+def test_after_a_failed_handed_over_add_every_call_refuses_until_the_step_is_restored():
+    eager = mlp()
+    model = copy.deepcopy(eager)
+    opt_e, opt = OPTIMIZERS["adamw"](eager), OPTIMIZERS["adamw"](model)
+    step = compiled("host")
+    data = batches(2 * K)
+    step.compile(model, opt, *data[0])
+    checkpoint = (copy.deepcopy(model.state_dict()), step.state_dict())   # at an update boundary
+    gate = hold_worker(step)
+    try:
+        step(model, opt, *data[0])
+        scratch = step.last.executor.host_state.scratch
+        intact = scratch[("4.weight", "grad")].detach()   # the buffer's own memory, to put back
+        scratch[("4.weight", "grad")].set_(torch.zeros(3))   # the add handed over will fail
+    finally:
+        gate.set()
+    with pytest.raises(StateError, match="running gradient sum of 4.weight failed after that call returned"):
+        step(model, opt, *data[1])
+    for _ in range(2):   # not only the call that met the error: every later one, until restored
+        with pytest.raises(StateError, match="refusing to run .*4.weight failed.*step.load_state_dict") as info:
+            step(model, opt, *data[1])
+        assert isinstance(info.value.__cause__, RuntimeError)
+    with pytest.raises(StateError, match="refusing to save the window"):
+        step.state_dict()    # a checkpoint of incomplete sums would resume them
+    assert step.micro_step == 1
+    # restored from the checkpoint (and the broken buffer repaired), the step trains like eager
+    scratch[("4.weight", "grad")].set_(intact)
+    model.load_state_dict(checkpoint[0])
+    step.load_state_dict(checkpoint[1])
+    assert step.micro_step == 0
+    for i, (x, y) in enumerate(data):
+        (torch.nn.functional.mse_loss(eager(x), y) / K).backward()
+        if i % K == K - 1:
+            opt_e.step()
+            opt_e.zero_grad()
+        step(model, opt, x, y)
+    step.synchronize()
+    for (name, pe), pc in zip(eager.named_parameters(), model.parameters()):
+        torch.testing.assert_close(pc.detach(), pe.detach(), rtol=1e-5, atol=1e-7, msg=name)
 
 
 @pytest.mark.slow   # a fresh interpreter imports torch and compiles (~10 s; more on a busy machine)
