@@ -81,7 +81,7 @@ from graphoffload.memory import analyze_memory, block_bytes, format_bytes
 from graphoffload.ops.host_transfer import assign_streams
 from graphoffload.ops.rng import draws_random_numbers
 from graphoffload.passes.offload_cost_model import estimate_seconds
-from graphoffload.passes.offload_planner import Event, Prediction
+from graphoffload.passes.offload_planner import Event, Prediction, StepCosts, StepModel
 
 aten = torch.ops.aten
 ops = torch.ops.graphoffload
@@ -133,6 +133,7 @@ class ActivationPlan:
     merged: int = 0            # chosen recomputes that extended earlier replays (merged with them)
     added_seconds: float = 0.0  # what the plan adds to the predicted step (recompute, stalls)
     strategy: str = "greedy"   # which search made it (plan_activations tries several)
+    abandoned: bool = False    # cut short: it could not beat another plan that fits
 
 
 def _replayable(node: fx.Node) -> bool:
@@ -668,38 +669,63 @@ class _Timeline:
 
 
 def plan_activations(graph: TrainGraph, budget: int, cal: Calibration, device: torch.device,
-                     schedule: Prediction | None = None, planned: Sequence[str] = ()) -> ActivationPlan:
+                     schedule: Prediction | None = None, planned: Sequence[str] = (),
+                     costs: StepCosts | None = None) -> ActivationPlan:
     """Keep, recompute or offload saved activations until the predicted peak fits `budget`
     (or nothing live at the peak is left to move); the caller checks the result against it.
     `schedule`, `planned`: the optimizer-state plan's timeline and the names of the nodes its
-    `node_start` is indexed by (place_on_schedule), on which an offload's stall is predicted.
-    Two plans (every block replayed first, the greedy), the one adding least to the predicted
-    step kept (the module's docstring says why).
+    `node_start` is indexed by (place_on_schedule), on which an offload's stall is predicted;
+    `costs`: what that plan was made from, on which each finished plan's step is predicted
+    (`retime`). Two plans (every block replayed first, the greedy), the one whose predicted
+    step is shortest kept (the module's docstring says why).
 
     Recomputes are found lazily: growing every saved activation's regions again after each
     choice took minutes on a 24-block GPT, so each seed waits in a heap under the best ratio of
     all the bytes its regions free to their time (a bound on what they free at any peak), and
     only the seeds whose bound beats the best choice found so far are grown again."""
+    timed = schedule is not None and costs is not None
+
+    def step_of(p: ActivationPlan) -> float:
+        """The plan's predicted step (re-timed by the state plan's model), or without a state
+        plan's costs what it adds to the step."""
+        if not timed:
+            return p.added_seconds
+        return place_on_schedule(p.graph, schedule, planned, cal, costs)[0].step_seconds
+
     blocks = forward_blocks(graph)
     # copies of the graph as it is now, one per further plan (a copy's notes are its own)
     blocks_first, retry = graph.deferred_copy(), graph.deferred_copy()
-    plans = []
+    plans, steps = [], {}
     if blocks:   # every block's replay (checkpointing's policy) first, the greedy after it if need be
         plans.append(_plan(blocks_first(), budget, cal, device, schedule, planned, merge=True, blocks=blocks,
                            strategy="blocks first"))
-    # the greedy stops once it adds more than a plan that fits already does: what it adds only grows
-    bound = min((p.added_seconds for p in plans if p.peak <= budget), default=None)
+        steps[plans[-1].strategy] = step_of(plans[-1])
+    # the greedy stops once it cannot beat a plan that fits: what it adds to the compute stream
+    # (replays, stalls) only grows, and a re-timed step is at least the compute floor plus that
+    best = min((steps[p.strategy] for p in plans if p.peak <= budget), default=None)
+    bound = None if best is None else best - compute_floor(schedule, costs, cal) if timed else best
     plans.insert(0, _plan(graph, budget, cal, device, schedule, planned, merge=True, bound=bound))
+    steps[plans[0].strategy] = step_of(plans[0])
     if all(p.peak > budget for p in plans):
         # greedy choices can strand the peak: a merged replay comes before the first reader of
         # any saved tensor it frees, so what it remakes is live longer in backward. Plan again
         # with separate replays and keep the lower peak
         plans.append(_plan(retry(), budget, cal, device, schedule, planned, merge=False,
                            strategy="greedy, separate replays"))
+        steps[plans[-1].strategy] = step_of(plans[-1])
     fits = [p for p in plans if p.peak <= budget]
-    if fits:   # the least added step time; the greedy's plan on a tie
-        return min(fits, key=lambda p: p.added_seconds)
-    return min(plans, key=lambda p: p.peak)
+    # the shortest predicted step; on a tie (the replays hide alike) the lower peak, which leaves
+    # more room for what the analysis does not see, then the greedy's
+    chosen = min(fits, key=lambda p: (steps[p.strategy], p.peak)) if fits else min(plans, key=lambda p: p.peak)
+    what = "predicted step" if timed else "added to the predicted step"
+    chosen.graph.note(_PASS, "activation plans: " + ", ".join(
+        f"{p.strategy} {steps[p.strategy] * 1e3:.4g} ms ({format_bytes(p.peak)}"
+        + (", over the budget" if p.peak > budget else "") + (", cut short" if p.abandoned else "") + ")"
+        for p in plans) + f" {what}; {chosen.strategy} kept", "activation_plans", chosen=chosen.strategy,
+        timed=timed, plans={p.strategy: {"step_seconds" if timed else "added_seconds": steps[p.strategy],
+                                          "peak_bytes": p.peak, "fits": p.peak <= budget,
+                                          "abandoned": p.abandoned} for p in plans})
+    return chosen
 
 
 def _plan(graph: TrainGraph, budget: int, cal: Calibration, device: torch.device, schedule: Prediction | None,
@@ -915,7 +941,8 @@ def _plan(graph: TrainGraph, budget: int, cal: Calibration, device: torch.device
                "predicted step (" + strategy + ")", "activations", keep_peak_bytes=keep_peak, peak_bytes=profile.peak, budget_bytes=budget,
                choices=dict(choices), strategy=strategy, added_seconds=added, blocks=blocks_replayed,
                abandoned=abandoned, **counts)
-    return ActivationPlan(graph, keep_peak, profile.peak, profile.peak_node, choices, merged_count, added, strategy)
+    return ActivationPlan(graph, keep_peak, profile.peak, profile.peak_node, choices, merged_count, added, strategy,
+                          abandoned)
 
 
 def _restore(graph: TrainGraph, merged: list[_Replay], seconds: dict[fx.Node, float]) -> list[_Replay]:
@@ -980,9 +1007,10 @@ def _simulate(graph: TrainGraph, cal: Calibration, seconds: dict[fx.Node, float]
             delay, now = delay + stall, now + stall
             totals["stall_seconds"] += stall
         starts.append(now)
-        if str(node.meta.get("recompute", "")).startswith("activations"):
+        if _replayed(node):
             took = seconds.get(node) if node in seconds else estimate_seconds(node, cal)
-            delay, now = delay + took, now + took
+            if node.name not in start_of:   # not timed on the schedule already (retime)
+                delay, now = delay + took, now + took
             totals["recompute_seconds"] += took
         elif name and node.target in (ops.copy_to_host.default, ops.prefetch_to_device.default):
             track = "d2h" if node.target is ops.copy_to_host.default else "h2d"
@@ -997,13 +1025,108 @@ def _simulate(graph: TrainGraph, cal: Calibration, seconds: dict[fx.Node, float]
     return _Timeline(starts, links), added, totals, delay
 
 
+def _replayed(node: fx.Node) -> bool:
+    return str(node.meta.get("recompute", "")).startswith("activations")
+
+
+def retimed_costs(graph: TrainGraph, schedule: Prediction, planned: Sequence[str], costs: StepCosts,
+                  cal: Calibration, with_memory: bool = False) -> tuple[StepCosts, dict[int, int], list[str]]:
+    """The state plan's costs on `graph`'s compute stream: the nodes it was planned on, at their
+    costs' times, with the activation plan's replayed nodes where the graph runs them (each at
+    its forward original's time), the buckets' ready and first-use points and the device-path
+    prefetch points moved with their nodes. Also the prefetch points, and the names the
+    sequence is indexed by (`planned` with the replayed nodes among them). `with_memory`: the
+    device bytes live at each node are `graph`'s (liveness analysis) less the prefetched state
+    buffers of the schedule's device-path buckets, as the state planner takes them (every
+    bucket on the CPU path); else zeros (a prediction at the given prefetch points needs none)."""
+    index = {name: i for i, name in enumerate(planned)}
+    names: list[str] = []
+    seconds: list[float] = []
+    at = [0] * len(planned)       # each planned node's position in the re-timed sequence
+    done, pending = 0, []         # planned nodes placed so far; replayed nodes before the next one
+
+    def place_through(i: int) -> None:
+        nonlocal done, pending
+        while done <= i:
+            if done == i:         # replays go right before the node the graph runs after them
+                for name, took in pending:
+                    names.append(name)
+                    seconds.append(took)
+                pending = []
+            at[done] = len(names)
+            names.append(planned[done])
+            seconds.append(costs.node_seconds[done])
+            done += 1
+
+    for node in graph.graph.nodes:
+        if node.op == "output":
+            break
+        i = index.get(node.name)
+        if i is not None and i >= done:
+            place_through(i)
+        elif i is None and _replayed(node):
+            original = index.get(node.meta.get("recompute_of", ""))
+            pending.append((node.name, costs.node_seconds[original] if original is not None
+                            else estimate_seconds(node, cal)))
+    place_through(len(planned) - 1)
+    for name, took in pending:
+        names.append(name)
+        seconds.append(took)
+
+    def moved(i: int | None) -> int | None:
+        return None if i is None else at[i]
+
+    buckets = [replace(b, ready_node=at[b.ready_node], grads_final_node=moved(b.grads_final_node),
+                       first_use_node=at[b.first_use_node]) for b in costs.buckets]
+    prefetch = {b: at[i] for b, i in schedule.prefetch_node.items()}
+    live = [0] * len(names)
+    if with_memory:
+        profile = analyze_memory(graph)
+        by_name = dict(zip(profile.nodes, profile.live))
+        last = 0
+        for j, name in enumerate(names):   # a planned node the offload erased: the bytes before it
+            last = live[j] = by_name.get(name, last)
+        for b, start in prefetch.items():
+            for j in range(start, len(live)):
+                live[j] -= buckets[b].state_bytes
+    return StepCosts(seconds, live, buckets, costs.overlap_next_step), prefetch, names
+
+
+def retime(graph: TrainGraph, schedule: Prediction, planned: Sequence[str], costs: StepCosts,
+           cal: Calibration) -> tuple[Prediction, list[str]]:
+    """The state plan's model (offload_planner.StepModel) run again on `graph`'s compute stream
+    (`retimed_costs`), the buckets' paths and prefetch points kept: a replay delays the
+    gradients that become final after it, and with them the transfers and CPU updates, as a
+    checkpointed model's recompute is simulated, and the step grows only where the replay is
+    on the critical path. Also the names the prediction's `node_start` is indexed by."""
+    timed, prefetch, names = retimed_costs(graph, schedule, planned, costs, cal)
+    return StepModel(timed, cal).predict(schedule.assignment, prefetch=prefetch), names
+
+
+def compute_floor(schedule: Prediction, costs: StepCosts, cal: Calibration) -> float:
+    """A lower bound of any re-timed step of this state plan before the activation plan adds to
+    it: every node's compute and every device-path update, back to back (`retime` adds the
+    replays' compute to the compute stream, `place_on_schedule` the stalls)."""
+    return sum(costs.node_seconds) + sum(b.numel / cal.device_update_params_per_s
+                                         for b, path in zip(costs.buckets, schedule.assignment) if path == "device")
+
+
 def place_on_schedule(graph: TrainGraph, schedule: Prediction, planned: Sequence[str],
-                      cal: Calibration) -> tuple[Prediction, dict[str, float]]:
+                      cal: Calibration, costs: StepCosts | None = None) -> tuple[Prediction, dict[str, float]]:
     """The optimizer-state plan's predicted timeline with the activation plan added (_simulate):
-    activation copies in the gaps the state's transfers leave on each link, recomputed nodes
-    and late copies back pushing what follows back. The state's transfers keep their slots (the
-    bucket plan is made first, not jointly). `planned`: the names of the nodes the schedule's
-    `node_start` is indexed by."""
-    _, events, totals, delay = _simulate(graph, cal, {}, schedule, planned)
-    return replace(schedule, step_seconds=schedule.step_seconds + delay,
-                   events=[*schedule.events, *events]), totals
+    activation copies in the gaps the state's transfers leave on each link, late copies back
+    pushing what follows back. With the state plan's `costs`, the replayed nodes are timed by
+    the state plan's model itself (`retime`), so recompute that hides behind the CPU updates
+    and transfers is not charged; without them (no costs kept), recompute is added in full.
+    The state's transfers keep their paths (the bucket plan is made first, not jointly).
+    `planned`: the names of the nodes the schedule's `node_start` is indexed by; the returned
+    schedule's `node_start` is indexed by them too."""
+    if costs is None:
+        _, events, totals, delay = _simulate(graph, cal, {}, schedule, planned)
+        return replace(schedule, step_seconds=schedule.step_seconds + delay,
+                       events=[*schedule.events, *events]), totals
+    timed, names = retime(graph, schedule, planned, costs, cal)
+    _, events, totals, delay = _simulate(graph, cal, {}, timed, names)
+    start_of = dict(zip(names, timed.node_start))
+    return replace(schedule, step_seconds=timed.step_seconds + delay, events=[*timed.events, *events],
+                   node_start=[start_of[name] for name in planned]), totals

@@ -53,7 +53,7 @@ from graphoffload.graph import InputSpec, TrainGraph, fake_mode_of, fill_missing
 from graphoffload.memory import analyze_memory, format_bytes
 from graphoffload.calibration import Calibration
 from graphoffload.passes.offload_activations import (ActivationPlan, largest_saved_bytes, place_on_schedule,
-                                                     plan_activations)
+                                                     plan_activations, retimed_costs)
 from graphoffload.passes.offload_cost_model import collective_bytes, group_sizes, node_seconds
 from graphoffload.passes.offload_planner import SWEEPS, BucketCost, Prediction, StepCosts, plan, predict
 from graphoffload.passes.offload_plan_cache import load_plan, plan_key, plan_path, store_plan
@@ -334,8 +334,10 @@ def _first_reader(k: UpdateKernel, position: dict[fx.Node, int]) -> fx.Node:
 
 
 def _choose_paths(graph: TrainGraph, kernels: list[UpdateKernel], ctx: PassContext, state_bytes_on_device: int,
-                  early: list[_EarlyGradients | None], host_sums: list[bool]) -> tuple[list[str], dict[int, int]]:
-    """CPU or device path per bucket, and where device-path prefetches start (node index).
+                  early: list[_EarlyGradients | None], host_sums: list[bool],
+                  assignment: tuple[str, ...] | None = None) -> tuple[list[str], dict[int, int], StepCosts | None]:
+    """CPU or device path per bucket, where device-path prefetches start (node index), and the
+    costs the plan was made from (None without a plan: the activation planner re-times them).
     `host_sums[b]`: bucket b's running gradient sums are on the host, so it takes the CPU path."""
     offload = ctx.config.offload
     n = len(kernels)
@@ -343,12 +345,12 @@ def _choose_paths(graph: TrainGraph, kernels: list[UpdateKernel], ctx: PassConte
     if host_sums and all(host_sums):
         graph.note("offload_optimizer", "running gradient sums on the host: every bucket takes the CPU path",
                    "no_plan", reason="accumulate_on host")
-        return ["cpu"] * n, {}
+        return ["cpu"] * n, {}, None
     if mode == "never" or (mode == "auto" and offload.calibration is None and ctx.device.type != "cuda"):
         if mode == "auto":
             graph.note("offload_optimizer", "no accelerator: every bucket takes the CPU path", "no_plan",
                        reason="no accelerator")
-        return ["cpu"] * n, {}
+        return ["cpu"] * n, {}, None
     cal = offload.calibration or Calibration.load_or_measure(ctx.device, threads=offload.cpu_threads)
     nodes = [nd for nd in graph.graph.nodes if nd.op != "output"]
     index = {nd: i for i, nd in enumerate(nodes)}
@@ -377,7 +379,9 @@ def _choose_paths(graph: TrainGraph, kernels: list[UpdateKernel], ctx: PassConte
     if ctx.device.type == "cuda":
         unseen["copy_held"] = max(b.grad_bytes for b in buckets)
     budget = _planning_budget(ctx, sum(unseen.values()))
-    if isinstance(mode, int):
+    if assignment is not None:   # re-planned with the activation plan in the step (_replan_with_activations)
+        chosen, candidates = predict(costs, assignment, cal, budget) or predict(costs, assignment, cal), {}
+    elif isinstance(mode, int):
         chosen = predict(costs, [("device" if i % mode == mode - 1 else "cpu") for i in range(n)], cal,
                          budget)
         candidates = {}
@@ -405,7 +409,7 @@ def _choose_paths(graph: TrainGraph, kernels: list[UpdateKernel], ctx: PassConte
                    f"{start * 1e3:.3g}-{end * 1e3:.3g} ms, {moved / 2**20:.2f} MiB moved", "bucket",
                    bucket=bucket.name, path=chosen.assignment[b], start_s=start, end_s=end, moved_bytes=moved)
     graph.schedule = chosen
-    return list(chosen.assignment), chosen.prefetch_node
+    return list(chosen.assignment), chosen.prefetch_node, costs
 
 
 def _note_collectives(graph: TrainGraph, nodes: list[fx.Node], seconds: list[float], cal: Calibration) -> None:
@@ -499,11 +503,12 @@ def _predicted_peak(graph: TrainGraph, ctx: PassContext) -> int:
     return analyze_memory(out).peak + sum(unseen_device_bytes(out.graph, ctx.device).values())
 
 
-def _plan_activations(graph: TrainGraph, ctx: PassContext,
-                      planned: list[str]) -> tuple[TrainGraph, ActivationPlan | None]:
+def _plan_activations(graph: TrainGraph, ctx: PassContext, planned: list[str],
+                      costs: StepCosts | None = None) -> tuple[TrainGraph, ActivationPlan | None]:
     """With Offload(activations="auto"): keep, recompute or offload the saved activations until
     the predicted peak fits the budget (offload_activations.py), on the state plan's timeline
-    when there is one (`planned`: the names its node times are indexed by)."""
+    when there is one (`planned`: the names its node times are indexed by; `costs`: what it was
+    planned from, re-simulated with the activation plan's recompute in it)."""
     offload = ctx.config.offload
     if offload.activations != "auto":
         return graph, None
@@ -512,10 +517,10 @@ def _plan_activations(graph: TrainGraph, ctx: PassContext,
         unseen["copy_held"] = max(unseen["copy_held"], largest_saved_bytes(graph))
     cal = offload.calibration or Calibration.load_or_measure(ctx.device, threads=offload.cpu_threads)
     activations = plan_activations(graph, _planning_budget(ctx, sum(unseen.values())), cal, ctx.device,
-                                   graph.schedule, planned)
+                                   graph.schedule, planned, costs)
     graph = activations.graph
     if graph.schedule is not None and activations.choices:
-        graph.schedule, added = place_on_schedule(graph, graph.schedule, planned, cal)
+        graph.schedule, added = place_on_schedule(graph, graph.schedule, planned, cal, costs)
         graph.note("offload_optimizer", "activations on the schedule: "
                    f"{added['link_seconds'] * 1e3:.3g} ms of copies in the links' gaps beside the state's "
                    f"transfers, {added['stall_seconds'] * 1e3:.3g} ms waiting for copies back, "
@@ -557,7 +562,42 @@ def _activations_of_accumulating_call(graph: TrainGraph, ctx: PassContext) -> Tr
     return graph
 
 
-def offload_optimizer(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
+def _replan_with_activations(fresh, graph: TrainGraph, ctx: PassContext, planned: list[str],
+                             costs: StepCosts) -> TrainGraph | None:
+    """The bucket plan is made before the activations are planned, against the memory and
+    compute of the step with every activation kept; a checkpointed model's bucket plan is made
+    with its recompute in it (which can favour the CPU path: replays fill compute time that
+    device-path updates and prefetches would want). So the state is planned again the same way
+    on the step as the activation plan left it (offload_activations.retimed_costs: its replays
+    timed, its memory), and if that plan is predicted faster, the pass runs again from the
+    graph before it (`fresh`) with those paths, planning the activations anew against them.
+    The faster of the two that fits is kept; None: the first."""
+    cal = ctx.config.offload.calibration or Calibration.load_or_measure(ctx.device,
+                                                                        threads=ctx.config.offload.cpu_threads)
+    timed, _, _ = retimed_costs(graph, graph.schedule, planned, costs, cal, with_memory=True)
+    unseen = unseen_device_bytes(graph.graph, ctx.device)
+    chosen, _ = plan(timed, cal, _planning_budget(ctx, sum(unseen.values())))
+    if chosen.assignment == graph.schedule.assignment or chosen.step_seconds >= graph.schedule.step_seconds:
+        return None
+    try:
+        other = offload_optimizer(fresh(), ctx, chosen.assignment)
+    except UnsupportedError:
+        return None   # its activations could not fit the budget: the first plan stays
+    if other.schedule.step_seconds >= graph.schedule.step_seconds:
+        return None
+    other.note("offload_optimizer", f"bucket plan made again with the activation plan in the step: "
+               f"{chosen.assignment.count('device')} of {len(chosen.assignment)} buckets on the device, predicted "
+               f"step {other.schedule.step_seconds * 1e3:.4g} ms (the first plan, "
+               f"{graph.schedule.assignment.count('device')} on the device, with its activation plan: "
+               f"{graph.schedule.step_seconds * 1e3:.4g} ms)", "state_replanned",
+               step_seconds=other.schedule.step_seconds, first_step_seconds=graph.schedule.step_seconds,
+               device_buckets=chosen.assignment.count("device"),
+               first_device_buckets=graph.schedule.assignment.count("device"))
+    return other
+
+
+def offload_optimizer(graph: TrainGraph, ctx: PassContext, assignment: tuple[str, ...] | None = None) -> TrainGraph:
+    """`assignment`: the buckets' paths, chosen already (_replan_with_activations)."""
     offload = ctx.config.offload
     kernels = find_update_kernels(graph.graph)
     host_sums: dict[str, fx.Node] = {}
@@ -586,6 +626,8 @@ def offload_optimizer(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
     kernels = update_kernels_to_rewrite(graph, "offload_optimizer", "offload")
     if not kernels:
         return graph
+    # the step as it is now, for a second bucket plan made with the activation plan in it
+    fresh = graph.deferred_copy() if offload.activations == "auto" and assignment is None else None
     g = graph.graph
     names_of = [[specs[spec_of[p.name]].target for p in k.param_inputs()] for k in kernels]
     bucket_params = {str(k.node.meta.get("bucket", b)): names for b, (k, names) in enumerate(zip(kernels, names_of))}
@@ -597,7 +639,8 @@ def offload_optimizer(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
     backward = [storages.position[nd] for nd in g.nodes if nd.meta.get("phase") == "backward"]
     early = [_find_early_gradients(storages, k, max(backward)) if backward else None for k in kernels]
     planned = [nd.name for nd in g.nodes if nd.op != "output"]   # what the schedule's node times index
-    paths, prefetch_at = _choose_paths(graph, kernels, ctx, state_bytes, early, [bool(s) for s in sums_of])
+    paths, prefetch_at, costs = _choose_paths(graph, kernels, ctx, state_bytes, early, [bool(s) for s in sums_of],
+                                              assignment)
     early = [found if path == "cpu" else None for found, path in zip(early, paths)]
     read_after = [_first_read_after_update(k, storages) for k in kernels]
     causes = {b: _why_after_backward(storages, k, found) for b, (k, found) in enumerate(zip(kernels, early))
@@ -677,11 +720,13 @@ def offload_optimizer(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
     assign_streams(g)   # node.meta["stream"]: which copy stream each transfer runs on
     graph = graph.with_signature(inputs=tuple(specs))
     fill_missing_meta(graph, "offload_optimizer")   # the prefetched buffers' sizes count below
-    graph, activations = _plan_activations(graph, ctx, planned)
+    graph, activations = _plan_activations(graph, ctx, planned, costs)
     device_peak = analyze_memory(graph).peak
     graph.note("offload_optimizer", f"{len(kernels)} update buckets offloaded: {format_bytes(moved_bytes)} of "
                f"master weights and optimizer state in host memory; predicted device peak "
                f"{format_bytes(device_peak)}", "offloaded", buckets=len(kernels), host_bytes=moved_bytes,
                device_peak_bytes=device_peak)
     _check_budget(graph, ctx, device_peak, activations)
+    if fresh is not None and costs is not None and activations is not None and activations.choices:
+        return _replan_with_activations(fresh, graph, ctx, planned, costs) or graph
     return graph

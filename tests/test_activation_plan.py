@@ -237,15 +237,18 @@ def test_tiny_gpt_with_dropout_under_each_budget(fraction):
 
 def test_activation_copies_share_the_links_with_the_state_transfers_on_one_timeline(keep_peak, tmp_path):
     """With a planned schedule the activation copies take the gaps the state's transfers leave
-    on each link, and recompute and stalls lengthen the predicted step."""
+    on each link, and the step is predicted by the state plan's model with the replays in it
+    (which delay the gradients after them, the device-path prefetches issued after them too)."""
     step = _compiled(graphoffload.offload_compile(mlp_step, offload=Offload(
         calibration=FAST_COMPUTE, plan_cache=False, gpu_memory_budget=int(0.5 * keep_peak), activations="auto")))
     graph = step.train_graph
     schedule = graph.schedule
     added = graph.notes_of("offload_optimizer", "activations_on_schedule")[0].fields
     planned = graph.notes_of("offload_optimizer", "plan")[0].fields["step_seconds"]
-    assert schedule.step_seconds == pytest.approx(planned + added["recompute_seconds"] + added["stall_seconds"])
+    assert added["step_seconds"] == schedule.step_seconds > planned
     assert added["recompute_seconds"] > 0 and added["link_seconds"] > 0
+    plans = graph.notes_of("offload_optimizer", "activation_plans")[0].fields
+    assert plans["timed"] and plans["plans"][plans["chosen"]]["step_seconds"] == schedule.step_seconds
     offloaded = [n.fields["activation"] for n in graph.notes_of("offload_optimizer", "activation")
                  if n.fields["choice"] == "offload"]
     names = {e.name for e in schedule.events}
@@ -411,4 +414,8 @@ def test_the_plan_is_no_slower_than_checkpointing_every_block_where_that_fits():
     assert predicted <= policy_s, (predicted, policy_s)
     fields = _activations(step)
     assert fields["strategy"] in ("greedy", "blocks first") and fields["added_seconds"] > 0
-    assert predicted == pytest.approx(plain.train_graph.schedule.step_seconds + fields["added_seconds"])
+    # the plans are compared on the step the compile reports: the state plan's model re-run with
+    # the replays in it, as the checkpointed model's step is predicted
+    plans = step.train_graph.notes_of("offload_optimizer", "activation_plans")[0].fields
+    assert plans["timed"] and plans["plans"][plans["chosen"]]["step_seconds"] == predicted
+    assert all(predicted <= p["step_seconds"] for p in plans["plans"].values() if p["fits"])
