@@ -48,19 +48,42 @@ of cut-to-cut intervals repeating with the shortest period gives the blocks), ea
 replay is what backward reads of the storages it makes, remade from its input (its output,
 the next block's input, stays), replayed once before the first of those readers, random ops
 replayed. Blocks are replayed, most bytes live at the peak per second of their compute first,
-until the budget is met; the greedy continues from there if it is not. Of the plans that fit,
-the one whose timeline (`_simulate`) adds least to the predicted step is kept, the greedy's
-on a tie. The greedy, made second, stops as soon as it adds more than the block plan that fits:
-what a plan adds only grows with each choice (a replay adds its compute and can hide a stall
-by at most that; a copy only delays the others), so it could not win, and at tight budgets,
-where it took longest, it is cut short.
+until the budget is met; the greedy continues from there if it is not.
 
-The memory is shared exactly: both plans are checked against the same liveness analysis, the
-prefetched optimizer state included. The link is shared on one timeline, but not jointly
-planned: with a planned schedule (`graph.schedule`), `place_on_schedule` puts each activation
-copy in the gaps the state's transfers leave on its link and lengthens the predicted step by
-the recompute time and by any copy back that lands after its reader should start; the bucket
-plan is made first and keeps its slots.
+How a plan is judged: the step the compile reports, predicted the way a checkpointed model's
+is. A checkpointed model's recompute is in the graph the state planner times (offload_planner's
+StepModel): it delays the gradients that become final after it, and with them the copies and
+CPU updates, and lengthens the step only where it is on the critical path; where the step is
+bound by the CPU updates or the link, replays hide. Charging a plan's replays in full on top of
+the state plan's step (what this module did first) is not that prediction, so a plan and
+checkpointing could not be compared. So each finished plan is re-timed by the same
+model (`retime`: the state plan's costs with the replayed nodes on the compute stream at their
+forward originals' times, the buckets' ready and prefetch points moved with their nodes), its
+copies then placed in the links' gaps and late copies back added as stalls (`_simulate`), and
+the plan with the shortest such step is kept (the lower peak on a tie, then the greedy's).
+Re-timing a plan is one simulation of the buckets, cheap next to planning, so it is done for
+the finished plans rather than for every choice: choices are still ranked by what they add in
+full, a local measure that stays monotone while a plan grows. The greedy, made second, stops
+once the compute floor (every node's compute and device-path update, back to back) plus what it
+adds passes the step of the block plan that fits: a re-timed step is at least that, and what a
+plan adds only grows with each choice (a replay adds its compute and can hide a stall by at most
+that; a copy only delays the others).
+
+The bucket plan is made first, against the memory and compute of the step with every
+activation kept, and keeps its slots while the activations are planned: the link is shared on
+one timeline (each activation copy in the gaps the state's transfers leave), not jointly planned.
+A checkpointed model's bucket plan, though, is made with its recompute in it, which can favour
+CPU-path updates (the replays fill the compute time device-path updates and their prefetches
+want) and earlier prefetches (the memory the replays free). offload_optimizer therefore plans
+the buckets again on the re-timed costs and memory of the chosen plan, and when that is
+predicted faster runs again with those paths and prefetch points, planning the activations
+anew against them (`retimed_costs`; offload_optimizer._replan_with_activations). On the
+benchmark GPT at 24 GiB that re-plan is what matters: re-timing the plan on the first bucket
+plan (made under the budget with every activation kept, so its prefetches start late and its
+compute is the critical path) hid 3 ms of 67 ms of replays; the bucket plan made again with
+them hides most (benchmarks/RESULTS.md). The memory is
+shared exactly: every plan is checked against the same liveness analysis, the prefetched
+optimizer state included.
 """
 
 from __future__ import annotations
@@ -77,7 +100,7 @@ from torch import fx
 from graphoffload.aliasing import StorageMap, written_args
 from graphoffload.calibration import Calibration
 from graphoffload.graph import InputSpec, TrainGraph, fill_missing_meta, placeholder_name, tensor_vals
-from graphoffload.memory import analyze_memory, block_bytes, format_bytes
+from graphoffload.memory import MemoryProfile, analyze_memory, block_bytes, format_bytes
 from graphoffload.ops.host_transfer import assign_streams
 from graphoffload.ops.rng import draws_random_numbers
 from graphoffload.passes.offload_cost_model import estimate_seconds
@@ -795,7 +818,7 @@ def _plan(graph: TrainGraph, budget: int, cal: Calibration, device: torch.device
         fill_missing_meta(graph, _PASS)
         storages = StorageMap(graph.graph)
         after = analyze_memory(graph, storages)
-        if not (after.peak <= profile.peak and after.live_at(profile.peak_node) < profile.peak):
+        if not _lowered(profile, after):
             edit.undo(graph, specs, gone)
             storages = None
             continue
@@ -881,7 +904,7 @@ def _plan(graph: TrainGraph, budget: int, cal: Calibration, device: torch.device
             fill_missing_meta(graph, _PASS)
             storages = StorageMap(graph.graph)
             after = analyze_memory(graph, storages)
-            if not (after.peak <= profile.peak and after.live_at(profile.peak_node) < profile.peak):
+            if not _lowered(profile, after):
                 edit.undo(graph, specs, gone)
                 graph = graph.with_signature(inputs=tuple(specs))
                 storages = None
@@ -949,6 +972,16 @@ def _restore(graph: TrainGraph, merged: list[_Replay], seconds: dict[fx.Node, fl
     """Replay again, each as it was, the regions a rejected merge undid."""
     made = [(_replay(graph, rep.seeds, set(rep.region.nodes), seconds), rep.seeds) for rep in merged]
     return [_Replay(m[0], m[1], seeds) for m, seeds in made if m is not None]
+
+
+def _lowered(before: MemoryProfile, after: MemoryProfile) -> bool:
+    """Whether an edit lowered the peak: no higher anywhere, and lower where it was (a peak at a
+    node a merge's undo erased: lower overall)."""
+    if after.peak > before.peak:
+        return False
+    if before.peak_node in after.nodes:
+        return after.live_at(before.peak_node) < before.peak
+    return after.peak < before.peak
 
 
 def _bytes(what: Region | SavedActivation) -> int:

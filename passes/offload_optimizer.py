@@ -55,7 +55,7 @@ from graphoffload.calibration import Calibration
 from graphoffload.passes.offload_activations import (ActivationPlan, largest_saved_bytes, place_on_schedule,
                                                      plan_activations, retimed_costs)
 from graphoffload.passes.offload_cost_model import collective_bytes, group_sizes, node_seconds
-from graphoffload.passes.offload_planner import SWEEPS, BucketCost, Prediction, StepCosts, plan, predict
+from graphoffload.passes.offload_planner import SWEEPS, BucketCost, Prediction, StepCosts, StepModel, plan, predict
 from graphoffload.passes.offload_plan_cache import load_plan, plan_key, plan_path, store_plan
 from graphoffload.ops.host_transfer import assign_streams
 from graphoffload.passes.host_accumulation import (accumulate_on_host, candidate_groups, drain_host_sums,
@@ -335,7 +335,8 @@ def _first_reader(k: UpdateKernel, position: dict[fx.Node, int]) -> fx.Node:
 
 def _choose_paths(graph: TrainGraph, kernels: list[UpdateKernel], ctx: PassContext, state_bytes_on_device: int,
                   early: list[_EarlyGradients | None], host_sums: list[bool],
-                  assignment: tuple[str, ...] | None = None) -> tuple[list[str], dict[int, int], StepCosts | None]:
+                  assignment: tuple[tuple[str, ...], dict[int, int]] | None = None
+                  ) -> tuple[list[str], dict[int, int], StepCosts | None]:
     """CPU or device path per bucket, where device-path prefetches start (node index), and the
     costs the plan was made from (None without a plan: the activation planner re-times them).
     `host_sums[b]`: bucket b's running gradient sums are on the host, so it takes the CPU path."""
@@ -380,7 +381,7 @@ def _choose_paths(graph: TrainGraph, kernels: list[UpdateKernel], ctx: PassConte
         unseen["copy_held"] = max(b.grad_bytes for b in buckets)
     budget = _planning_budget(ctx, sum(unseen.values()))
     if assignment is not None:   # re-planned with the activation plan in the step (_replan_with_activations)
-        chosen, candidates = predict(costs, assignment, cal, budget) or predict(costs, assignment, cal), {}
+        chosen, candidates = StepModel(costs, cal).predict(assignment[0], prefetch=assignment[1]), {}
     elif isinstance(mode, int):
         chosen = predict(costs, [("device" if i % mode == mode - 1 else "cpu") for i in range(n)], cal,
                          budget)
@@ -569,18 +570,26 @@ def _replan_with_activations(fresh, graph: TrainGraph, ctx: PassContext, planned
     with its recompute in it (which can favour the CPU path: replays fill compute time that
     device-path updates and prefetches would want). So the state is planned again the same way
     on the step as the activation plan left it (offload_activations.retimed_costs: its replays
-    timed, its memory), and if that plan is predicted faster, the pass runs again from the
-    graph before it (`fresh`) with those paths, planning the activations anew against them.
+    timed, its memory, in which prefetches can start earlier), and if that plan is predicted
+    faster, the pass runs again from the graph before it (`fresh`) with those paths and
+    prefetch points, planning the activations anew against them.
     The faster of the two that fits is kept; None: the first."""
     cal = ctx.config.offload.calibration or Calibration.load_or_measure(ctx.device,
                                                                         threads=ctx.config.offload.cpu_threads)
-    timed, _, _ = retimed_costs(graph, graph.schedule, planned, costs, cal, with_memory=True)
+    timed, _, names = retimed_costs(graph, graph.schedule, planned, costs, cal, with_memory=True)
     unseen = unseen_device_bytes(graph.graph, ctx.device)
     chosen, _ = plan(timed, cal, _planning_budget(ctx, sum(unseen.values())))
-    if chosen.assignment == graph.schedule.assignment or chosen.step_seconds >= graph.schedule.step_seconds:
+    if chosen.step_seconds >= graph.schedule.step_seconds:
         return None
+    # its prefetch points, on the nodes the first plan indexed (a replay's: the next such node)
+    index = {name: i for i, name in enumerate(planned)}
+    following, upcoming = [0] * len(names), len(planned) - 1
+    for j in range(len(names) - 1, -1, -1):
+        upcoming = index.get(names[j], upcoming)
+        following[j] = upcoming
+    prefetch = {b: following[j] for b, j in chosen.prefetch_node.items()}
     try:
-        other = offload_optimizer(fresh(), ctx, chosen.assignment)
+        other = offload_optimizer(fresh(), ctx, (chosen.assignment, prefetch))
     except UnsupportedError:
         return None   # its activations could not fit the budget: the first plan stays
     if other.schedule.step_seconds >= graph.schedule.step_seconds:
@@ -596,8 +605,10 @@ def _replan_with_activations(fresh, graph: TrainGraph, ctx: PassContext, planned
     return other
 
 
-def offload_optimizer(graph: TrainGraph, ctx: PassContext, assignment: tuple[str, ...] | None = None) -> TrainGraph:
-    """`assignment`: the buckets' paths, chosen already (_replan_with_activations)."""
+def offload_optimizer(graph: TrainGraph, ctx: PassContext,
+                      assignment: tuple[tuple[str, ...], dict[int, int]] | None = None) -> TrainGraph:
+    """`assignment`: the buckets' paths and device-path prefetch points, chosen already
+    (_replan_with_activations)."""
     offload = ctx.config.offload
     kernels = find_update_kernels(graph.graph)
     host_sums: dict[str, fx.Node] = {}

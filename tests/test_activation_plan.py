@@ -419,3 +419,27 @@ def test_the_plan_is_no_slower_than_checkpointing_every_block_where_that_fits():
     plans = step.train_graph.notes_of("offload_optimizer", "activation_plans")[0].fields
     assert plans["timed"] and plans["plans"][plans["chosen"]]["step_seconds"] == predicted
     assert all(predicted <= p["step_seconds"] for p in plans["plans"].values() if p["fits"])
+
+
+def test_the_block_plan_is_kept_where_it_is_predicted_faster_and_trains_bit_identical():
+    """Residual blocks with dropout and `torch.rand` noise (random ops between which the greedy's
+    short replays cannot draw the forward's numbers again) on an H100-like device: replaying
+    whole blocks is predicted faster than the greedy's plan, on the step the compile reports
+    (the state plan's model re-run with the replays in it), so the block plan is kept; each
+    replayed block draws the forward's masks and noise again, and training is bit-identical."""
+    model = _model()
+    model.blocks = nn.ModuleList(NoisyBlock(32, 0.2) for _ in range(4))
+    plain = graphoffload.offload_compile(mlp_step, offload=Offload(calibration=FAST_COMPUTE, plan_cache=False))
+    budget = int(0.6 * _compiled(plain, model).memory().peak)
+    step = graphoffload.offload_compile(mlp_step, offload=Offload(
+        calibration=FAST_COMPUTE, plan_cache=False, gpu_memory_budget=budget, activations="auto"))
+    _train_both(step, model)
+    plans = step.train_graph.notes_of("offload_optimizer", "activation_plans")[0].fields
+    assert plans["timed"] and plans["chosen"] == "blocks first", plans
+    blocks, greedy = plans["plans"]["blocks first"], plans["plans"]["greedy"]
+    assert blocks["fits"] and blocks["step_seconds"] < greedy["step_seconds"]
+    assert step.train_graph.schedule.step_seconds == blocks["step_seconds"]
+    assert step.memory().peak <= budget and _activations(step)["blocks"] >= 1
+    graph = step.graphs["final"].graph
+    replayed = {n.target for n in graph.nodes if "recompute" in n.meta}
+    assert {torch.ops.aten.bernoulli_.float, torch.ops.aten.rand.default} <= replayed
