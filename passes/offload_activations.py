@@ -80,7 +80,7 @@ predicted faster runs again with those paths and prefetch points, planning the a
 anew against them (`retimed_costs`; offload_optimizer._replan_with_activations). On the
 benchmark GPT at 24 GiB that re-plan is what matters: re-timing the plan on the first bucket
 plan (made under the budget with every activation kept, so its prefetches start late and its
-compute is the critical path) hid 3 ms of 67 ms of replays; the bucket plan made again with
+compute is the critical path) hid 2.5 ms of 67 ms of replays; the bucket plan made again with
 them hides most (benchmarks/RESULTS.md). The memory is
 shared exactly: every plan is checked against the same liveness analysis, the prefetched
 optimizer state included.
