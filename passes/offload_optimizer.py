@@ -610,6 +610,9 @@ def offload_optimizer(graph: TrainGraph, ctx: PassContext,
     """`assignment`: the buckets' paths and device-path prefetch points, chosen already
     (_replan_with_activations)."""
     offload = ctx.config.offload
+    # the step as it came, before anything below edits it in place: what a second bucket plan,
+    # made with the activation plan in the step, starts from
+    fresh = graph.deferred_copy() if offload.activations == "auto" and assignment is None else None
     kernels = find_update_kernels(graph.graph)
     host_sums: dict[str, fx.Node] = {}
     specs = list(graph.signature.inputs)
@@ -637,8 +640,6 @@ def offload_optimizer(graph: TrainGraph, ctx: PassContext,
     kernels = update_kernels_to_rewrite(graph, "offload_optimizer", "offload")
     if not kernels:
         return graph
-    # the step as it is now, for a second bucket plan made with the activation plan in it
-    fresh = graph.deferred_copy() if offload.activations == "auto" and assignment is None else None
     g = graph.graph
     names_of = [[specs[spec_of[p.name]].target for p in k.param_inputs()] for k in kernels]
     bucket_params = {str(k.node.meta.get("bucket", b)): names for b, (k, names) in enumerate(zip(kernels, names_of))}
