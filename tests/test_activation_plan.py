@@ -390,10 +390,12 @@ def test_forward_blocks_are_the_transformer_blocks():
 
 
 def test_the_plan_is_no_slower_than_checkpointing_every_block_where_that_fits():
-    """At the budget checkpointing every block just fits, the plan (the greedy's, or every block
-    replayed first, whichever adds less to the predicted step) fits it too, its predicted step is
-    no longer than the checkpointed model's (compiled the same way, as benchmarks/checkpointing.py
-    does), and it trains bit-identical to eager, dropout included."""
+    """At the budget checkpointing every block just fits, on a calibration where the step is bound
+    by its compute, the plan (the greedy's, or every block replayed first, whichever step is
+    shorter) fits it too, and its predicted step is no longer than the checkpointed model's, both
+    predicted the same way: the state planner's model with the replays on the compute stream
+    (the checkpointed model compiled as benchmarks/checkpointing.py does). It trains bit-identical
+    to eager, dropout included."""
     model = tiny_gpt(dropout=0.1, seq_len=32)
     batches = token_batches(3, seq=32, batch=4)
     policy = copy.deepcopy(model)
