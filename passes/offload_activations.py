@@ -48,19 +48,42 @@ of cut-to-cut intervals repeating with the shortest period gives the blocks), ea
 replay is what backward reads of the storages it makes, remade from its input (its output,
 the next block's input, stays), replayed once before the first of those readers, random ops
 replayed. Blocks are replayed, most bytes live at the peak per second of their compute first,
-until the budget is met; the greedy continues from there if it is not. Of the plans that fit,
-the one whose timeline (`_simulate`) adds least to the predicted step is kept, the greedy's
-on a tie. The greedy, made second, stops as soon as it adds more than the block plan that fits:
-what a plan adds only grows with each choice (a replay adds its compute and can hide a stall
-by at most that; a copy only delays the others), so it could not win, and at tight budgets,
-where it took longest, it is cut short.
+until the budget is met; the greedy continues from there if it is not.
 
-The memory is shared exactly: both plans are checked against the same liveness analysis, the
-prefetched optimizer state included. The link is shared on one timeline, but not jointly
-planned: with a planned schedule (`graph.schedule`), `place_on_schedule` puts each activation
-copy in the gaps the state's transfers leave on its link and lengthens the predicted step by
-the recompute time and by any copy back that lands after its reader should start; the bucket
-plan is made first and keeps its slots.
+How a plan is judged: the step the compile reports, predicted the way a checkpointed model's
+is. A checkpointed model's recompute is in the graph the state planner times (offload_planner's
+StepModel): it delays the gradients that become final after it, and with them the copies and
+CPU updates, and lengthens the step only where it is on the critical path; where the step is
+bound by the CPU updates or the link, replays hide. Charging a plan's replays in full on top of
+the state plan's step (what this module did first) is not that prediction, so a plan and
+checkpointing could not be compared. So each finished plan is re-timed by the same
+model (`retime`: the state plan's costs with the replayed nodes on the compute stream at their
+forward originals' times, the buckets' ready and prefetch points moved with their nodes), its
+copies then placed in the links' gaps and late copies back added as stalls (`_simulate`), and
+the plan with the shortest such step is kept (the lower peak on a tie, then the greedy's).
+Re-timing a plan is one simulation of the buckets, cheap next to planning, so it is done for
+the finished plans rather than for every choice: choices are still ranked by what they add in
+full, a local measure that stays monotone while a plan grows. The greedy, made second, stops
+once the compute floor (every node's compute and device-path update, back to back) plus what it
+adds passes the step of the block plan that fits: a re-timed step is at least that, and what a
+plan adds only grows with each choice (a replay adds its compute and can hide a stall by at most
+that; a copy only delays the others).
+
+The bucket plan is made first, against the memory and compute of the step with every
+activation kept, and keeps its slots while the activations are planned: the link is shared on
+one timeline (each activation copy in the gaps the state's transfers leave), not jointly planned.
+A checkpointed model's bucket plan, though, is made with its recompute in it, which can favour
+CPU-path updates (the replays fill the compute time device-path updates and their prefetches
+want) and earlier prefetches (the memory the replays free). offload_optimizer therefore plans
+the buckets again on the re-timed costs and memory of the chosen plan, and when that is
+predicted faster runs again with those paths and prefetch points, planning the activations
+anew against them (`retimed_costs`; offload_optimizer._replan_with_activations). On the
+benchmark GPT at 24 GiB that re-plan is what matters: re-timing the plan on the first bucket
+plan (made under the budget with every activation kept, so its prefetches start late and its
+compute is the critical path) hid 2.5 ms of 67 ms of replays; the bucket plan made again with
+them hides most (benchmarks/RESULTS.md). The memory is
+shared exactly: every plan is checked against the same liveness analysis, the prefetched
+optimizer state included.
 """
 
 from __future__ import annotations
@@ -77,11 +100,11 @@ from torch import fx
 from graphoffload.aliasing import StorageMap, written_args
 from graphoffload.calibration import Calibration
 from graphoffload.graph import InputSpec, TrainGraph, fill_missing_meta, placeholder_name, tensor_vals
-from graphoffload.memory import analyze_memory, block_bytes, format_bytes
+from graphoffload.memory import MemoryProfile, analyze_memory, block_bytes, format_bytes
 from graphoffload.ops.host_transfer import assign_streams
 from graphoffload.ops.rng import draws_random_numbers
 from graphoffload.passes.offload_cost_model import estimate_seconds
-from graphoffload.passes.offload_planner import Event, Prediction
+from graphoffload.passes.offload_planner import Event, Prediction, StepCosts, StepModel
 
 aten = torch.ops.aten
 ops = torch.ops.graphoffload
@@ -133,6 +156,7 @@ class ActivationPlan:
     merged: int = 0            # chosen recomputes that extended earlier replays (merged with them)
     added_seconds: float = 0.0  # what the plan adds to the predicted step (recompute, stalls)
     strategy: str = "greedy"   # which search made it (plan_activations tries several)
+    abandoned: bool = False    # cut short: it could not beat another plan that fits
 
 
 def _replayable(node: fx.Node) -> bool:
@@ -668,38 +692,63 @@ class _Timeline:
 
 
 def plan_activations(graph: TrainGraph, budget: int, cal: Calibration, device: torch.device,
-                     schedule: Prediction | None = None, planned: Sequence[str] = ()) -> ActivationPlan:
+                     schedule: Prediction | None = None, planned: Sequence[str] = (),
+                     costs: StepCosts | None = None) -> ActivationPlan:
     """Keep, recompute or offload saved activations until the predicted peak fits `budget`
     (or nothing live at the peak is left to move); the caller checks the result against it.
     `schedule`, `planned`: the optimizer-state plan's timeline and the names of the nodes its
-    `node_start` is indexed by (place_on_schedule), on which an offload's stall is predicted.
-    Two plans (every block replayed first, the greedy), the one adding least to the predicted
-    step kept (the module's docstring says why).
+    `node_start` is indexed by (place_on_schedule), on which an offload's stall is predicted;
+    `costs`: what that plan was made from, on which each finished plan's step is predicted
+    (`retime`). Two plans (every block replayed first, the greedy), the one whose predicted
+    step is shortest kept (the module's docstring says why).
 
     Recomputes are found lazily: growing every saved activation's regions again after each
     choice took minutes on a 24-block GPT, so each seed waits in a heap under the best ratio of
     all the bytes its regions free to their time (a bound on what they free at any peak), and
     only the seeds whose bound beats the best choice found so far are grown again."""
+    timed = schedule is not None and costs is not None
+
+    def step_of(p: ActivationPlan) -> float:
+        """The plan's predicted step (re-timed by the state plan's model), or without a state
+        plan's costs what it adds to the step."""
+        if not timed:
+            return p.added_seconds
+        return place_on_schedule(p.graph, schedule, planned, cal, costs)[0].step_seconds
+
     blocks = forward_blocks(graph)
     # copies of the graph as it is now, one per further plan (a copy's notes are its own)
     blocks_first, retry = graph.deferred_copy(), graph.deferred_copy()
-    plans = []
+    plans, steps = [], {}
     if blocks:   # every block's replay (checkpointing's policy) first, the greedy after it if need be
         plans.append(_plan(blocks_first(), budget, cal, device, schedule, planned, merge=True, blocks=blocks,
                            strategy="blocks first"))
-    # the greedy stops once it adds more than a plan that fits already does: what it adds only grows
-    bound = min((p.added_seconds for p in plans if p.peak <= budget), default=None)
+        steps[plans[-1].strategy] = step_of(plans[-1])
+    # the greedy stops once it cannot beat a plan that fits: what it adds to the compute stream
+    # (replays, stalls) only grows, and a re-timed step is at least the compute floor plus that
+    best = min((steps[p.strategy] for p in plans if p.peak <= budget), default=None)
+    bound = None if best is None else best - compute_floor(schedule, costs, cal) if timed else best
     plans.insert(0, _plan(graph, budget, cal, device, schedule, planned, merge=True, bound=bound))
+    steps[plans[0].strategy] = step_of(plans[0])
     if all(p.peak > budget for p in plans):
         # greedy choices can strand the peak: a merged replay comes before the first reader of
         # any saved tensor it frees, so what it remakes is live longer in backward. Plan again
         # with separate replays and keep the lower peak
         plans.append(_plan(retry(), budget, cal, device, schedule, planned, merge=False,
                            strategy="greedy, separate replays"))
+        steps[plans[-1].strategy] = step_of(plans[-1])
     fits = [p for p in plans if p.peak <= budget]
-    if fits:   # the least added step time; the greedy's plan on a tie
-        return min(fits, key=lambda p: p.added_seconds)
-    return min(plans, key=lambda p: p.peak)
+    # the shortest predicted step; on a tie (the replays hide alike) the lower peak, which leaves
+    # more room for what the analysis does not see, then the greedy's
+    chosen = min(fits, key=lambda p: (steps[p.strategy], p.peak)) if fits else min(plans, key=lambda p: p.peak)
+    what = "predicted step" if timed else "added to the predicted step"
+    chosen.graph.note(_PASS, "activation plans: " + ", ".join(
+        f"{p.strategy} {steps[p.strategy] * 1e3:.4g} ms ({format_bytes(p.peak)}"
+        + (", over the budget" if p.peak > budget else "") + (", cut short" if p.abandoned else "") + ")"
+        for p in plans) + f" {what}; {chosen.strategy} kept", "activation_plans", chosen=chosen.strategy,
+        timed=timed, plans={p.strategy: {"step_seconds" if timed else "added_seconds": steps[p.strategy],
+                                          "peak_bytes": p.peak, "fits": p.peak <= budget,
+                                          "abandoned": p.abandoned} for p in plans})
+    return chosen
 
 
 def _plan(graph: TrainGraph, budget: int, cal: Calibration, device: torch.device, schedule: Prediction | None,
@@ -769,7 +818,7 @@ def _plan(graph: TrainGraph, budget: int, cal: Calibration, device: torch.device
         fill_missing_meta(graph, _PASS)
         storages = StorageMap(graph.graph)
         after = analyze_memory(graph, storages)
-        if not (after.peak <= profile.peak and after.live_at(profile.peak_node) < profile.peak):
+        if not _lowered(profile, after):
             edit.undo(graph, specs, gone)
             storages = None
             continue
@@ -855,7 +904,7 @@ def _plan(graph: TrainGraph, budget: int, cal: Calibration, device: torch.device
             fill_missing_meta(graph, _PASS)
             storages = StorageMap(graph.graph)
             after = analyze_memory(graph, storages)
-            if not (after.peak <= profile.peak and after.live_at(profile.peak_node) < profile.peak):
+            if not _lowered(profile, after):
                 edit.undo(graph, specs, gone)
                 graph = graph.with_signature(inputs=tuple(specs))
                 storages = None
@@ -915,13 +964,24 @@ def _plan(graph: TrainGraph, budget: int, cal: Calibration, device: torch.device
                "predicted step (" + strategy + ")", "activations", keep_peak_bytes=keep_peak, peak_bytes=profile.peak, budget_bytes=budget,
                choices=dict(choices), strategy=strategy, added_seconds=added, blocks=blocks_replayed,
                abandoned=abandoned, **counts)
-    return ActivationPlan(graph, keep_peak, profile.peak, profile.peak_node, choices, merged_count, added, strategy)
+    return ActivationPlan(graph, keep_peak, profile.peak, profile.peak_node, choices, merged_count, added, strategy,
+                          abandoned)
 
 
 def _restore(graph: TrainGraph, merged: list[_Replay], seconds: dict[fx.Node, float]) -> list[_Replay]:
     """Replay again, each as it was, the regions a rejected merge undid."""
     made = [(_replay(graph, rep.seeds, set(rep.region.nodes), seconds), rep.seeds) for rep in merged]
     return [_Replay(m[0], m[1], seeds) for m, seeds in made if m is not None]
+
+
+def _lowered(before: MemoryProfile, after: MemoryProfile) -> bool:
+    """Whether an edit lowered the peak: no higher anywhere, and lower where it was (a peak at a
+    node a merge's undo erased: lower overall)."""
+    if after.peak > before.peak:
+        return False
+    if before.peak_node in after.nodes:
+        return after.live_at(before.peak_node) < before.peak
+    return after.peak < before.peak
 
 
 def _bytes(what: Region | SavedActivation) -> int:
@@ -980,9 +1040,10 @@ def _simulate(graph: TrainGraph, cal: Calibration, seconds: dict[fx.Node, float]
             delay, now = delay + stall, now + stall
             totals["stall_seconds"] += stall
         starts.append(now)
-        if str(node.meta.get("recompute", "")).startswith("activations"):
+        if _replayed(node):
             took = seconds.get(node) if node in seconds else estimate_seconds(node, cal)
-            delay, now = delay + took, now + took
+            if node.name not in start_of:   # not timed on the schedule already (retime)
+                delay, now = delay + took, now + took
             totals["recompute_seconds"] += took
         elif name and node.target in (ops.copy_to_host.default, ops.prefetch_to_device.default):
             track = "d2h" if node.target is ops.copy_to_host.default else "h2d"
@@ -997,13 +1058,108 @@ def _simulate(graph: TrainGraph, cal: Calibration, seconds: dict[fx.Node, float]
     return _Timeline(starts, links), added, totals, delay
 
 
+def _replayed(node: fx.Node) -> bool:
+    return str(node.meta.get("recompute", "")).startswith("activations")
+
+
+def retimed_costs(graph: TrainGraph, schedule: Prediction, planned: Sequence[str], costs: StepCosts,
+                  cal: Calibration, with_memory: bool = False) -> tuple[StepCosts, dict[int, int], list[str]]:
+    """The state plan's costs on `graph`'s compute stream: the nodes it was planned on, at their
+    costs' times, with the activation plan's replayed nodes where the graph runs them (each at
+    its forward original's time), the buckets' ready and first-use points and the device-path
+    prefetch points moved with their nodes. Also the prefetch points, and the names the
+    sequence is indexed by (`planned` with the replayed nodes among them). `with_memory`: the
+    device bytes live at each node are `graph`'s (liveness analysis) less the prefetched state
+    buffers of the schedule's device-path buckets, as the state planner takes them (every
+    bucket on the CPU path); else zeros (a prediction at the given prefetch points needs none)."""
+    index = {name: i for i, name in enumerate(planned)}
+    names: list[str] = []
+    seconds: list[float] = []
+    at = [0] * len(planned)       # each planned node's position in the re-timed sequence
+    done, pending = 0, []         # planned nodes placed so far; replayed nodes before the next one
+
+    def place_through(i: int) -> None:
+        nonlocal done, pending
+        while done <= i:
+            if done == i:         # replays go right before the node the graph runs after them
+                for name, took in pending:
+                    names.append(name)
+                    seconds.append(took)
+                pending = []
+            at[done] = len(names)
+            names.append(planned[done])
+            seconds.append(costs.node_seconds[done])
+            done += 1
+
+    for node in graph.graph.nodes:
+        if node.op == "output":
+            break
+        i = index.get(node.name)
+        if i is not None and i >= done:
+            place_through(i)
+        elif i is None and _replayed(node):
+            original = index.get(node.meta.get("recompute_of", ""))
+            pending.append((node.name, costs.node_seconds[original] if original is not None
+                            else estimate_seconds(node, cal)))
+    place_through(len(planned) - 1)
+    for name, took in pending:
+        names.append(name)
+        seconds.append(took)
+
+    def moved(i: int | None) -> int | None:
+        return None if i is None else at[i]
+
+    buckets = [replace(b, ready_node=at[b.ready_node], grads_final_node=moved(b.grads_final_node),
+                       first_use_node=at[b.first_use_node]) for b in costs.buckets]
+    prefetch = {b: at[i] for b, i in schedule.prefetch_node.items()}
+    live = [0] * len(names)
+    if with_memory:
+        profile = analyze_memory(graph)
+        by_name = dict(zip(profile.nodes, profile.live))
+        last = 0
+        for j, name in enumerate(names):   # a planned node the offload erased: the bytes before it
+            last = live[j] = by_name.get(name, last)
+        for b, start in prefetch.items():
+            for j in range(start, len(live)):
+                live[j] -= buckets[b].state_bytes
+    return StepCosts(seconds, live, buckets, costs.overlap_next_step), prefetch, names
+
+
+def retime(graph: TrainGraph, schedule: Prediction, planned: Sequence[str], costs: StepCosts,
+           cal: Calibration) -> tuple[Prediction, list[str]]:
+    """The state plan's model (offload_planner.StepModel) run again on `graph`'s compute stream
+    (`retimed_costs`), the buckets' paths and prefetch points kept: a replay delays the
+    gradients that become final after it, and with them the transfers and CPU updates, as a
+    checkpointed model's recompute is simulated, and the step grows only where the replay is
+    on the critical path. Also the names the prediction's `node_start` is indexed by."""
+    timed, prefetch, names = retimed_costs(graph, schedule, planned, costs, cal)
+    return StepModel(timed, cal).predict(schedule.assignment, prefetch=prefetch), names
+
+
+def compute_floor(schedule: Prediction, costs: StepCosts, cal: Calibration) -> float:
+    """A lower bound of any re-timed step of this state plan before the activation plan adds to
+    it: every node's compute and every device-path update, back to back (`retime` adds the
+    replays' compute to the compute stream, `place_on_schedule` the stalls)."""
+    return sum(costs.node_seconds) + sum(b.numel / cal.device_update_params_per_s
+                                         for b, path in zip(costs.buckets, schedule.assignment) if path == "device")
+
+
 def place_on_schedule(graph: TrainGraph, schedule: Prediction, planned: Sequence[str],
-                      cal: Calibration) -> tuple[Prediction, dict[str, float]]:
+                      cal: Calibration, costs: StepCosts | None = None) -> tuple[Prediction, dict[str, float]]:
     """The optimizer-state plan's predicted timeline with the activation plan added (_simulate):
-    activation copies in the gaps the state's transfers leave on each link, recomputed nodes
-    and late copies back pushing what follows back. The state's transfers keep their slots (the
-    bucket plan is made first, not jointly). `planned`: the names of the nodes the schedule's
-    `node_start` is indexed by."""
-    _, events, totals, delay = _simulate(graph, cal, {}, schedule, planned)
-    return replace(schedule, step_seconds=schedule.step_seconds + delay,
-                   events=[*schedule.events, *events]), totals
+    activation copies in the gaps the state's transfers leave on each link, late copies back
+    pushing what follows back. With the state plan's `costs`, the replayed nodes are timed by
+    the state plan's model itself (`retime`), so recompute that hides behind the CPU updates
+    and transfers is not charged; without them (no costs kept), recompute is added in full.
+    The state's transfers keep their paths (the bucket plan is made first, not jointly).
+    `planned`: the names of the nodes the schedule's `node_start` is indexed by; the returned
+    schedule's `node_start` is indexed by them too."""
+    if costs is None:
+        _, events, totals, delay = _simulate(graph, cal, {}, schedule, planned)
+        return replace(schedule, step_seconds=schedule.step_seconds + delay,
+                       events=[*schedule.events, *events]), totals
+    timed, names = retime(graph, schedule, planned, costs, cal)
+    _, events, totals, delay = _simulate(graph, cal, {}, timed, names)
+    start_of = dict(zip(names, timed.node_start))
+    return replace(schedule, step_seconds=timed.step_seconds + delay, events=[*timed.events, *events],
+                   node_start=[start_of[name] for name in planned]), totals

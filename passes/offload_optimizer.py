@@ -56,9 +56,9 @@ from graphoffload.graph import InputSpec, TrainGraph, fake_mode_of, fill_missing
 from graphoffload.memory import analyze_memory, format_bytes
 from graphoffload.calibration import Calibration
 from graphoffload.passes.offload_activations import (ActivationPlan, largest_saved_bytes, place_on_schedule,
-                                                     plan_activations)
+                                                     plan_activations, retimed_costs)
 from graphoffload.passes.offload_cost_model import collective_bytes, group_sizes, node_seconds
-from graphoffload.passes.offload_planner import SWEEPS, BucketCost, Prediction, StepCosts, plan, predict
+from graphoffload.passes.offload_planner import SWEEPS, BucketCost, Prediction, StepCosts, StepModel, plan, predict
 from graphoffload.passes.offload_plan_cache import load_plan, plan_key, plan_path, store_plan
 from graphoffload.ops.host_transfer import assign_streams
 from graphoffload.passes.host_accumulation import (accumulate_on_host, candidate_groups, drain_host_sums,
@@ -337,8 +337,11 @@ def _first_reader(k: UpdateKernel, position: dict[fx.Node, int]) -> fx.Node:
 
 
 def _choose_paths(graph: TrainGraph, kernels: list[UpdateKernel], ctx: PassContext, state_bytes_on_device: int,
-                  early: list[_EarlyGradients | None], host_sums: list[bool]) -> tuple[list[str], dict[int, int]]:
-    """CPU or device path per bucket, and where device-path prefetches start (node index).
+                  early: list[_EarlyGradients | None], host_sums: list[bool],
+                  assignment: tuple[tuple[str, ...], dict[int, int]] | None = None
+                  ) -> tuple[list[str], dict[int, int], StepCosts | None]:
+    """CPU or device path per bucket, where device-path prefetches start (node index), and the
+    costs the plan was made from (None without a plan: the activation planner re-times them).
     `host_sums[b]`: bucket b's running gradient sums are on the host, so it takes the CPU path."""
     offload = ctx.config.offload
     n = len(kernels)
@@ -346,12 +349,12 @@ def _choose_paths(graph: TrainGraph, kernels: list[UpdateKernel], ctx: PassConte
     if host_sums and all(host_sums):
         graph.note("offload_optimizer", "running gradient sums on the host: every bucket takes the CPU path",
                    "no_plan", reason="accumulate_on host")
-        return ["cpu"] * n, {}
+        return ["cpu"] * n, {}, None
     if mode == "never" or (mode == "auto" and offload.calibration is None and ctx.device.type != "cuda"):
         if mode == "auto":
             graph.note("offload_optimizer", "no accelerator: every bucket takes the CPU path", "no_plan",
                        reason="no accelerator")
-        return ["cpu"] * n, {}
+        return ["cpu"] * n, {}, None
     cal = offload.calibration or Calibration.load_or_measure(ctx.device, threads=offload.cpu_threads)
     nodes = [nd for nd in graph.graph.nodes if nd.op != "output"]
     index = {nd: i for i, nd in enumerate(nodes)}
@@ -380,7 +383,9 @@ def _choose_paths(graph: TrainGraph, kernels: list[UpdateKernel], ctx: PassConte
     if ctx.device.type == "cuda":
         unseen["copy_held"] = max(b.grad_bytes for b in buckets)
     budget = _planning_budget(ctx, sum(unseen.values()))
-    if isinstance(mode, int):
+    if assignment is not None:   # re-planned with the activation plan in the step (_replan_with_activations)
+        chosen, candidates = StepModel(costs, cal).predict(assignment[0], prefetch=assignment[1]), {}
+    elif isinstance(mode, int):
         chosen = predict(costs, [("device" if i % mode == mode - 1 else "cpu") for i in range(n)], cal,
                          budget)
         candidates = {}
@@ -408,7 +413,7 @@ def _choose_paths(graph: TrainGraph, kernels: list[UpdateKernel], ctx: PassConte
                    f"{start * 1e3:.3g}-{end * 1e3:.3g} ms, {moved / 2**20:.2f} MiB moved", "bucket",
                    bucket=bucket.name, path=chosen.assignment[b], start_s=start, end_s=end, moved_bytes=moved)
     graph.schedule = chosen
-    return list(chosen.assignment), chosen.prefetch_node
+    return list(chosen.assignment), chosen.prefetch_node, costs
 
 
 def _note_collectives(graph: TrainGraph, nodes: list[fx.Node], seconds: list[float], cal: Calibration) -> None:
@@ -503,11 +508,12 @@ def _trial(graph: TrainGraph, ctx: PassContext) -> tuple[TrainGraph, dict[str, i
     return out, unseen_device_bytes(out.graph, ctx.device)
 
 
-def _plan_activations(graph: TrainGraph, ctx: PassContext,
-                      planned: list[str]) -> tuple[TrainGraph, ActivationPlan | None]:
+def _plan_activations(graph: TrainGraph, ctx: PassContext, planned: list[str],
+                      costs: StepCosts | None = None) -> tuple[TrainGraph, ActivationPlan | None]:
     """With Offload(activations="auto"): keep, recompute or offload the saved activations until
     the predicted peak fits the budget (offload_activations.py), on the state plan's timeline
-    when there is one (`planned`: the names its node times are indexed by)."""
+    when there is one (`planned`: the names its node times are indexed by; `costs`: what it was
+    planned from, re-simulated with the activation plan's recompute in it)."""
     offload = ctx.config.offload
     if offload.activations != "auto":
         return graph, None
@@ -516,10 +522,10 @@ def _plan_activations(graph: TrainGraph, ctx: PassContext,
         unseen["copy_held"] = max(unseen["copy_held"], largest_saved_bytes(graph))
     cal = offload.calibration or Calibration.load_or_measure(ctx.device, threads=offload.cpu_threads)
     activations = plan_activations(graph, _planning_budget(ctx, sum(unseen.values())), cal, ctx.device,
-                                   graph.schedule, planned)
+                                   graph.schedule, planned, costs)
     graph = activations.graph
     if graph.schedule is not None and activations.choices:
-        graph.schedule, added = place_on_schedule(graph, graph.schedule, planned, cal)
+        graph.schedule, added = place_on_schedule(graph, graph.schedule, planned, cal, costs)
         graph.note("offload_optimizer", "activations on the schedule: "
                    f"{added['link_seconds'] * 1e3:.3g} ms of copies in the links' gaps beside the state's "
                    f"transfers, {added['stall_seconds'] * 1e3:.3g} ms waiting for copies back, "
@@ -561,8 +567,56 @@ def _activations_of_accumulating_call(graph: TrainGraph, ctx: PassContext) -> Tr
     return graph
 
 
-def offload_optimizer(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
+def _replan_with_activations(fresh, graph: TrainGraph, ctx: PassContext, planned: list[str],
+                             costs: StepCosts) -> TrainGraph | None:
+    """The bucket plan is made before the activations are planned, against the memory and
+    compute of the step with every activation kept; a checkpointed model's bucket plan is made
+    with its recompute in it (which can favour the CPU path: replays fill compute time that
+    device-path updates and prefetches would want). So the state is planned again the same way
+    on the step as the activation plan left it (offload_activations.retimed_costs: its replays
+    timed, its memory, in which prefetches can start earlier), and if that plan is predicted
+    faster, the pass runs again from the graph before it (`fresh`) with those paths and
+    prefetch points, planning the activations anew against them.
+    The faster of the two that fits is kept; None: the first."""
+    cal = ctx.config.offload.calibration or Calibration.load_or_measure(ctx.device,
+                                                                        threads=ctx.config.offload.cpu_threads)
+    timed, _, names = retimed_costs(graph, graph.schedule, planned, costs, cal, with_memory=True)
+    unseen = unseen_device_bytes(graph.graph, ctx.device)
+    chosen, _ = plan(timed, cal, _planning_budget(ctx, sum(unseen.values())))
+    if chosen.step_seconds >= graph.schedule.step_seconds:
+        return None
+    # its prefetch points, on the nodes the first plan indexed (a replay's: the next such node)
+    index = {name: i for i, name in enumerate(planned)}
+    following, upcoming = [0] * len(names), len(planned) - 1
+    for j in range(len(names) - 1, -1, -1):
+        upcoming = index.get(names[j], upcoming)
+        following[j] = upcoming
+    prefetch = {b: following[j] for b, j in chosen.prefetch_node.items()}
+    try:
+        other = offload_optimizer(fresh(), ctx, (chosen.assignment, prefetch))
+    except UnsupportedError:
+        return None   # its activations could not fit the budget: the first plan stays
+    if other.schedule.step_seconds >= graph.schedule.step_seconds:
+        return None
+    other.note("offload_optimizer", f"bucket plan made again with the activation plan in the step: "
+               f"{chosen.assignment.count('device')} of {len(chosen.assignment)} buckets on the device, predicted "
+               f"step {other.schedule.step_seconds * 1e3:.4g} ms (the first plan, "
+               f"{graph.schedule.assignment.count('device')} on the device, with its activation plan: "
+               f"{graph.schedule.step_seconds * 1e3:.4g} ms)", "state_replanned",
+               step_seconds=other.schedule.step_seconds, first_step_seconds=graph.schedule.step_seconds,
+               device_buckets=chosen.assignment.count("device"),
+               first_device_buckets=graph.schedule.assignment.count("device"))
+    return other
+
+
+def offload_optimizer(graph: TrainGraph, ctx: PassContext,
+                      assignment: tuple[tuple[str, ...], dict[int, int]] | None = None) -> TrainGraph:
+    """`assignment`: the buckets' paths and device-path prefetch points, chosen already
+    (_replan_with_activations)."""
     offload = ctx.config.offload
+    # the step as it came, before anything below edits it in place: what a second bucket plan,
+    # made with the activation plan in the step, starts from
+    fresh = graph.deferred_copy() if offload.activations == "auto" and assignment is None else None
     kernels = find_update_kernels(graph.graph)
     host_sums: dict[str, fx.Node] = {}
     specs = list(graph.signature.inputs)
@@ -601,7 +655,8 @@ def offload_optimizer(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
     backward = [storages.position[nd] for nd in g.nodes if nd.meta.get("phase") == "backward"]
     early = [_find_early_gradients(storages, k, max(backward)) if backward else None for k in kernels]
     planned = [nd.name for nd in g.nodes if nd.op != "output"]   # what the schedule's node times index
-    paths, prefetch_at = _choose_paths(graph, kernels, ctx, state_bytes, early, [bool(s) for s in sums_of])
+    paths, prefetch_at, costs = _choose_paths(graph, kernels, ctx, state_bytes, early, [bool(s) for s in sums_of],
+                                              assignment)
     early = [found if path == "cpu" else None for found, path in zip(early, paths)]
     read_after = [_first_read_after_update(k, storages) for k in kernels]
     causes = {b: _why_after_backward(storages, k, found) for b, (k, found) in enumerate(zip(kernels, early))
@@ -681,11 +736,13 @@ def offload_optimizer(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
     assign_streams(g)   # node.meta["stream"]: which copy stream each transfer runs on
     graph = graph.with_signature(inputs=tuple(specs))
     fill_missing_meta(graph, "offload_optimizer")   # the prefetched buffers' sizes count below
-    graph, activations = _plan_activations(graph, ctx, planned)
+    graph, activations = _plan_activations(graph, ctx, planned, costs)
     device_peak = analyze_memory(graph).peak
     graph.note("offload_optimizer", f"{len(kernels)} update buckets offloaded: {format_bytes(moved_bytes)} of "
                f"master weights and optimizer state in host memory; predicted device peak "
                f"{format_bytes(device_peak)}", "offloaded", buckets=len(kernels), host_bytes=moved_bytes,
                device_peak_bytes=device_peak)
     _check_budget(graph, ctx, device_peak, activations)
+    if fresh is not None and costs is not None and activations is not None and activations.choices:
+        return _replan_with_activations(fresh, graph, ctx, planned, costs) or graph
     return graph

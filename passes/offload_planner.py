@@ -489,12 +489,20 @@ class StepModel:
             base.starts_from = starts
         self.base = base
 
-    def predict(self, assignment: Sequence[str], budget: int | None = None) -> Prediction | None:
+    def predict(self, assignment: Sequence[str], budget: int | None = None,
+                prefetch: dict[int, int] | None = None) -> Prediction | None:
+        """`prefetch` (device-path bucket -> node its prefetch starts at): where the graph already
+        issues them (a step re-timed after another pass inserted nodes), instead of placing them."""
         self.evaluated += 1
-        placed = self.prefetch_nodes(assignment, budget)
-        if placed is None:
-            return None
-        prefetch, peak = placed
+        if prefetch is None:
+            placed = self.prefetch_nodes(assignment, budget)
+            if placed is None:
+                return None
+            prefetch, peak = placed
+        else:
+            for b, start in prefetch.items():
+                self.tree.add_suffix(start, self.costs.buckets[b].state_bytes)
+            peak = self.tree.peak()
         device_bytes = self.tree.values()
         self._unplace(prefetch)
         first = self._simulate(assignment, prefetch, None, None, math.inf)

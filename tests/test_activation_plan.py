@@ -237,15 +237,18 @@ def test_tiny_gpt_with_dropout_under_each_budget(fraction):
 
 def test_activation_copies_share_the_links_with_the_state_transfers_on_one_timeline(keep_peak, tmp_path):
     """With a planned schedule the activation copies take the gaps the state's transfers leave
-    on each link, and recompute and stalls lengthen the predicted step."""
+    on each link, and the step is predicted by the state plan's model with the replays in it
+    (which delay the gradients after them, the device-path prefetches issued after them too)."""
     step = _compiled(graphoffload.offload_compile(mlp_step, offload=Offload(
         calibration=FAST_COMPUTE, plan_cache=False, gpu_memory_budget=int(0.5 * keep_peak), activations="auto")))
     graph = step.train_graph
     schedule = graph.schedule
     added = graph.notes_of("offload_optimizer", "activations_on_schedule")[0].fields
     planned = graph.notes_of("offload_optimizer", "plan")[0].fields["step_seconds"]
-    assert schedule.step_seconds == pytest.approx(planned + added["recompute_seconds"] + added["stall_seconds"])
+    assert added["step_seconds"] == schedule.step_seconds > planned
     assert added["recompute_seconds"] > 0 and added["link_seconds"] > 0
+    plans = graph.notes_of("offload_optimizer", "activation_plans")[0].fields
+    assert plans["timed"] and plans["plans"][plans["chosen"]]["step_seconds"] == schedule.step_seconds
     offloaded = [n.fields["activation"] for n in graph.notes_of("offload_optimizer", "activation")
                  if n.fields["choice"] == "offload"]
     names = {e.name for e in schedule.events}
@@ -387,10 +390,12 @@ def test_forward_blocks_are_the_transformer_blocks():
 
 
 def test_the_plan_is_no_slower_than_checkpointing_every_block_where_that_fits():
-    """At the budget checkpointing every block just fits, the plan (the greedy's, or every block
-    replayed first, whichever adds less to the predicted step) fits it too, its predicted step is
-    no longer than the checkpointed model's (compiled the same way, as benchmarks/checkpointing.py
-    does), and it trains bit-identical to eager, dropout included."""
+    """At the budget checkpointing every block just fits, on a calibration where the step is bound
+    by its compute, the plan (the greedy's, or every block replayed first, whichever step is
+    shorter) fits it too, and its predicted step is no longer than the checkpointed model's, both
+    predicted the same way: the state planner's model with the replays on the compute stream
+    (the checkpointed model compiled as benchmarks/checkpointing.py does). It trains bit-identical
+    to eager, dropout included."""
     model = tiny_gpt(dropout=0.1, seq_len=32)
     batches = token_batches(3, seq=32, batch=4)
     policy = copy.deepcopy(model)
@@ -411,4 +416,32 @@ def test_the_plan_is_no_slower_than_checkpointing_every_block_where_that_fits():
     assert predicted <= policy_s, (predicted, policy_s)
     fields = _activations(step)
     assert fields["strategy"] in ("greedy", "blocks first") and fields["added_seconds"] > 0
-    assert predicted == pytest.approx(plain.train_graph.schedule.step_seconds + fields["added_seconds"])
+    # the plans are compared on the step the compile reports: the state plan's model re-run with
+    # the replays in it, as the checkpointed model's step is predicted
+    plans = step.train_graph.notes_of("offload_optimizer", "activation_plans")[0].fields
+    assert plans["timed"] and plans["plans"][plans["chosen"]]["step_seconds"] == predicted
+    assert all(predicted <= p["step_seconds"] for p in plans["plans"].values() if p["fits"])
+
+
+def test_the_block_plan_is_kept_where_it_is_predicted_faster_and_trains_bit_identical():
+    """Residual blocks with dropout and `torch.rand` noise (random ops between which the greedy's
+    short replays cannot draw the forward's numbers again) on an H100-like device: replaying
+    whole blocks is predicted faster than the greedy's plan, on the step the compile reports
+    (the state plan's model re-run with the replays in it), so the block plan is kept; each
+    replayed block draws the forward's masks and noise again, and training is bit-identical."""
+    model = _model()
+    model.blocks = nn.ModuleList(NoisyBlock(32, 0.2) for _ in range(4))
+    plain = graphoffload.offload_compile(mlp_step, offload=Offload(calibration=FAST_COMPUTE, plan_cache=False))
+    budget = int(0.6 * _compiled(plain, model).memory().peak)
+    step = graphoffload.offload_compile(mlp_step, offload=Offload(
+        calibration=FAST_COMPUTE, plan_cache=False, gpu_memory_budget=budget, activations="auto"))
+    _train_both(step, model)
+    plans = step.train_graph.notes_of("offload_optimizer", "activation_plans")[0].fields
+    assert plans["timed"] and plans["chosen"] == "blocks first", plans
+    blocks, greedy = plans["plans"]["blocks first"], plans["plans"]["greedy"]
+    assert blocks["fits"] and blocks["step_seconds"] < greedy["step_seconds"]
+    assert step.train_graph.schedule.step_seconds == blocks["step_seconds"]
+    assert step.memory().peak <= budget and _activations(step)["blocks"] >= 1
+    graph = step.graphs["final"].graph
+    replayed = {n.target for n in graph.nodes if "recompute" in n.meta}
+    assert {torch.ops.aten.bernoulli_.float, torch.ops.aten.rand.default} <= replayed

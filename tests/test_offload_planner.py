@@ -354,6 +354,23 @@ def test_predictions_of_given_plans_are_unchanged(case):
     assert p.peak_bytes == recorded["peak_bytes"] and max(p.device_bytes) == p.peak_bytes
 
 
+@pytest.mark.parametrize("case", [c for c in CASES if c[0] <= 50][:6], ids=planner_cases.key)
+def test_a_prediction_at_given_prefetch_points_is_the_plans_own(case):
+    """StepModel.predict(prefetch=...) (a step re-timed after the activation planner inserted
+    replays keeps the graph's prefetch points): at the points the plan placed, the same step,
+    events and device bytes; a later prefetch point makes that bucket land no earlier."""
+    costs, cal, budget = _case(case)
+    best, _ = plan(costs, cal, budget)
+    again = StepModel(costs, cal).predict(best.assignment, prefetch=dict(best.prefetch_node))
+    assert again.step_seconds == best.step_seconds and again.events == best.events
+    assert again.device_bytes == best.device_bytes and again.peak_bytes == best.peak_bytes
+    if best.prefetch_node:
+        b, at = next(iter(best.prefetch_node.items()))
+        later = StepModel(costs, cal).predict(best.assignment, prefetch={**best.prefetch_node, b: at + 5})
+        first, then = (max(e.end for e in p.events if e.bucket == b and e.track == "h2d") for p in (best, later))
+        assert then >= first
+
+
 @pytest.mark.parametrize("n", [100, 400])
 def test_a_prediction_does_work_linear_in_buckets_and_logarithmic_in_nodes(n):
     costs, cal, budget = _case((n, "plain", "slow-cpu", "loose"))
