@@ -63,8 +63,9 @@ A 0-dim parameter's gradient is whole on every rank, so only rank 0 counts it.
 **Stage 3** reduces the gradients as stage 2 does, but a parameter's placeholder is this rank's
 chunk (the update writes it in place and nothing is gathered after it): `zero_params.py` gathers
 the whole parameters per bucket before forward reads them and again before backward does, on
-every call (with `accumulation_steps`, the accumulating calls too). Clipping, `.grad` left set
-and a returned parameter are refused for it.
+every call (with `accumulation_steps`, the accumulating calls too). Clipping works as on stage 2
+(the norms read the reduce-scattered chunks; `_global_norm` makes the total global, once for all
+stages); `.grad` left set and a returned parameter are refused for it.
 
 What the pass cannot shard yet (other reads or writes of the gradients besides the update:
 another norm, a GradScaler, skip_nonfinite; `.grad` left set after clipping; with stages 2 and
@@ -422,14 +423,9 @@ def _sharded_param(node: fx.Node, name: str, world: int, rank: int, update: fx.N
                         (shard_rows(shape[0], world, rank)[1], *shape[1:]), update)
 
 
-def _stage_3_params(items: list[_Item], clip: _Clip | None, position: dict[fx.Node, int], world: int,
-                    rank: int) -> list[ShardedParam]:
-    """The parameters stage 3 shards (every updated one but 0-dim ones), after refusing what it
-    cannot do yet, before the graph is changed."""
-    if clip is not None:
-        raise UnsupportedError(
-            f"ZeRO stage 3 with clip_grad_norm_ (at {_line(clip.total)}) is not supported yet: drop the clipping, "
-            "or use ZeRO(stage=2), which clips with the global norm")
+def _stage_3_params(items: list[_Item], position: dict[fx.Node, int], world: int, rank: int) -> list[ShardedParam]:
+    """The parameters stage 3 shards (every updated one but 0-dim ones), after refusing reads of
+    them it cannot shard yet (`classify_reads`), before the graph is changed."""
     sharded = [_sharded_param(it.param, it.name, world, rank, it.kernel.node) for it in items if not it.scalar]
     classify_reads(sharded, position)
     return sharded
@@ -493,7 +489,7 @@ def zero(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
     output = next(n for n in g.nodes if n.op == "output")
     items, clip = _items(kernels, output, dp.stage)
     position = {n: i for i, n in enumerate(g.nodes)}
-    sharded = _stage_3_params(items, clip, position, world, rank) if dp.stage == 3 else []
+    sharded = _stage_3_params(items, position, world, rank) if dp.stage == 3 else []
     buckets = _layout(items, position, dp.bucket_numel, world)
     emit = _Emitter(g)
 

@@ -3,7 +3,8 @@ training: each of N gloo ranks trains the tiny GPT on its own micro-batch, and a
 its loss is its own micro-batch's and its parameters equal eager's on the whole batch (the mean
 loss); each rank keeps optimizer state for its own parameters only (about 1/N of it); the
 graph holds one gradient collective and one all-gather per bucket; what is not supported yet is
-refused; ranks that disagree on shapes, or never call, make the others raise. One rank's
+refused; ranks that disagree on shapes, or never call, make the others raise. Global-norm
+clipping is run on stage 3 here too (its own tests: tests/test_zero_stage3.py). One rank's
 rewrite is also compiled in a single process (`AsRank`), for what needs no other rank: four
 ranks' ownership, the collectives per bucket, padding, and what is refused."""
 
@@ -268,7 +269,7 @@ def _clips_as_eager(rank, world, stage, optimizer, step_fn, k):
         assert all(torch.equal(n, norms[0]) for n in norms), norms   # one value on every rank
         assert torch.allclose(norm, want, rtol=RTOL, atol=0), (norm, want)
         for (name, p), q in zip(model.named_parameters(), eager.parameters()):
-            err = ((p - q).abs().max() / q.abs().max()).item()
+            err = ((_whole(p) - q).abs().max() / q.abs().max()).item()
             assert err <= RTOL, f"stage {stage} {optimizer} {step_fn.__name__} k={k}: {name} is {err:.3g} from eager"
     graph = step.last.graph
     assert graph.notes_of("zero", "clip")
@@ -301,15 +302,21 @@ def _uneven_clips_as_eager(rank, world, stage):
         assert all(torch.equal(n, norms[0]) for n in norms), norms
         assert torch.allclose(norm, want, rtol=RTOL, atol=0), (norm, want)
         for (name, p), q in zip(model.named_parameters(), eager.parameters()):
-            err = ((p - q).abs().max() / q.abs().max()).item()
+            err = ((_whole(p) - q).abs().max() / q.abs().max()).item()
             assert err <= RTOL, f"stage {stage}: {name} is {err:.3g} from eager"
+
+
+def _whole(p: torch.Tensor) -> torch.Tensor:
+    """A parameter whole (stage 3 holds a DTensor of this rank's rows: gathered, a collective)."""
+    return p.full_tensor() if isinstance(p, DTensor) else p
 
 
 def _clipping_world2(rank, world):
     for stage, optimizer, step_fn, k in ((1, "adamw", _clip_step, 1), (2, "sgd", _foreach_clip_step, 1),
-                                         (2, "adamw", _clip_step, 3), (1, "sgd", _clip_step, 3)):
+                                         (2, "adamw", _clip_step, 3), (1, "sgd", _clip_step, 3),
+                                         (3, "adamw", _foreach_clip_step, 1), (3, "sgd", _clip_step, 2)):
         _clips_as_eager(rank, world, stage, optimizer, step_fn, k)
-    for stage in (1, 2):
+    for stage in (1, 2, 3):
         _uneven_clips_as_eager(rank, world, stage)
 
 
@@ -592,6 +599,7 @@ def _grad_doubling_step(model, optimizer, batch):
 
 @pytest.mark.parametrize("step_fn, stage, match", [
     (_inf_norm_clipped_step, 2, r"read by .* besides optimizer.step\(\).*clip_grad_norm_ \(L2 norm\).*not supported yet"),
+    (_inf_norm_clipped_step, 3, r"read by .* besides optimizer.step\(\).*clip_grad_norm_ \(L2 norm\).*not supported yet"),
     (_clipped_keeping_grad_step, 1, r"stage 1 with clip_grad_norm_ and .grad left set.*zero_grad\(\) at the end"),
     (_clipped_keeping_grad_step, 2, r"stage 2 with clip_grad_norm_ and .grad left set.*zero_grad\(\) at the end"),
     (_grad_doubling_step, 1, r"changed by .* between backward and optimizer.step\(\).*not supported yet"),

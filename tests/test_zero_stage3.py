@@ -262,10 +262,61 @@ def test_stage_3_holds_1_over_n_of_the_parameters_and_gathers_about_one_layer_at
 
 
 def _clip_step(model, optimizer, x):
-    model(x).backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    loss = model(x)
+    loss.backward()
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     optimizer.step()
     optimizer.zero_grad()
+    return loss, norm
+
+
+def _ancestors(node: torch.fx.Node) -> set[torch.fx.Node]:
+    seen, todo = set(), [node]
+    while todo:
+        for n in todo.pop().all_input_nodes:
+            if n not in seen:
+                seen.add(n)
+                todo.append(n)
+    return seen
+
+
+def test_stage_3_clips_with_one_scalar_all_reduce_that_every_update_reads(one_process_group):
+    """clip_grad_norm_ under stage 3 (stages 1-2's global norm): the per-gradient norms read this
+    rank's reduce-scattered chunks, one scalar all_reduce of their total's square (after every
+    gradient reduce-scatter) is the only collective clipping adds, and every update reads
+    gradients scaled by the coefficient computed from its root, which the step also returns."""
+    model = _Deep()
+    opt = torch.optim.AdamW(model.parameters())
+    step = graphoffload.offload_compile(_clip_step, data_parallel=AsRank(stage=3, bucket_numel=LAYER))
+    graph = step.compile(model, opt, torch.randn(2, 64))
+    plain = _compile_deep(3)[0].last.graph
+    nodes = list(graph.gm.graph.nodes)
+
+    def collectives(g):
+        return sorted(str(n.target) for n in g.gm.graph.nodes if n.target in (
+            c10d.all_reduce.default, c10d.reduce_scatter_tensor.default, c10d.all_gather_into_tensor.default))
+
+    assert collectives(graph) == sorted(collectives(plain) + [str(c10d.all_reduce.default)])
+    [reduce] = [n for n in nodes if n.target is c10d.all_reduce.default]
+    assert reduce.meta["val"].dim() == 0
+    assert max(i for i, n in enumerate(nodes) if n.target is c10d.reduce_scatter_tensor.default) < nodes.index(reduce)
+    scatters = {n for n in nodes if n.target is c10d.reduce_scatter_tensor.default}
+    norms = [n for n in nodes if n.target is torch.ops.aten.linalg_vector_norm.default and n.args[0].target is not
+             torch.ops.aten.stack.default]
+    assert len(norms) == 16 and all(_ancestors(n) & scatters for n in norms)   # this rank's chunks, not whole
+    assert all(n.args[0].meta["val"].shape[0] == 32 for n in norms)
+    updates = [n for n in nodes if n.target is torch.ops.aten._fused_adamw_.tensor_lr]
+    grads = [g for u in updates for g in u.args[1]]
+    assert len(grads) == 16
+    for g in grads:   # each the chunk clipping scaled in place, by the global norm's coefficient
+        scale = next(u for u in g.users if u.target is torch.ops.aten.mul_.Tensor) if g.target is not \
+            torch.ops.aten.mul_.Tensor else g
+        assert reduce in _ancestors(scale.args[1]) and scatters & _ancestors(scale.args[0])
+        assert nodes.index(scale) < min(nodes.index(u) for u in updates if g in u.args[1])
+    output = next(n for n in nodes if n.op == "output")
+    assert reduce in _ancestors(output)   # the returned norm: the global one
+    fields = graph.notes_of("zero", "clip")[0].fields
+    assert fields["terms"] == fields["scales"] == 16
 
 
 def _grad_kept_step(model, optimizer, x):
@@ -282,7 +333,6 @@ def _returns_a_parameter_step(model, optimizer, x):
 
 
 @pytest.mark.parametrize("step_fn, match", [
-    (_clip_step, r"stage 3 with clip_grad_norm_ \(at .*\) is not supported yet.*ZeRO\(stage=2\)"),
     (_grad_kept_step, r"stage 3 keeps only this rank's own gradients, but the step leaves .*\.grad set"),
     (_returns_a_parameter_step, r"stage 3 shards parameter layers.0.weight between steps, but the step returns it"),
 ])
