@@ -124,11 +124,19 @@ class StorageMap:
         self.output_reads = {s for inp in graph.output_node().all_input_nodes for s in self.of(inp)}
 
     def _record_accesses(self) -> None:
+        # a planner rebuilds the map after every edit of a graph of thousands of nodes, so the
+        # common node (writes nothing, creates its own storages) takes the short path
         ids, creator, accesses = self.ids, self.creator, self.accesses
         for i, node in enumerate(self.nodes):
-            written = {s for w in _written(node, self._facts_of(node.target)) for s in ids.get(w, ()) if s is not None}
+            facts = self._facts_of(node.target) if node.op == "call_function" else None
+            written = {s for w in _written(node, facts) for s in ids.get(w, ()) if s is not None} \
+                if facts is not None and facts.writes else None
             created = {s for s in ids[node] if s is not None and creator[s] is node}
             read = {s for inp in node.all_input_nodes for s in ids.get(inp, ()) if s is not None}
+            if written is None:
+                for s in read | created:
+                    accesses[s].append(Access(i, node, s in created))
+                continue
             for s in read | written | created:
                 accesses[s].append(Access(i, node, s in written or s in created))
 
