@@ -97,7 +97,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import fx
 
-from graphoffload.aliasing import StorageMap, written_args
+from graphoffload.aliasing import StorageCache, StorageMap, written_args
 from graphoffload.calibration import Calibration
 from graphoffload.graph import InputSpec, TrainGraph, fill_missing_meta, placeholder_name, tensor_vals
 from graphoffload.memory import MemoryProfile, analyze_memory, block_bytes, format_bytes
@@ -773,6 +773,7 @@ def _plan(graph: TrainGraph, budget: int, cal: Calibration, device: torch.device
     specs = list(graph.signature.inputs)
     tried: set[tuple] = set()
     storages = None
+    cache = StorageCache()   # the graph's node facts, kept across its edits' storage maps
     seconds: dict[fx.Node, float] = {}
     named: dict[str, float] = {}   # the forward nodes' times by name (a region names its nodes)
     heap: list[tuple[float, int, str]] = []   # (-bound, tie-break, seed)
@@ -823,7 +824,7 @@ def _plan(graph: TrainGraph, budget: int, cal: Calibration, device: torch.device
 
     pending = list(blocks)
     while pending and profile.peak > budget:
-        step = _Step(graph, storages)
+        step = _Step(graph, storages or StorageMap(graph.graph, cache=cache))
         time_nodes(step)
         at = profile.nodes.index(profile.peak_node)
         options = []
@@ -837,7 +838,7 @@ def _plan(graph: TrainGraph, budget: int, cal: Calibration, device: torch.device
         pending.remove(names)
         edit = _recompute(graph, region)
         fill_missing_meta(graph, _PASS)
-        storages = StorageMap(graph.graph)
+        storages = StorageMap(graph.graph, cache=cache)
         after = analyze_memory(graph, storages)
         if not _lowered(profile, after):
             edit.undo(graph, specs, gone)
@@ -858,7 +859,7 @@ def _plan(graph: TrainGraph, budget: int, cal: Calibration, device: torch.device
                    peak_after=profile.peak)
     abandoned = False
     while profile.peak > budget:
-        step = _Step(graph, storages)
+        step = _Step(graph, storages or StorageMap(graph.graph, cache=cache))
         time_nodes(step)
         seeds = step.seeds()
         if first:
@@ -923,7 +924,7 @@ def _plan(graph: TrainGraph, budget: int, cal: Calibration, device: torch.device
                 edit = _offload(graph, specs, what, where, device)
             graph = graph.with_signature(inputs=tuple(specs))   # new host inputs are not device memory
             fill_missing_meta(graph, _PASS)
-            storages = StorageMap(graph.graph)
+            storages = StorageMap(graph.graph, cache=cache)
             after = analyze_memory(graph, storages)
             if not _lowered(profile, after):
                 edit.undo(graph, specs, gone)
@@ -935,7 +936,7 @@ def _plan(graph: TrainGraph, budget: int, cal: Calibration, device: torch.device
                         replays[counter] = rep
                     again = True
                     break
-                step = _Step(graph)   # the same positions as before the edit
+                step = _Step(graph, StorageMap(graph.graph, cache=cache))   # the same positions as before the edit
                 continue
             chosen, profile = best, after
             if how == "recompute":
