@@ -101,34 +101,84 @@ class Access(NamedTuple):
     writes: bool          # creates the storage or writes into it
 
 
+_NOT_TENSOR = object()
+
+
+class _NodeFacts(NamedTuple):
+    """What a StorageMap reads from one node that does not depend on where the node is or on
+    the storage numbering: valid while the node's args, kwargs, target and meta["val"] are
+    the same objects (fx assigns a new tuple when a node's args change)."""
+
+    args: object
+    kwargs: object
+    target: object
+    val: object
+    # ("leaf", is tensor) | ("item", source, index) | ("outs", per output: _NOT_TENSOR, the
+    # argument node it aliases, or None for a new storage)
+    layout: tuple
+    written: list[fx.Node] | None   # the argument nodes it writes into; None: it writes nothing
+    inputs: list[fx.Node]
+
+
+class StorageCache:
+    """Node facts shared by the StorageMaps of one graph as it is edited: a planner that
+    rebuilds the map after each edit of a graph of thousands of nodes reads again only the
+    nodes the edit made or rewired. Maps built with it are the maps built without it."""
+
+    def __init__(self) -> None:
+        self.entries: dict[fx.Node, _NodeFacts] = {}
+
+
 class StorageMap:
     """Storage ids of every node output, and every access to each storage in node order.
 
     Built after every pass (verification) and by most passes, so it is kept lean: schema facts
     are looked up once per op (by the op object's id: an OpOverload hashes in Python), and
     `accesses=False` builds the storage ids alone, for callers that ask which storages nodes
-    write (`written_placeholders`)."""
+    write (`written_placeholders`); `cache`: node facts kept from the maps of earlier versions
+    of the same graph (StorageCache)."""
 
-    def __init__(self, graph: fx.Graph, accesses: bool = True):
+    def __init__(self, graph: fx.Graph, accesses: bool = True, cache: StorageCache | None = None):
         self.nodes = [n for n in graph.nodes if n.op != "output"]
         self.position = {n: i for i, n in enumerate(self.nodes)}
         self.ids: dict[fx.Node, list[int | None]] = {}
         self.creator: list[fx.Node] = []
         # per op (by id: the graph keeps its targets alive): a graph repeats a few ops many times
         self._facts: dict[int, _OpFacts | None] = {}
-        for node in self.nodes:
-            self.ids[node] = self._storages_of(node)
+        entries = {} if cache is None else cache.entries
+        self._node_facts = [self._facts_of_node(node, entries) for node in self.nodes]
+        for node, facts in zip(self.nodes, self._node_facts):
+            self.ids[node] = self._storages_of(node, facts.layout)
         self.accesses: dict[int, list[Access]] = defaultdict(list)
         if accesses:
             self._record_accesses()
         self.output_reads = {s for inp in graph.output_node().all_input_nodes for s in self.of(inp)}
 
+    def _facts_of_node(self, node: fx.Node, entries: dict[fx.Node, _NodeFacts]) -> _NodeFacts:
+        val = node.meta.get("val")
+        found = entries.get(node)
+        if found is not None and found.args is node.args and found.kwargs is node.kwargs \
+                and found.target is node.target and found.val is val:
+            return found
+        facts = self._facts_of(node.target) if node.op == "call_function" else None
+        found = entries[node] = _NodeFacts(
+            node.args, node.kwargs, node.target, val, self._layout(node, val),
+            _written(node, facts) if facts is not None and facts.writes else None, node.all_input_nodes)
+        return found
+
     def _record_accesses(self) -> None:
+        # a planner rebuilds the map after every edit of a graph of thousands of nodes, so the
+        # common node (writes nothing, creates its own storages) takes the short path
         ids, creator, accesses = self.ids, self.creator, self.accesses
-        for i, node in enumerate(self.nodes):
-            written = {s for w in _written(node, self._facts_of(node.target)) for s in ids.get(w, ()) if s is not None}
+        for i, (node, facts) in enumerate(zip(self.nodes, self._node_facts)):
+            written = None if facts.written is None else \
+                {s for w in facts.written for s in ids.get(w, ()) if s is not None}
             created = {s for s in ids[node] if s is not None and creator[s] is node}
-            read = {s for inp in node.all_input_nodes for s in ids.get(inp, ()) if s is not None}
+            read = {s for inp in facts.inputs for s in ids.get(inp, ()) if s is not None}
+            if written is None:
+                for s in read | created:
+                    accesses[s].append(Access(i, node, s in created))
+                continue
             for s in read | written | created:
                 accesses[s].append(Access(i, node, s in written or s in created))
 
@@ -144,26 +194,41 @@ class StorageMap:
         self.creator.append(node)
         return len(self.creator) - 1
 
-    def _storages_of(self, node: fx.Node) -> list[int | None]:
-        val = node.meta.get("val")
+    def _layout(self, node: fx.Node, val: object) -> tuple:
+        """Where each of the node's outputs lives, without the storage numbers (_NodeFacts)."""
         if node.op in ("placeholder", "get_attr"):
-            return [self._new(node) if isinstance(val, torch.Tensor) else None]
+            return ("leaf", isinstance(val, torch.Tensor))
         if node.target is operator.getitem:
             src, j = node.args
-            src_ids = self.ids.get(src, [])
-            return [src_ids[j] if isinstance(j, int) and j < len(src_ids) else None]
+            return ("item", src, j)
         outs = val if isinstance(val, (list, tuple)) else [val]
         facts = self._facts_of(node.target)
         single_return = facts is not None and len(facts.aliases) == 1
-        ids: list[int | None] = []
+        layout: list[object] = []
         for j, out in enumerate(outs):
             if not isinstance(out, torch.Tensor):
-                ids.append(None)
+                layout.append(_NOT_TENSOR)
                 continue
             alias = _aliased_arg(node, 0 if single_return else j, facts)
             if isinstance(alias, (list, tuple)):
                 alias = alias[j] if j < len(alias) else None
-            src = self.ids.get(alias) if isinstance(alias, fx.Node) else None
+            layout.append(alias if isinstance(alias, fx.Node) else None)
+        return ("outs", tuple(layout))
+
+    def _storages_of(self, node: fx.Node, layout: tuple) -> list[int | None]:
+        kind = layout[0]
+        if kind == "leaf":
+            return [self._new(node) if layout[1] else None]
+        if kind == "item":
+            _, src, j = layout
+            src_ids = self.ids.get(src, [])
+            return [src_ids[j] if isinstance(j, int) and j < len(src_ids) else None]
+        ids: list[int | None] = []
+        for alias in layout[1]:
+            if alias is _NOT_TENSOR:
+                ids.append(None)
+                continue
+            src = self.ids.get(alias) if alias is not None else None
             ids.append(src[0] if src and src[0] is not None else self._new(node))
         return ids
 

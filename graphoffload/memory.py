@@ -61,7 +61,8 @@ def storage_span(storages: StorageMap, sid: int, on_host: Collection[str]) -> tu
     tensor = val if isinstance(val, torch.Tensor) else next(v for v, i in zip(val, storages.ids[creator]) if i == sid)
     if creator.op in ("placeholder", "get_attr"):
         return (0 if creator.op == "placeholder" and creator.name in on_host else block_bytes(tensor)), None
-    last = len(storages.nodes) if sid in storages.output_reads else max(a.position for a in storages.accesses[sid])
+    # a storage's accesses are recorded in node order: its last is the last one
+    last = len(storages.nodes) if sid in storages.output_reads else storages.accesses[sid][-1].position
     return block_bytes(tensor), (storages.position[creator], last)
 
 

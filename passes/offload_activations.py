@@ -97,7 +97,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import fx
 
-from graphoffload.aliasing import StorageMap, written_args
+from graphoffload.aliasing import StorageCache, StorageMap, written_args
 from graphoffload.calibration import Calibration
 from graphoffload.graph import InputSpec, TrainGraph, fill_missing_meta, placeholder_name, tensor_vals
 from graphoffload.memory import MemoryProfile, analyze_memory, block_bytes, format_bytes
@@ -195,6 +195,7 @@ class _Step:
         self._storage_facts: dict[int, tuple[int, int, frozenset] | None] = {}
         self._of: dict[fx.Node, list[int]] = {}
         self._names: dict[str, fx.Node] | None = None
+        self._drawing: dict[fx.Node, bool] = {}   # draws_random_numbers per node: every chain asks
 
     def available(self, node: fx.Node, at: int) -> bool:
         """Whether `node`'s value is on the device, unchanged, at position `at` anyway."""
@@ -296,10 +297,18 @@ class _Step:
     def _draws_replayable(self, chain: list[fx.Node]) -> bool:
         """One saved generator state replays the chain's draws only when no other random op drew
         between its first and its last random op in forward."""
-        random = [self.position[n] for n in chain if draws_random_numbers(n)]
+        random = [self.position[n] for n in chain if self._draws(n)]
+        if not random:
+            return True
         members = set(chain)
-        return not random or not any(draws_random_numbers(n) and n not in members
-                                     for n in self.nodes[random[0]:random[-1] + 1])
+        return not any(self._draws(n) and n not in members for n in self.nodes[random[0]:random[-1] + 1])
+
+    def _draws(self, node: fx.Node) -> bool:
+        try:
+            return self._drawing[node]
+        except KeyError:
+            found = self._drawing[node] = draws_random_numbers(node)
+            return found
 
     def _facts(self, s: int) -> tuple[int, int, frozenset] | None:
         """What freeing storage `s` by a replay needs, whatever the chain (cached: every chain
@@ -764,6 +773,7 @@ def _plan(graph: TrainGraph, budget: int, cal: Calibration, device: torch.device
     specs = list(graph.signature.inputs)
     tried: set[tuple] = set()
     storages = None
+    cache = StorageCache()   # the graph's node facts, kept across its edits' storage maps
     seconds: dict[fx.Node, float] = {}
     named: dict[str, float] = {}   # the forward nodes' times by name (a region names its nodes)
     heap: list[tuple[float, int, str]] = []   # (-bound, tie-break, seed)
@@ -781,12 +791,24 @@ def _plan(graph: TrainGraph, budget: int, cal: Calibration, device: torch.device
                 if n.meta.get("phase") == "forward":
                     named[n.name] = seconds[n]
 
+    node_sets: dict[int, tuple[Region, set[str]]] = {}   # by id: the region is held, so its id stays its own
+
+    def nodes_of(region: Region) -> set[str]:
+        """`region`'s node names as a set, made once: a region's extension is asked for again
+        each time its seed goes back in the heap."""
+        try:
+            return node_sets[id(region)][1]
+        except KeyError:
+            found = set(region.nodes)
+            node_sets[id(region)] = (region, found)
+            return found
+
     def extension(region: Region) -> tuple[float, tuple[int, ...]]:
         """What replaying `region` adds to the step, and the chosen replays it extends: the
         replays that already replay some of its nodes are merged with it into one region,
         replayed once, so only its other nodes' time is added."""
-        nodes = set(region.nodes)
-        over = tuple(k for k, rep in replays.items() if merge and nodes.intersection(rep.region.nodes))
+        nodes = nodes_of(region)
+        over = tuple(k for k, rep in replays.items() if merge and not nodes.isdisjoint(nodes_of(rep.region)))
         if not over:
             return region.seconds, ()
         covered = set().union(*(replays[k].region.nodes for k in over))
@@ -802,7 +824,7 @@ def _plan(graph: TrainGraph, budget: int, cal: Calibration, device: torch.device
 
     pending = list(blocks)
     while pending and profile.peak > budget:
-        step = _Step(graph, storages)
+        step = _Step(graph, storages or StorageMap(graph.graph, cache=cache))
         time_nodes(step)
         at = profile.nodes.index(profile.peak_node)
         options = []
@@ -816,7 +838,7 @@ def _plan(graph: TrainGraph, budget: int, cal: Calibration, device: torch.device
         pending.remove(names)
         edit = _recompute(graph, region)
         fill_missing_meta(graph, _PASS)
-        storages = StorageMap(graph.graph)
+        storages = StorageMap(graph.graph, cache=cache)
         after = analyze_memory(graph, storages)
         if not _lowered(profile, after):
             edit.undo(graph, specs, gone)
@@ -837,7 +859,7 @@ def _plan(graph: TrainGraph, budget: int, cal: Calibration, device: torch.device
                    peak_after=profile.peak)
     abandoned = False
     while profile.peak > budget:
-        step = _Step(graph, storages)
+        step = _Step(graph, storages or StorageMap(graph.graph, cache=cache))
         time_nodes(step)
         seeds = step.seeds()
         if first:
@@ -902,7 +924,7 @@ def _plan(graph: TrainGraph, budget: int, cal: Calibration, device: torch.device
                 edit = _offload(graph, specs, what, where, device)
             graph = graph.with_signature(inputs=tuple(specs))   # new host inputs are not device memory
             fill_missing_meta(graph, _PASS)
-            storages = StorageMap(graph.graph)
+            storages = StorageMap(graph.graph, cache=cache)
             after = analyze_memory(graph, storages)
             if not _lowered(profile, after):
                 edit.undo(graph, specs, gone)
@@ -914,7 +936,7 @@ def _plan(graph: TrainGraph, budget: int, cal: Calibration, device: torch.device
                         replays[counter] = rep
                     again = True
                     break
-                step = _Step(graph)   # the same positions as before the edit
+                step = _Step(graph, StorageMap(graph.graph, cache=cache))   # the same positions as before the edit
                 continue
             chosen, profile = best, after
             if how == "recompute":

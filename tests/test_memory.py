@@ -137,3 +137,38 @@ def test_split_and_unbind_outputs_are_views_of_their_input():
     assert profile.live_at(nodes[aten.split.Tensor]) == a + b
     assert profile.live_at(nodes[aten.unbind.int]) == a + b
     assert profile.peak == a + b + f32(64, 64) + f32()   # b, q * k, and one partial sum
+
+
+def test_storage_map_with_kept_node_facts_equals_a_fresh_one_after_edits():
+    # the activation planner keeps per-node facts across its edits (StorageCache): a node whose
+    # args change, or a node the edit made, must be read again, so every map equals a fresh one
+    from graphoffload.aliasing import StorageCache, StorageMap
+
+    def fn(a):
+        b = a.clone()
+        v = b.view(4, 16)          # a view of b's storage
+        v.mul_(2)                  # writes b through the view
+        c = torch.relu(b)
+        p, q = c.split(32)         # views of c
+        return [p.sum() + q.sum()]
+
+    graph = hand_graph(fn, torch.randn(64))
+    g = graph.graph
+
+    def facts(m):
+        return m.ids, m.creator, list(m.accesses.items()), m.output_reads
+
+    cache = StorageCache()
+    assert facts(StorageMap(g, cache=cache)) == facts(StorageMap(g))
+    relu = next(n for n in g.nodes if n.target == torch.ops.aten.relu.default)
+    view = next(n for n in g.nodes if n.target == torch.ops.aten.view.default)
+    with g.inserting_before(relu):   # relu now reads a copy: b's storage is no longer its input
+        copy = g.call_function(torch.ops.aten.clone.default, (relu.args[0],))
+    copy.meta["val"] = relu.args[0].meta["val"]
+    relu.replace_input_with(relu.args[0], copy)
+    with g.inserting_after(view):    # a second view: aliases the first's storage
+        again = g.call_function(torch.ops.aten.view.default, (view, [64]))
+    again.meta["val"] = view.meta["val"].view(64)
+    edited = StorageMap(g, cache=cache)
+    assert facts(edited) == facts(StorageMap(g))
+    assert edited.of(again) == edited.of(view) and edited.of(copy) != edited.of(copy.args[0])
