@@ -88,6 +88,7 @@ optimizer state included.
 
 from __future__ import annotations
 
+import math
 import operator
 from bisect import bisect_right, insort
 from heapq import heappop, heappush
@@ -812,7 +813,9 @@ def _plan(graph: TrainGraph, budget: int, cal: Calibration, device: torch.device
         if not over:
             return region.seconds, ()
         covered = set().union(*(replays[k].region.nodes for k in over))
-        return sum(named.get(n, 0.0) for n in nodes - covered), over
+        # fsum: exact, so the result does not depend on the set's order (string hashes, and so
+        # the order, differ between processes; a plan must not)
+        return math.fsum(named.get(n, 0.0) for n in nodes - covered), over
 
     def push(seed: str, regions: list[Region]) -> None:
         nonlocal counter
