@@ -58,6 +58,19 @@ def compiled(where: str, fn=step_fn, **offload) -> graphoffload.CompiledStep:
                                         offload=graphoffload.Offload(accumulate_on=where, **offload))
 
 
+def eager_micro_step(eager, opt_e, i, x, y) -> None:
+    """Eager accumulation, the reference: micro-batch i's loss over K backward, an update every K-th."""
+    (torch.nn.functional.mse_loss(eager(x), y) / K).backward()
+    if i % K == K - 1:
+        opt_e.step()
+        opt_e.zero_grad()
+
+
+def assert_like_eager(eager, model) -> None:
+    for (name, pe), pc in zip(eager.named_parameters(), model.parameters()):
+        torch.testing.assert_close(pc.detach(), pe.detach(), rtol=1e-5, atol=1e-7, msg=name)
+
+
 def grad_sum_specs(step) -> list:
     return [s for s in step.train_graph.signature.inputs if s.kind == "grad_sum"]
 
@@ -70,10 +83,7 @@ def test_host_sums_train_like_eager_accumulation(opt):
     step = compiled("host")
     for i, (x, y) in enumerate(batches(3 * K)):
         before = [p.detach().clone() for p in model.parameters()]
-        (torch.nn.functional.mse_loss(eager(x), y) / K).backward()
-        if i % K == K - 1:
-            opt_e.step()
-            opt_e.zero_grad()
+        eager_micro_step(eager, opt_e, i, x, y)
         step(model, opt_c, x, y)
         # the running sums are host placeholders in both variants
         assert grad_sum_specs(step) and all(s.host for s in grad_sum_specs(step))
@@ -81,8 +91,7 @@ def test_host_sums_train_like_eager_accumulation(opt):
             assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
             assert all(p.grad is None for p in model.parameters())
         else:
-            for (name, pe), pc in zip(eager.named_parameters(), model.parameters()):
-                torch.testing.assert_close(pc.detach(), pe.detach(), rtol=1e-5, atol=1e-7, msg=name)
+            assert_like_eager(eager, model)
     assert step.micro_step == 0
     # the accumulating call copies each gradient out and adds it on the host: no device add into a sum
     accumulate = [v for key, v in step._variants.items() if key[0] is False][0].graph.graph
@@ -99,14 +108,10 @@ def test_host_sums_with_uploads_handed_over_to_the_next_call_train_like_eager():
         accumulate_on="host", overlap_next_step=True), config=graphoffload.CompileConfig(
             fuse_optimizer=graphoffload.FuseOptimizer(bucket_numel=3000)))
     for i, (x, y) in enumerate(batches(3 * K)):
-        (torch.nn.functional.mse_loss(eager(x), y) / K).backward()
-        if i % K == K - 1:
-            opt_e.step()
-            opt_e.zero_grad()
+        eager_micro_step(eager, opt_e, i, x, y)
         step(model, opt_c, x, y)
     step.synchronize()
-    for (name, pe), pc in zip(eager.named_parameters(), model.parameters()):
-        torch.testing.assert_close(pc.detach(), pe.detach(), rtol=1e-5, atol=1e-7, msg=name)
+    assert_like_eager(eager, model)
 
 
 def test_host_sums_lower_the_predicted_peak_by_about_the_gradients():
@@ -255,15 +260,11 @@ def test_auto_sums_under_a_budget_mix_host_and_device_and_train_like_eager(opt):
     opt_e, opt_c = OPTIMIZERS[opt](eager), OPTIMIZERS[opt](model)
     step = auto_step(budget)
     for i, (x, y) in enumerate(batches(2 * K)):
-        (torch.nn.functional.mse_loss(eager(x), y) / K).backward()
-        if i % K == K - 1:
-            opt_e.step()
-            opt_e.zero_grad()
+        eager_micro_step(eager, opt_e, i, x, y)
         step(model, opt_c, x, y)
         assert step.memory().peak <= budget          # each variant's predicted peak fits
         assert all(p.grad is None for p in model.parameters())
-    for (name, pe), pc in zip(eager.named_parameters(), model.parameters()):
-        torch.testing.assert_close(pc.detach(), pe.detach(), rtol=1e-5, atol=1e-7, msg=name)
+    assert_like_eager(eager, model)
     variants = {key[0]: v.graph for key, v in step._variants.items()}
     where = {}
     for update, graph in variants.items():
@@ -559,14 +560,10 @@ def test_after_a_failed_handed_over_add_every_call_refuses_until_the_step_is_res
     step.load_state_dict(checkpoint[1])
     assert step.micro_step == 0
     for i, (x, y) in enumerate(data):
-        (torch.nn.functional.mse_loss(eager(x), y) / K).backward()
-        if i % K == K - 1:
-            opt_e.step()
-            opt_e.zero_grad()
+        eager_micro_step(eager, opt_e, i, x, y)
         step(model, opt, x, y)
     step.synchronize()
-    for (name, pe), pc in zip(eager.named_parameters(), model.parameters()):
-        torch.testing.assert_close(pc.detach(), pe.detach(), rtol=1e-5, atol=1e-7, msg=name)
+    assert_like_eager(eager, model)
 
 
 @pytest.mark.slow   # a fresh interpreter imports torch and compiles (~10 s; more on a busy machine)
