@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -336,6 +337,12 @@ def _first_reader(k: UpdateKernel, position: dict[fx.Node, int]) -> fx.Node:
                key=position.__getitem__)
 
 
+def _calibration(ctx: PassContext) -> Calibration:
+    """The calibration the plans are made with: the user's, else this device's (cached on disk)."""
+    offload = ctx.config.offload
+    return offload.calibration or Calibration.load_or_measure(ctx.device, threads=offload.cpu_threads)
+
+
 def _choose_paths(graph: TrainGraph, kernels: list[UpdateKernel], ctx: PassContext, state_bytes_on_device: int,
                   early: list[_EarlyGradients | None], host_sums: list[bool],
                   assignment: tuple[tuple[str, ...], dict[int, int]] | None = None
@@ -355,7 +362,7 @@ def _choose_paths(graph: TrainGraph, kernels: list[UpdateKernel], ctx: PassConte
             graph.note("offload_optimizer", "no accelerator: every bucket takes the CPU path", "no_plan",
                        reason="no accelerator")
         return ["cpu"] * n, {}, None
-    cal = offload.calibration or Calibration.load_or_measure(ctx.device, threads=offload.cpu_threads)
+    cal = _calibration(ctx)
     nodes = [nd for nd in graph.graph.nodes if nd.op != "output"]
     index = {nd: i for i, nd in enumerate(nodes)}
     live = [lv - state_bytes_on_device for lv in analyze_memory(graph).live]
@@ -520,7 +527,7 @@ def _plan_activations(graph: TrainGraph, ctx: PassContext, planned: list[str],
     unseen = unseen_device_bytes(graph.graph, ctx.device)
     if ctx.device.type == "cuda":   # an activation's copy out may hold its block a while too
         unseen["copy_held"] = max(unseen["copy_held"], largest_saved_bytes(graph))
-    cal = offload.calibration or Calibration.load_or_measure(ctx.device, threads=offload.cpu_threads)
+    cal = _calibration(ctx)
     activations = plan_activations(graph, _planning_budget(ctx, sum(unseen.values())), cal, ctx.device,
                                    graph.schedule, planned, costs)
     graph = activations.graph
@@ -567,7 +574,7 @@ def _activations_of_accumulating_call(graph: TrainGraph, ctx: PassContext) -> Tr
     return graph
 
 
-def _replan_with_activations(fresh, graph: TrainGraph, ctx: PassContext, planned: list[str],
+def _replan_with_activations(fresh: Callable[[], TrainGraph], graph: TrainGraph, ctx: PassContext, planned: list[str],
                              costs: StepCosts) -> TrainGraph | None:
     """The bucket plan is made before the activations are planned, against the memory and
     compute of the step with every activation kept; a checkpointed model's bucket plan is made
@@ -578,8 +585,7 @@ def _replan_with_activations(fresh, graph: TrainGraph, ctx: PassContext, planned
     faster, the pass runs again from the graph before it (`fresh`) with those paths and
     prefetch points, planning the activations anew against them.
     The faster of the two that fits is kept; None: the first."""
-    cal = ctx.config.offload.calibration or Calibration.load_or_measure(ctx.device,
-                                                                        threads=ctx.config.offload.cpu_threads)
+    cal = _calibration(ctx)
     timed, _, names = retimed_costs(graph, graph.schedule, planned, costs, cal, with_memory=True)
     unseen = unseen_device_bytes(graph.graph, ctx.device)
     chosen, _ = plan(timed, cal, _planning_budget(ctx, sum(unseen.values())))
