@@ -127,7 +127,9 @@ class Offload:
             "auto": per bucket, sums stay on the device while the predicted peaks of both
             compiled variants fit `gpu_memory_budget`, and move to the host (buckets in backward
             order) until they fit; all on the device without a budget; sums the step reads after
-            backward stay on the device. Ignored without `accumulation_steps`.
+            backward stay on the device. Ignored without `accumulation_steps`. Under ZeRO
+            (`data_parallel=`) only "device" is supported: the updating call reduces the sums
+            over the group on the device; "host" and "auto" are refused when the step is made.
     """
 
     gpu_memory_budget: int | str | None = None
