@@ -86,6 +86,7 @@ def _accumulates_as_eager(rank, world, stage, offload=CPU, step_fn=train_step):
                 err = _rel(opt.state[p][key], opt_e.state[q][key])
                 assert err <= RTOL, f"stage {stage}: {key} of {name} is {err:.3g} from eager"
             assert int(opt.state[p]["step"]) == int(opt_e.state[q]["step"])
+    assert step.trace_count == 2   # two variants, accumulate and accumulate-and-update, whatever the window
     # the gradients cross the group once per update: none on the accumulating calls (a clipped
     # updating call adds the global norm's one scalar all-reduce)
     shards = step.last.graph.notes_of("zero", "shards")[0].fields
