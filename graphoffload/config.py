@@ -127,7 +127,9 @@ class Offload:
             "auto": per bucket, sums stay on the device while the predicted peaks of both
             compiled variants fit `gpu_memory_budget`, and move to the host (buckets in backward
             order) until they fit; all on the device without a budget; sums the step reads after
-            backward stay on the device. Ignored without `accumulation_steps`.
+            backward stay on the device. Ignored without `accumulation_steps`. Under ZeRO
+            (`data_parallel=`) only "device" is supported: the updating call reduces the sums
+            over the group on the device; "host" and "auto" are refused when the step is made.
     """
 
     gpu_memory_budget: int | str | None = None
@@ -233,10 +235,21 @@ class CompileConfig:
                 self._check_zero_offload()
 
     def _check_zero_offload(self) -> None:
-        """ZeRO stages 1 and 2 with offload= (ZeRO-Offload) cover each rank's chunk of a plain
-        step; what they do not cover yet is refused here, before anything is traced."""
+        """ZeRO with offload= (ZeRO-Offload, stages 1, 2 and 3) covers each rank's chunk of a step
+        that updates every call or every k-th (`accumulation_steps`, running sums on the device);
+        what it does not cover yet is refused here, before anything is traced.
+
+        Running sums on the host (`accumulate_on="host"`/`"auto"`) are not done under ZeRO: the
+        updating call reduces the sums over the group on the device (the `zero` pass's bucket
+        collectives read `sum + last gradient`), while host sums are added on the host after that
+        gradient's copy, past any collective (passes/host_accumulation.py)."""
+        if self.accumulation_steps > 1 and self.offload.accumulate_on != "device":
+            raise UnsupportedError(
+                f"ZeRO data parallelism with offload=, accumulation_steps={self.accumulation_steps} and "
+                f"Offload(accumulate_on={self.offload.accumulate_on!r}) is not supported yet: under ZeRO the "
+                "running gradient sums stay on the device, where the updating call reduces them over the group "
+                "once per update; use Offload(accumulate_on='device') (the default)")
         not_yet = [what for what, given in (
-            ("accumulation_steps > 1", self.accumulation_steps > 1),
             ("Offload(overlap_next_step=True)", self.offload.overlap_next_step),
             ("Offload(activations='auto')", self.offload.activations == "auto")) if given]
         if not_yet:

@@ -17,6 +17,10 @@ fp32 addition commutes, so `g + sum` on the host gives the device form's bits. W
 work this way is a step that reads the accumulated gradient on the device besides its update
 (`clip_grad_norm_`'s norm, a GradScaler's inf checks): capture records such reads even on an
 accumulating call (where `.grad` is None), so the first call refuses it, before anything runs.
+Under ZeRO the updating call's bucket collectives read `sum + last gradient` on the device, the
+same kind of read, so `CompileConfig` refuses host sums with `data_parallel=` when the step is
+made (DeepSpeed's form, a reduce-scatter per micro-batch into host sums of the rank's chunks, is
+not done).
 
 `Offload(accumulate_on="auto")` chooses per bucket (`SumPlacement`): sums stay on the device
 while the predicted peaks of both compiled variants fit `gpu_memory_budget`; otherwise buckets

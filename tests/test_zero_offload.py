@@ -302,7 +302,6 @@ def _packed(gather) -> set:
 
 
 @pytest.mark.parametrize("extra, named", [
-    ({"accumulation_steps": 2}, "accumulation_steps > 1"),
     ({"offload": Offload(overlap_next_step=True)}, r"Offload\(overlap_next_step=True\)"),
     ({"offload": Offload(gpu_memory_budget="1GiB", activations="auto")}, r"Offload\(activations='auto'\)"),
 ])

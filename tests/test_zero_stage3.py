@@ -347,16 +347,15 @@ def test_what_stage_3_cannot_do_yet_is_refused_before_anything_changes(step_fn, 
     assert not any(isinstance(p, DTensor) for p in model.parameters())
 
 
-def test_stage_3_with_accumulation_and_offload_together_is_refused():
-    # each works alone: accumulation (tests/test_zero_accumulation.py, test_stage_3_accumulation_* below),
-    # offload= (tests/test_zero_offload.py); together not yet, as for stages 1 and 2
-    graphoffload.CompileConfig(data_parallel=graphoffload.ZeRO(stage=3), accumulation_steps=2)
-    with pytest.raises(graphoffload.UnsupportedError, match="ZeRO data parallelism with offload= and "
-                                                            "accumulation_steps > 1 is not supported yet"):
-        graphoffload.CompileConfig(data_parallel=graphoffload.ZeRO(stage=3), offload=graphoffload.Offload(),
-                                   accumulation_steps=2)
-    # offload= alone: ZeRO-Offload of stage 3 (tests/test_zero_offload.py)
-    graphoffload.CompileConfig(data_parallel=graphoffload.ZeRO(stage=3), offload=graphoffload.Offload())
+def test_stage_3_with_accumulation_and_offload_needs_the_sums_on_the_device():
+    # together they train as eager on 2 ranks (tests/test_zero_offload_accumulation.py), the running
+    # sums on the device; sums on the host are not done under ZeRO, refused before anything is traced
+    graphoffload.CompileConfig(data_parallel=graphoffload.ZeRO(stage=3), offload=graphoffload.Offload(),
+                               accumulation_steps=2)
+    with pytest.raises(graphoffload.UnsupportedError, match=r"ZeRO data parallelism with offload=, accumulation_steps=2 "
+                                                            r"and Offload\(accumulate_on='host'\) is not supported yet"):
+        graphoffload.CompileConfig(data_parallel=graphoffload.ZeRO(stage=3), accumulation_steps=2,
+                                   offload=graphoffload.Offload(accumulate_on="host"))
 
 
 def test_parameters_swapped_after_stage_3_sharded_them_are_refused(one_process_group):
