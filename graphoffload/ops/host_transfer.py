@@ -161,7 +161,8 @@ def _copy_to_device_fake(after, master, staging, params):
 def prefetch_to_device(host: list[Tensor], device: torch.device, after: list[Tensor]) -> list[Tensor]:
     """Start copying host tensors into new device buffers; returns the buffers, then a ticket
     that `wait_device` redeems before anything reads them. `after`: tickets of the copies to
-    the host that fill `host` (the copy waits for them in stream order, the host does not)."""
+    the host that fill `host` (the copy waits for them in stream order, the host does not), or
+    of the worker's tasks that compute them (`host_grad_norm_`: the host waits for those)."""
     raise _no_kernel("graphoffload::prefetch_to_device")
 
 
