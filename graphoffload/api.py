@@ -209,6 +209,15 @@ class CompiledStep:
         finally:
             capture.discard_created_state()
 
+    def _host_sums_read(self, accumulation: Accumulation | None, graph: TrainGraph) -> bool:
+        """Whether an accumulating variant with running sums on the host (`accumulate_on="host"`)
+        belongs to a step whose own code reads the gradients after backward (capture's
+        `grad_reads` note), so its updating variant must be checked before the first call runs."""
+        offload = self.config.offload
+        return offload is not None and offload.accumulate_on == "host" and accumulation is not None \
+            and not accumulation.update \
+            and bool(graph.notes_of("capture", "grad_reads"))
+
     def _compile(self, args: tuple, kwargs: dict, placement: SumPlacement | None = None) -> CompiledVariant:
         with _cycle_collection_paused():
             return self._trace_and_transform(args, kwargs, placement)
@@ -234,6 +243,11 @@ class CompiledStep:
         ctx = PassContext(self._pass_config(), capture.bindings.device, grad_sum_placement=placement)
         try:
             graph, stages = self.pass_manager.run(capture.graph, ctx)
+            if self._host_sums_read(accumulation, graph):
+                # the step reads gradients after backward (seen as None here): host sums serve
+                # clip_grad_norm_ only, which the updating variant's graph shows, so compile that
+                # now as a probe, and refuse any other read on this first call, before anything runs
+                self._probe(args, kwargs, True, None)
             if self.config.data_parallel is not None:   # state for this rank's chunks only
                 capture.create_deferred_state(graph, self.config.data_parallel, self.config.offload is not None)
                 # stage 3: the parameters too (DTensors of this rank's rows, as FSDP2 keeps them)

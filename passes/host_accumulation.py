@@ -13,10 +13,21 @@ there, so the sums can live there too, in fp32:
   copies the last micro-batch's gradient to the host as usual, and the worker adds the sum
   into it (and zeroes the sum) before the host update reads it.
 
-fp32 addition commutes, so `g + sum` on the host gives the device form's bits. What cannot
-work this way is a step that reads the accumulated gradient on the device besides its update
-(`clip_grad_norm_`'s norm, a GradScaler's inf checks): capture records such reads even on an
-accumulating call (where `.grad` is None), so the first call refuses it, before anything runs.
+fp32 addition commutes, so `g + sum` on the host gives the device form's bits.
+
+A step that clips (`clip_grad_norm_`, per-tensor or foreach form) reads every accumulated
+gradient on the device for its norm and scales it there. With host sums the accumulated
+gradient exists only on the host, so its part of the norm is computed there, as DeepSpeed's CPU
+offload does (`HostNorm`, `norm_on_host`): on the updating call each gradient goes to the host as
+soon as it is final, the worker adds its sum into it (the drain) and computes its norm with the
+op the step traced (`graphoffload::host_grad_norm_`), and the norm comes back to the device
+(`prefetch_to_device`) just before the step combines the per-gradient norms into the global one;
+device sums' norms stay on the device. The clip coefficient then goes to the host with the
+update's scalars and the host update applies it (offload_optimizer's early-gradient path). What
+still cannot work is any other read of the accumulated gradient on the device (a GradScaler's inf
+checks, the step's own reads): capture records such reads even on an accumulating call (where
+`.grad` is None), so the first call refuses it, before anything runs.
+
 Under ZeRO the updating call's bucket collectives read `sum + last gradient` on the device, the
 same kind of read, so `CompileConfig` refuses host sums with `data_parallel=` when the step is
 made (DeepSpeed's form, a reduce-scatter per micro-batch into host sums of the rank's chunks, is
@@ -44,6 +55,7 @@ still compile the pass about log2(m) times per variant; the model is exact at ev
 from __future__ import annotations
 
 import dataclasses
+import operator
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -92,8 +104,41 @@ def _refuse(name: str, reader: fx.Node, what: str) -> UnsupportedError:
     return UnsupportedError(
         f"Offload(accumulate_on='host') cannot keep the running gradient sum of {name} on the host: {what} "
         f"({getattr(reader.target, '__name__', reader.target)}{f', {where}' if where else ''}). Use "
-        "Offload(accumulate_on='device') for this step (clip_grad_norm_ and a GradScaler read the accumulated "
-        "gradient on the device)")
+        "Offload(accumulate_on='device') or 'auto' for this step (host sums support clip_grad_norm_ only: a "
+        "GradScaler's inf checks and other reads need the accumulated gradient on the device)")
+
+
+@dataclass
+class HostNorm:
+    """clip_grad_norm_'s norm of one accumulated gradient whose running sum lives on the host,
+    to be computed there (`norm_on_host`) instead of on the device."""
+
+    reduction: fx.Node   # the device norm: `linalg_vector_norm(g, ord)` or a one-gradient `_foreach_norm([g], ord)`
+    value: fx.Node       # what reads the norm reads: `reduction` itself, or its `getitem(_, 0)`
+    ord: float
+    foreach: bool
+
+
+_SCALINGS = (aten.mul_.Tensor, aten._foreach_mul_.Tensor)
+
+
+def _clip_reader(node: fx.Node) -> HostNorm | str | None:
+    """How clip_grad_norm_ reads an accumulated gradient (`node` reads it): its norm (a
+    `HostNorm`), its in-place scaling by the clip coefficient ("scaling"), else None."""
+    if node.target is aten.linalg_vector_norm.default and len(node.args) <= 2 and not node.kwargs:
+        order = node.args[1] if len(node.args) > 1 else 2.0
+        return HostNorm(node, node, float(order), False) if isinstance(order, (int, float)) else None
+    if node.target is aten._foreach_norm.Scalar and len(node.args[0]) == 1 and not node.kwargs \
+            and isinstance(node.args[1], (int, float)):
+        items = list(node.users)
+        if len(items) == 1 and items[0].target is operator.getitem and items[0].args[1] == 0:
+            return HostNorm(node, items[0], float(node.args[1]), True)
+        return None
+    if node.target in _SCALINGS:
+        scalar = node.args[1].meta.get("val") if isinstance(node.args[1], fx.Node) else None
+        if isinstance(scalar, torch.Tensor) and scalar.dim() == 0:
+            return "scaling"
+    return None
 
 
 def _accumulating_add(name: str, s: fx.Node) -> fx.Node:
@@ -156,23 +201,61 @@ def accumulate_on_host(graph: TrainGraph, specs: list[InputSpec], sums: dict[str
                "buffer), synchronize() (a checkpoint, a recompile) for all", "sums_handed_over", sums=len(sums))
 
 
-def drain_host_sums(k: UpdateKernel, names: list[str], sums: dict[str, fx.Node]) -> list[tuple[str, fx.Node]]:
+def _device_reads(name: str, s: fx.Node, unit: set[fx.Node]) -> tuple[list[HostNorm], list[fx.Node]]:
+    """What reads the accumulated gradient of `name` (the updating call's `grad + sum`) besides
+    the bucket's update `unit`: clip_grad_norm_'s norms, and every other reader (its scaling
+    counts as neither: the host update applies it)."""
+    final, _ = _final_add(name, s)
+    norms, others = [], []
+    for user in list(final.users):
+        readers = list(user.users) if user.target is aten.detach.default else [user]
+        for r in readers:
+            if user in unit or r in unit:
+                continue
+            how = _clip_reader(r)
+            if isinstance(how, HostNorm):
+                norms.append(how)
+            elif how is None:
+                others.append(r)
+    return norms, others
+
+
+def read_on_device(kernels: list[UpdateKernel], names_of: list[list[str]], sums: dict[str, fx.Node]) -> frozenset[str]:
+    """The parameters whose accumulated gradient the updating call reads on the device in a way
+    host sums cannot serve (anything but its update and clip_grad_norm_'s norm and scaling)."""
+    out = set()
+    for k, names in zip(kernels, names_of):
+        unit = {k.node, *k.nodes}
+        for name in names:
+            try:
+                if name in sums and _device_reads(name, sums[name], unit)[1]:
+                    out.add(name)
+            except UnsupportedError:
+                out.add(name)
+    return frozenset(out)
+
+
+def drain_host_sums(k: UpdateKernel, names: list[str], sums: dict[str, fx.Node]
+                    ) -> tuple[list[tuple[str, fx.Node]], list[HostNorm]]:
     """The updating call, for one bucket: drop the device adds `g + sum` that made its gradients
     final (and the zeroing of the sums after the update); returns the bucket's sums, in the
     order of its gradients with their parameters' names, for `host_accumulate_(..., drain=True)`
-    after their copy (which waits for the adds an accumulating call handed over: `wait_for_sums`)."""
+    after their copy (which waits for the adds an accumulating call handed over: `wait_for_sums`),
+    and clip_grad_norm_'s norms of its gradients (one per gradient, or none), which the caller
+    must move to the host (`norm_on_host`): they read the micro-batch's gradient from here on."""
     unit = {k.node, *k.nodes}
-    out = []
+    out, norms = [], []
     for name in names:
         s = sums[name]
         final, zeros = _final_add(name, s)
         grad = final.args[0]
-        for user in list(final.users):
-            readers = list(user.users) if user.target is aten.detach.default else [user]
-            outside = [r for r in readers if r not in unit]
-            if user not in unit and outside:
-                raise _refuse(name, outside[0], "the step reads the accumulated gradient on the device besides its "
-                              "update")
+        found, others = _device_reads(name, s, unit)
+        if others:
+            raise _refuse(name, others[0], "the step reads the accumulated gradient on the device besides its "
+                          "update and clip_grad_norm_")
+        if len(found) > 1:
+            raise _refuse(name, found[1].reduction, "the step takes more than one norm of the accumulated gradient")
+        norms += found
         final.replace_all_uses_with(grad)
         for user in grad.users:   # the detached final gradient now aliases the micro-batch's gradient
             if user.target is aten.detach.default:
@@ -181,15 +264,53 @@ def drain_host_sums(k: UpdateKernel, names: list[str], sums: dict[str, fx.Node])
         for node in [final, *zeros]:
             node.graph.erase_node(node)
         out.append((name, s))
-    return out
+    if norms and len(norms) != len(names):
+        raise _refuse(names[0], norms[0].reduction, "the step takes the norm of some but not all of the "
+                      "gradients updated together in one bucket (clip_grad_norm_ takes every one's)")
+    return out, norms
 
 
-def grad_reads(graph: TrainGraph) -> tuple[frozenset[str], str]:
+def norm_on_host(g: fx.Graph, norm: HostNorm, copied: fx.Node, sum_: fx.Node, host: fx.Node, out: fx.Node,
+                 device: torch.device, meta: dict) -> None:
+    """Compute `norm` (of one accumulated gradient whose sum is on the host) there: right after
+    `copied` (the copy of the micro-batch's gradient into `host`), the worker adds the running
+    sum `sum_` into it (the drain: `host` is then the accumulated gradient, which the host update
+    reads later) and takes its norm into the 0-d host scratch `out`; just before the step first
+    reads the norm (combining the norms into the global one, after backward), the norm comes
+    back to the device and replaces the device one. The chain orders every host update after
+    its drain: the update waits for the clip coefficient's copy, made from the global norm."""
+    with g.inserting_after(copied):
+        drained = g.call_function(ops.host_accumulate_.default, (copied, [sum_], [host], True))
+    with g.inserting_after(drained):
+        normed = g.call_function(ops.host_grad_norm_.default, (drained, [host], [out], norm.ord, norm.foreach))
+    users = list(norm.value.users)
+    first = users[0] if len(users) == 1 else min(users, key=_positions(g).__getitem__)
+    with g.inserting_before(first):
+        fetched = g.call_function(ops.prefetch_to_device.default, ([out], device, [normed]))
+        value = g.call_function(operator.getitem, (fetched, 0))
+        ticket = g.call_function(operator.getitem, (fetched, 1))
+        waited = g.call_function(ops.wait_device.default, (ticket, [value]))
+    norm.value.replace_all_uses_with(value)
+    value.meta["val"] = norm.value.meta["val"]
+    for node in dict.fromkeys([norm.value, norm.reduction]):
+        g.erase_node(node)
+    for node, phase in ((drained, "optimizer"), (normed, "optimizer"), (fetched, "transfer"), (value, "transfer"),
+                        (ticket, "transfer"), (waited, "transfer")):
+        node.meta.update(meta, phase=phase)
+
+
+def _positions(g: fx.Graph) -> dict[fx.Node, int]:
+    return {n: i for i, n in enumerate(g.nodes)}
+
+
+def grad_reads(graph: TrainGraph, scaler_only: bool = False) -> tuple[frozenset[str], str]:
     """The parameters whose gradients the step's own code reads after backward (capture's
     `grad_reads` note: clip_grad_norm_, a GradScaler's unscale_/step), and where, as a phrase.
-    An accumulating variant sees `.grad` as None there, so it reads this instead of the graph."""
+    An accumulating variant sees `.grad` as None there, so it reads this instead of the graph.
+    `scaler_only`: only when the reader is a GradScaler (which host sums cannot serve; a plain
+    `.grad` read is clip_grad_norm_, which they can, or a read the updating call refuses)."""
     notes = graph.notes_of("capture", "grad_reads")
-    if not notes:
+    if not notes or (scaler_only and not notes[0].fields["reader"].startswith("GradScaler")):
         return frozenset(), ""
     fields = notes[0].fields
     where = user_line_of_stack_trace(fields["source"]) or (fields["source"] or "").splitlines()[0]
@@ -197,15 +318,18 @@ def grad_reads(graph: TrainGraph) -> tuple[frozenset[str], str]:
 
 
 def refuse_host_sums_read_on_device(graph: TrainGraph, sums: dict[str, fx.Node]) -> None:
-    """Before anything runs: a step that reads the accumulated gradient on the device after
-    backward cannot keep those sums on the host (its updating call would need them there)."""
-    read, where = grad_reads(graph)
+    """Before anything runs: a step whose GradScaler reads the accumulated gradient on the device
+    after backward cannot keep those sums on the host (its updating call would need them there).
+    Other reads (clip_grad_norm_, served from the host; anything else, refused) are judged on the
+    updating variant's graph, which the step compiles as a probe on the first call."""
+    read, where = grad_reads(graph, scaler_only=True)
     if read & set(sums):
         raise UnsupportedError(
             f"Offload(accumulate_on='host') cannot keep the running gradient sums on the host: the step reads the "
             f"gradients of {len(read & set(sums))} parameters after backward ({where}), which on the updating call "
-            "are the accumulated gradients, read on the device (clip_grad_norm_'s norm, a GradScaler's inf "
-            "checks). Use Offload(accumulate_on='device'), or 'auto', which keeps those sums on the device")
+            "are the accumulated gradients, read on the device (a GradScaler's inf checks; clip_grad_norm_ alone "
+            "works with host sums). Use Offload(accumulate_on='device'), or 'auto', which keeps those sums on "
+            "the device")
 
 
 @dataclass
@@ -245,12 +369,14 @@ def candidate_groups(kernels: list[UpdateKernel], names_of: list[list[str]], pin
 
 def place_sums(graph: TrainGraph, ctx: PassContext, update: bool, sums: list[str],
                groups: Callable[[frozenset[str]], tuple[tuple[str, tuple[str, ...]], ...]],
-               trial: Trial) -> frozenset[str] | None:
+               trial: Trial, device_reads: Callable[[], frozenset[str]] = frozenset) -> frozenset[str] | None:
     """The parameters whose running sums live on the host in this compile. "device"/"host":
     none/all. "auto": the step's `SumPlacement` decides once; a variant compiled before the
     decision records its predicted peak with each number of buckets moved (`predicted_peaks`,
     from `trial` compiles of copies of the graph under `trial_context`), and returns None when
-    the other variant's peaks are still missing (a probe: the step discards its graph)."""
+    the other variant's peaks are still missing (a probe: the step discards its graph).
+    `device_reads`: the parameters whose accumulated gradient the updating variant reads on the
+    device besides its update and clip_grad_norm_ (`read_on_device`): their sums never move."""
     where = ctx.config.offload.accumulate_on
     if where != "auto" or not sums:
         return frozenset(sums) if where == "host" else frozenset()
@@ -264,7 +390,7 @@ def place_sums(graph: TrainGraph, ctx: PassContext, update: bool, sums: list[str
         placement.host = frozenset()
         return placement.host
     if update:
-        placement.pinned = grad_reads(graph)[0]
+        placement.pinned = grad_reads(graph, scaler_only=True)[0] | device_reads()
         placement.groups = groups(placement.pinned)
     elif placement.groups is None:
         raise UnsupportedError("Offload(accumulate_on='auto'): the accumulating variant was planned before the "

@@ -62,8 +62,9 @@ from graphoffload.passes.offload_cost_model import collective_bytes, group_sizes
 from graphoffload.passes.offload_planner import SWEEPS, BucketCost, Prediction, StepCosts, StepModel, plan, predict
 from graphoffload.passes.offload_plan_cache import load_plan, plan_key, plan_path, store_plan
 from graphoffload.ops.host_transfer import assign_streams
-from graphoffload.passes.host_accumulation import (accumulate_on_host, candidate_groups, drain_host_sums,
-                                                   move_sums_to_host, place_sums, refuse_host_sums_read_on_device,
+from graphoffload.passes.host_accumulation import (HostNorm, accumulate_on_host, candidate_groups, drain_host_sums,
+                                                   move_sums_to_host, norm_on_host, place_sums, read_on_device,
+                                                   refuse_host_sums_read_on_device,
                                                    wait_for_sums)
 from graphoffload.passes.update_kernels import UpdateKernel, find_update_kernels, update_kernels_to_rewrite
 
@@ -216,7 +217,8 @@ def _why_after_backward(storages: StorageMap, k: UpdateKernel, found: _EarlyGrad
 def _emit_cpu_path(g: fx.Graph, k: UpdateKernel, masters: list[fx.Node], host_grads: list[fx.Node],
                    staging: list[fx.Node], scaling: dict[str, tuple[fx.Node, fx.Node]], meta: dict,
                    early: _EarlyGradients | None, hand_over: tuple[str, fx.Node] | None,
-                   read_after: fx.Node | None, host_sums: list[tuple[str, fx.Node]]) -> None:
+                   read_after: fx.Node | None, host_sums: list[tuple[str, fx.Node]],
+                   norms: list[tuple[HostNorm, fx.Node]], device: torch.device) -> None:
     """`scaling`: "grad_scale"/"found_inf"/"grad_multiplier" -> (device, host) nodes of a
     GradScaler's tensors and of the scalar in `early`, copied with the gradients so the host
     update can unscale, skip and scale.
@@ -237,7 +239,12 @@ def _emit_cpu_path(g: fx.Graph, k: UpdateKernel, masters: list[fx.Node], host_gr
     With `host_sums` (Offload.accumulate_on="host", the updating call): the running sums of the
     bucket's gradients ((parameter, placeholder), in the gradients' order), which the worker adds
     into their host copies (and zeroes) before the update. Each copy into a sum's host buffer
-    first waits for the add into that sum the last accumulating call handed over."""
+    first waits for the add into that sum the last accumulating call handed over.
+
+    With `norms` ((clip_grad_norm_'s norm, its 0-d host scratch) per gradient, with `early` and
+    `host_sums`): each gradient's drain runs right after its early copy, and its norm is taken on
+    the host from the accumulated gradient and brought back for the global norm
+    (`host_accumulation.norm_on_host`); the update then finds its gradients drained."""
     parked, sum_waits = [], []
     if early is not None:
         for i, (source, final_at, host) in enumerate(zip(early.sources, early.final_at, host_grads)):
@@ -245,6 +252,8 @@ def _emit_cpu_path(g: fx.Graph, k: UpdateKernel, masters: list[fx.Node], host_gr
                 parked.append(g.call_function(ops.copy_to_host.default, ([source], [host])))
             if host_sums:
                 sum_waits += wait_for_sums(g, parked[-1], host_sums[i:i + 1], [host])
+            if norms:
+                norm_on_host(g, norms[i][0], parked[-1], host_sums[i][1], host, norms[i][1], device, meta)
     with g.inserting_before(k.first_node):
         grads = [] if early is not None else k.grads
         to_host = g.call_function(ops.copy_to_host.default, (
@@ -253,7 +262,7 @@ def _emit_cpu_path(g: fx.Graph, k: UpdateKernel, masters: list[fx.Node], host_gr
         if host_sums and early is None:
             sum_waits += wait_for_sums(g, to_host, host_sums, host_grads)
         summed = [g.call_function(ops.host_accumulate_.default, (to_host, [s for _, s in host_sums], host_grads,
-                                                                 True))] if host_sums else []
+                                                                 True))] if host_sums and not norms else []
         update = k.emit_host_update(g, summed[0] if summed else to_host, masters, host_grads, _host_lr,
                                     tuple(scaling[key][1] if key in scaling else None
                                           for key in ("grad_scale", "found_inf", "grad_multiplier")))
@@ -629,8 +638,9 @@ def offload_optimizer(graph: TrainGraph, ctx: PassContext,
     spec_of = {s.name: i for i, s in enumerate(specs)}
     placeholders = graph.placeholders()
     device_sums = {s.target: placeholders[s.name] for s in specs if s.kind == "grad_sum"}
+    names_of = [[specs[spec_of[p.name]].target for p in k.param_inputs()] for k in kernels]
     on_host = place_sums(graph, ctx, bool(kernels), list(device_sums), lambda pinned: candidate_groups(
-        kernels, [[specs[spec_of[p.name]].target for p in k.param_inputs()] for k in kernels], pinned), _trial) \
+        kernels, names_of, pinned), _trial, lambda: read_on_device(kernels, names_of, device_sums)) \
         if device_sums else frozenset()
     if on_host is None:   # a probe of the other variant before the placement is decided: its graph is dropped
         return graph
@@ -653,8 +663,9 @@ def offload_optimizer(graph: TrainGraph, ctx: PassContext,
     g = graph.graph
     names_of = [[specs[spec_of[p.name]].target for p in k.param_inputs()] for k in kernels]
     bucket_params = {str(k.node.meta.get("bucket", b)): names for b, (k, names) in enumerate(zip(kernels, names_of))}
-    sums_of = [drain_host_sums(k, names, host_sums) if host_sums.keys() & set(names) else []
+    drained = [drain_host_sums(k, names, host_sums) if host_sums.keys() & set(names) else ([], [])
                for k, names in zip(kernels, names_of)]
+    sums_of, norms_of = [d[0] for d in drained], [d[1] for d in drained]
     state_bytes = sum(st.meta["val"].numel() * st.meta["val"].element_size()
                       for k in kernels for st in k.state_placeholders())
     storages = StorageMap(g)
@@ -664,6 +675,15 @@ def offload_optimizer(graph: TrainGraph, ctx: PassContext,
     paths, prefetch_at, costs = _choose_paths(graph, kernels, ctx, state_bytes, early, [bool(s) for s in sums_of],
                                               assignment)
     early = [found if path == "cpu" else None for found, path in zip(early, paths)]
+    for b, norms in enumerate(norms_of):
+        if norms and early[b] is None:
+            where = user_line_of_stack_trace(norms[0].reduction.meta.get("stack_trace"))
+            raise UnsupportedError(
+                f"Offload(accumulate_on='host') cannot take clip_grad_norm_'s norm of {names_of[b][0]}'s accumulated "
+                f"gradient on the host{f' ({where})' if where else ''}: that needs its bucket's update to wait past "
+                "backward for the global norm, its gradients final inside backward and nothing else reading them "
+                "(the step returns or keeps a gradient, or does more than clip them). Use "
+                "Offload(accumulate_on='device') or 'auto' for this step")
     read_after = [_first_read_after_update(k, storages) for k in kernels]
     causes = {b: _why_after_backward(storages, k, found) for b, (k, found) in enumerate(zip(kernels, early))
               if found is not None}   # read before the loop below erases the kernels
@@ -705,9 +725,12 @@ def offload_optimizer(graph: TrainGraph, ctx: PassContext,
                 d.meta["val"].dtype, names[0]))
                 for what, d in (("grad_scale", k.grad_scale), ("found_inf", k.found_inf),
                                 ("grad_multiplier", multiplier)) if d is not None}
+            norms = [(norm, graph.add_host_input(specs, InputSpec(
+                "host_scratch", placeholder_name("h_norm", name), (name, "norm"), True, True), torch.Size([]),
+                norm.value.meta["val"].dtype, name)) for name, norm in zip(names, norms_of[b])]
             _emit_cpu_path(g, k, masters, host_grads, staging, scaling, meta, early[b],
                            (f"bucket {b}", _first_reader(k, position)) if offload.overlap_next_step else None,
-                           read_after[b], sums_of[b])
+                           read_after[b], sums_of[b], norms, ctx.device)
         else:
             _emit_device_path(g, k, masters, prefetch_anchor(prefetch_at[b]), ctx.device, meta,
                               carry=offload.overlap_next_step)

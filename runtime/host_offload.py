@@ -493,6 +493,17 @@ def host_accumulate_(after: Tensor, sums: list[Tensor], grads: list[Tensor], dra
     return active_runtime().run_on_host(after, work, "accumulate")
 
 
+@host_transfer.host_grad_norm_.register_kernel(None)
+def host_grad_norm_(after: Tensor, grads: list[Tensor], out: list[Tensor], ord: float, foreach: bool) -> Tensor:
+    def work():
+        # the op the step's clip_grad_norm_ traced, on the host copies: the same reduction over
+        # the same fp32 (or the gradients' own dtype) values
+        norms = torch._foreach_norm(grads, ord) if foreach else [torch.linalg.vector_norm(g, ord) for g in grads]
+        for o, n in zip(out, norms):
+            o.copy_(n)
+    return active_runtime().run_on_host(after, work, "norm")
+
+
 @host_transfer.copy_to_device.register_kernel(None)
 def copy_to_device(after: Tensor, master: list[Tensor], staging: list[Tensor], params: list[Tensor]) -> Tensor:
     return active_runtime().copy_to_device(after, master, staging, params)

@@ -129,6 +129,21 @@ def _host_accumulate_fake(after, sums, grads, drain):
     return _ticket_fake()
 
 
+@torch.library.custom_op("graphoffload::host_grad_norm_", mutates_args=("out",))
+def host_grad_norm_(after: Tensor, grads: list[Tensor], out: list[Tensor], ord: float, foreach: bool) -> Tensor:
+    """clip_grad_norm_'s per-gradient norms of gradients kept on the host (the accumulated
+    gradients of `Offload(accumulate_on="host")`), on the worker, once `after` (the drain that
+    made them whole) is done: `out[i] = ||grads[i]||_ord`, computed as the step computed them on
+    the device (`torch._foreach_norm` when `foreach`, else `torch.linalg.vector_norm`), here on
+    host tensors; returns a ticket (`prefetch_to_device` brings `out` to the device)."""
+    raise _no_kernel("graphoffload::host_grad_norm_")
+
+
+@host_grad_norm_.register_fake
+def _host_grad_norm_fake(after, grads, out, ord, foreach):
+    return _ticket_fake()
+
+
 @torch.library.custom_op("graphoffload::copy_to_device", mutates_args=("staging",))
 def copy_to_device(after: Tensor, master: list[Tensor], staging: list[Tensor], params: list[Tensor]) -> Tensor:
     """Once `after` is done, copy host master weights (through low-precision staging buffers
@@ -146,7 +161,8 @@ def _copy_to_device_fake(after, master, staging, params):
 def prefetch_to_device(host: list[Tensor], device: torch.device, after: list[Tensor]) -> list[Tensor]:
     """Start copying host tensors into new device buffers; returns the buffers, then a ticket
     that `wait_device` redeems before anything reads them. `after`: tickets of the copies to
-    the host that fill `host` (the copy waits for them in stream order, the host does not)."""
+    the host that fill `host` (the copy waits for them in stream order, the host does not), or
+    of the worker's tasks that compute them (`host_grad_norm_`: the host waits for those)."""
     raise _no_kernel("graphoffload::prefetch_to_device")
 
 
@@ -218,6 +234,7 @@ VALUE_RULES = MappingProxyType({
     torch.ops.graphoffload.host_adam_.default: _host_adam_fake,
     torch.ops.graphoffload.host_sgd_.default: _host_sgd_fake,
     torch.ops.graphoffload.host_accumulate_.default: _host_accumulate_fake,
+    torch.ops.graphoffload.host_grad_norm_.default: _host_grad_norm_fake,
     torch.ops.graphoffload.copy_to_device.default: _copy_to_device_fake,
     torch.ops.graphoffload.prefetch_to_device.default: _prefetch_to_device_fake,
     **{op.default: _returns_nothing for op in (torch.ops.graphoffload.wait_host, torch.ops.graphoffload.carry_host_write,
