@@ -238,7 +238,8 @@ class CompileConfig:
         not_yet = [what for what, given in (
             ("accumulation_steps > 1", self.accumulation_steps > 1),
             ("Offload(overlap_next_step=True)", self.offload.overlap_next_step),
-            ("Offload(activations='auto')", self.offload.activations == "auto")) if given]
+            ("Offload(activations='auto')", self.offload.activations == "auto"),
+            ("skip_nonfinite=True", self.skip_nonfinite)) if given]
         if not_yet:
             raise UnsupportedError(f"ZeRO data parallelism with offload= and {' and '.join(not_yet)} is not "
                                    "supported yet (each rank offloads its chunk of a step that updates every call); drop "

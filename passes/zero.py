@@ -192,16 +192,15 @@ def _underlying(read: fx.Node) -> fx.Node:
     return read.args[0] if read.target in (aten.mul_.Tensor, aten.mul_.Scalar) else read
 
 
-def _items(kernels: list[UpdateKernel], output: fx.Node, stage: int) -> tuple[list[_Item], _Clip | None]:
+def _items(kernels: list[UpdateKernel], output: fx.Node, stage: int,
+           skip_flag: fx.Node | None) -> tuple[list[_Item], _Clip | None, list[fx.Node]]:
     """Every parameter the kernels update, after checking that what else reads its gradient is
-    what the pass can shard: the output (stage 1: `.grad` left set) and `clip_grad_norm_`'s norms
-    and in-place scaling (`_clipping`)."""
+    what the pass can shard: the output (stage 1: `.grad` left set), `clip_grad_norm_`'s norms
+    and in-place scaling (`_clipping`), a GradScaler's inf checks and skip_nonfinite's norms
+    (`_gradient_readers`). Also returns the inf checks."""
     readers = set().union(*({k.node, *k.nodes} for k in kernels))
     items = []
     for k in kernels:
-        if k.found_inf is not None or k.grad_scale is not None:
-            raise UnsupportedError("ZeRO data parallelism with a GradScaler or skip_nonfinite=True is not "
-                                   "supported yet: the inf checks would need every rank's gradients")
         names = k.node.meta.get("param") or tuple(f"#{i}" for i in range(len(k.params)))
         for i, (param, read) in enumerate(zip(k.params, k.grads)):
             grad = _underlying(read)
@@ -213,8 +212,41 @@ def _items(kernels: list[UpdateKernel], output: fx.Node, stage: int) -> tuple[li
                     f"at {_line(changer)} between backward and optimizer.step(); besides clip_grad_norm_ (an L2 "
                     "norm, then scaling by a number) changing gradients inside a ZeRO step is not supported yet")
             items.append(_Item(k, i, names[i], param, grad))
-    clip = _clipping(items, readers, output, stage)
-    return items, clip
+    checks, flag_norms = _gradient_readers(items, skip_flag)
+    clip = _clipping(items, readers | set(checks) | flag_norms, output, stage)
+    if checks and stage == 1 and any(output in it.grad.users for it in items):
+        raise UnsupportedError(
+            f"ZeRO stage 1 with a GradScaler and .grad left set after the step is not supported yet (the inf "
+            f"checks at {_line(checks[0])} unscale this rank's chunks only, so .grad would hold rows of "
+            "other scales): call optimizer.zero_grad() at the end of the step")
+    return items, clip, checks
+
+
+_INF_CHECK = aten._amp_foreach_non_finite_check_and_unscale_.default
+
+
+def _gradient_readers(items: list[_Item], skip_flag: fx.Node | None) -> tuple[list[fx.Node], set[fx.Node]]:
+    """A GradScaler's inf checks of the gradients (`_amp_foreach_non_finite_check_and_unscale_`,
+    which also unscale them in place) and skip_nonfinite's per-gradient norms (the L2 norms the
+    skip flag is computed from): both may read this rank's chunks, as the flags they set are
+    then combined over the group (`_agree_on_skipping`)."""
+    by_grad = {it.grad: it for it in items}
+    checks: dict[fx.Node, None] = {}
+    for it in items:
+        for user in it.grad.users:
+            if user.target is _INF_CHECK and all(g in by_grad for g in user.args[0]):
+                checks[user] = None
+    flag_norms: set[fx.Node] = set()
+    if skip_flag is not None:
+        ancestors, stack = set(), [skip_flag]
+        while stack:
+            node = stack.pop()
+            if node not in ancestors:
+                ancestors.add(node)
+                stack.extend(node.all_input_nodes)
+        flag_norms = {u for it in items for u in it.grad.users
+                      if u in ancestors and u.target is aten.linalg_vector_norm.default and u.args[1:2] == (2.0,)}
+    return list(checks), flag_norms
 
 
 @dataclass
@@ -258,7 +290,8 @@ def _clipping(items: list[_Item], readers: set[fx.Node], output: fx.Node, stage:
             raise UnsupportedError(
                 f"ZeRO data parallelism: the gradient of {it.name} is read by {user.name} ({user.target}) at "
                 f"{_line(user)} besides optimizer.step(); ZeRO shards the gradients, and besides "
-                "clip_grad_norm_ (L2 norm) reading gradients inside a ZeRO step is not supported yet")
+                "clip_grad_norm_ (L2 norm), a GradScaler and skip_nonfinite=True reading gradients inside a ZeRO "
+                "step is not supported yet")
     if not terms and not scales:
         return None
     stacks = {u for t in terms for u in t.users}
@@ -378,6 +411,38 @@ def _global_norm(emit: _Emitter, clip: _Clip, rank: int, group: str) -> None:
         user.replace_input_with(total, norm)
 
 
+def _skip_flag(graph: TrainGraph, output: fx.Node) -> fx.Node | None:
+    """skip_nonfinite's flag (the output of kind `skipped`), if the step has one."""
+    return next((value for spec, value in zip(graph.signature.outputs, output.args[0]) if spec.kind == "skipped"),
+                None)
+
+
+def _agree_on_skipping(emit: _Emitter, checks: list[fx.Node], skip_flag: fx.Node | None, group: str) -> list[str]:
+    """Make every rank skip or apply the same update. A GradScaler's found_inf flag, set by inf
+    checks of this rank's chunks, and skip_nonfinite's flag (this rank's loss, the norm of its
+    chunks) are local: each is replaced, for everything that reads it after it is final (the
+    update kernels' `found_inf`, the step-counter rollback, `GradScaler.update()`'s scale, the
+    step's `skipped` output), by its maximum over the group (one `all_reduce` of a scalar, "max"),
+    so a non-finite element anywhere in the averaged gradients, or one rank's non-finite loss,
+    skips the update on every rank and the scale evolves alike. Returns the flags' names."""
+    g = emit.graph
+    order = {n: i for i, n in enumerate(g.nodes)}
+    finals: dict[fx.Node, fx.Node] = {}   # flag -> the last node that writes or makes it
+    for check in checks:
+        flag = check.args[1]
+        finals[flag] = max(finals.get(flag, check), check, key=order.__getitem__)
+    if skip_flag is not None:
+        finals[skip_flag] = skip_flag
+    for flag, final in finals.items():
+        later = [u for u in flag.users if order.get(u, -1) > order[final]]
+        with g.inserting_before(final.next):   # (inserting_after would put each new node first)
+            reduced = emit(c10d.all_reduce.default, (flag, "max", group), final)
+            agreed = emit(c10d.wait_tensor.default, (reduced,), final)
+        for user in later:
+            user.replace_input_with(flag, agreed)
+    return [flag.name for flag in finals]
+
+
 def _gather_parameters(emit: _Emitter, bucket: _Bucket, chunks: dict[fx.Node, fx.Node], world: int,
                        group: str) -> int:
     """All-gather the bucket's updated chunks; overwrite every (non 0-dim) parameter from them."""
@@ -487,7 +552,12 @@ def zero(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
     g = graph.graph
     rank, world, group = dp.rank, dp.world_size, dp.group_name
     output = next(n for n in g.nodes if n.op == "output")
-    items, clip = _items(kernels, output, dp.stage)
+    skip_flag = _skip_flag(graph, output)
+    items, clip, checks = _items(kernels, output, dp.stage, skip_flag)
+    if checks and ctx.config.offload is not None:
+        raise UnsupportedError(
+            f"ZeRO data parallelism with offload= and a GradScaler (its inf checks at {_line(checks[0])}) is not "
+            "supported yet: drop offload= or the GradScaler (bf16 autocast needs no loss scaling)")
     position = {n: i for i, n in enumerate(g.nodes)}
     sharded = _stage_3_params(items, position, world, rank) if dp.stage == 3 else []
     buckets = _layout(items, position, dp.bucket_numel, world)
@@ -519,6 +589,7 @@ def zero(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
 
     if clip is not None:
         _global_norm(emit, clip, rank, group)
+    agreed = _agree_on_skipping(emit, checks, skip_flag, group) if checks or skip_flag is not None else []
 
     total = sum(it.numel for it in items)
     local = sum(it.local_numel(world, rank) for it in items)
@@ -553,6 +624,12 @@ def zero(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
                    "chunks of their averages (squares summed, one all-reduce of a scalar), the clip coefficient "
                    f"applied to the chunks by {len(clip.scales)} in-place scalings", "clip",
                    terms=len(clip.terms), scales=len(clip.scales), total=clip.total.name)
+    if agreed:
+        graph.note("zero", f"{len(checks)} GradScaler inf checks read this rank's chunks of the averaged gradients"
+                   + (" and skip_nonfinite's norms read them" if skip_flag is not None else "")
+                   + f"; {len(agreed)} skip flags combined over the group (one all-reduce max of a scalar each), "
+                   "so every rank skips or applies the same update", "nonfinite",
+                   checks=len(checks), flags=tuple(agreed), skip_nonfinite=skip_flag is not None)
     if padded > 1.25 * total:
         graph.note("zero", f"the padded buffers hold {padded:,} elements for {total:,} parameter elements: "
                    f"parameters with fewer rows (dim 0) than about {world} ranks, or 0-dim ones, are padded "
