@@ -56,6 +56,17 @@ def scaled_step(model, optimizer, scaler, batch):
     return loss
 
 
+def scaled_clipped_step(model, optimizer, scaler, batch):
+    loss = _loss(model, batch)
+    scaler.scale(loss).backward()
+    scaler.unscale_(optimizer)   # unscales this rank's chunks in place
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+    scaler.step(optimizer)
+    scaler.update()
+    optimizer.zero_grad()
+    return loss
+
+
 def plain_step(model, optimizer, batch):
     loss = _loss(model, batch)
     loss.backward()
@@ -82,10 +93,14 @@ def _micro(batch: dict, rank: int) -> dict:
     return {k: v[2 * rank:2 * rank + 2] for k, v in batch.items()}
 
 
-def _assert_like_eager(model, eager, what):
+def _assert_like_eager(model, eager, what) -> float:
+    """The largest relative error of a parameter, after asserting it is within RTOL."""
+    worst = 0.0
     for (name, p), q in zip(model.named_parameters(), eager.parameters()):
         err = ((_whole(p) - q).abs().max() / q.abs().max()).item()
         assert err <= RTOL, f"{what}: {name} is {err:.3g} from eager"
+        worst = max(worst, err)
+    return worst
 
 
 def _same_on_every_rank(value: torch.Tensor, world: int) -> bool:
@@ -94,25 +109,25 @@ def _same_on_every_rank(value: torch.Tensor, world: int) -> bool:
     return all(torch.equal(v, values[0]) for v in values)
 
 
-def _scaler_as_eager(rank, world, stage):
+def _scaler_as_eager(rank, world, stage, step_fn=scaled_step):
     eager = _Net()
     model = copy.deepcopy(eager)
     opt_e = torch.optim.AdamW(eager.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
     scaler_e, scaler = (torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=2) for _ in range(2))
-    step = graphoffload.offload_compile(scaled_step, data_parallel=graphoffload.ZeRO(stage=stage, timeout_s=60))
+    step = graphoffload.offload_compile(step_fn, data_parallel=graphoffload.ZeRO(stage=stage, timeout_s=60))
     # 1e37 * 2**8 overflows fp32: rank 0's gradient of a.weight's last row is inf, so is the
     # average's, whose row rank 1 holds; eager's (the mean over 4 rows, 5e36 * 2**8) too
-    scales = []
+    scales, worst = [], 0.0
     for i, batch in enumerate(_batches(world, {"poison": (0, 1e37)})):
         before = copy.deepcopy(_whole(model.a.weight).detach())
-        scaled_step(eager, opt_e, scaler_e, batch)
+        step_fn(eager, opt_e, scaler_e, batch)
         step(model, opt, scaler, _micro(batch, rank))
         scales.append(scaler.get_scale())
         assert scaler.get_scale() == scaler_e.get_scale(), (stage, i, scaler.get_scale(), scaler_e.get_scale())
         if i == POISONED:
             assert torch.equal(_whole(model.a.weight), before)   # skipped on every rank
-        _assert_like_eager(model, eager, f"stage {stage} GradScaler step {i}")
+        worst = max(worst, _assert_like_eager(model, eager, f"stage {stage} {step_fn.__name__} step {i}"))
         assert _same_on_every_rank(scaler._scale, world) and _same_on_every_rank(scaler._growth_tracker, world)
     assert scales[POISONED] == scales[POISONED - 1] / 2   # the skipped step backed the scale off
     assert max(scales) > 2.0**8                            # growth_interval=2: the clean steps grew it
@@ -120,7 +135,9 @@ def _scaler_as_eager(rank, world, stage):
     graph = step.last.graph
     assert graph.notes_of("zero", "nonfinite")[0].fields["checks"] >= 1
     targets = [n.target for n in graph.gm.graph.nodes]
-    assert targets.count(c10d.all_reduce.default) == 1   # found_inf: one scalar all-reduce
+    # found_inf: one scalar all-reduce (and clipping's norm one more)
+    assert targets.count(c10d.all_reduce.default) == 1 + (step_fn is scaled_clipped_step)
+    print(f"rank {rank} stage {stage} {step_fn.__name__}: largest relative error {worst:.3g}")
 
 
 def _skip_as_eager(rank, world, stage):
@@ -130,6 +147,7 @@ def _skip_as_eager(rank, world, stage):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     step = graphoffload.offload_compile(plain_step, config=graphoffload.CompileConfig(skip_nonfinite=True),
                                         data_parallel=graphoffload.ZeRO(stage=stage, timeout_s=60))
+    worst = 0.0
     for i, batch in enumerate(_batches(world, {"offset": (1, float("inf"))})):
         state = {p: {k: _whole(t).clone() for k, t in s.items()} for p, s in opt.state.items()}
         params = [_whole(p).detach().clone() for p in model.parameters()]
@@ -143,16 +161,18 @@ def _skip_as_eager(rank, world, stage):
                 assert all(torch.equal(_whole(t), state[p][k]) for k, t in s.items())
         else:
             plain_step(eager, opt_e, batch)
-        _assert_like_eager(model, eager, f"stage {stage} skip_nonfinite step {i}")
+        worst = max(worst, _assert_like_eager(model, eager, f"stage {stage} skip_nonfinite step {i}"))
         skipped = torch.tensor(step.skipped_steps)
         assert step.skipped_steps == (i >= POISONED) and _same_on_every_rank(skipped, world)
     assert all(s["step"].item() == 4 for s in opt.state.values())
+    print(f"rank {rank} stage {stage} skip_nonfinite: largest relative error {worst:.3g}")
 
 
 def _world2(rank, world):
     for stage in (1, 2, 3):
         _scaler_as_eager(rank, world, stage)
         _skip_as_eager(rank, world, stage)
+    _scaler_as_eager(rank, world, 2, scaled_clipped_step)
 
 
 @pytest.mark.slow   # two processes
