@@ -193,11 +193,11 @@ def _underlying(read: fx.Node) -> fx.Node:
 
 
 def _items(kernels: list[UpdateKernel], output: fx.Node, stage: int,
-           skip_flag: fx.Node | None) -> tuple[list[_Item], _Clip | None, list[fx.Node]]:
+           skip_flag: fx.Node | None) -> tuple[list[_Item], _Clip | None, list[fx.Node], _Clip | None]:
     """Every parameter the kernels update, after checking that what else reads its gradient is
     what the pass can shard: the output (stage 1: `.grad` left set), `clip_grad_norm_`'s norms
     and in-place scaling (`_clipping`), a GradScaler's inf checks and skip_nonfinite's norms
-    (`_gradient_readers`). Also returns the inf checks."""
+    (`_gradient_readers`). Also returns the inf checks and skip_nonfinite's norm (`_skip_norm`)."""
     readers = set().union(*({k.node, *k.nodes} for k in kernels))
     items = []
     for k in kernels:
@@ -213,30 +213,31 @@ def _items(kernels: list[UpdateKernel], output: fx.Node, stage: int,
                     "norm, then scaling by a number) changing gradients inside a ZeRO step is not supported yet")
             items.append(_Item(k, i, names[i], param, grad))
     checks, flag_norms = _gradient_readers(items, skip_flag)
-    clip = _clipping(items, readers | set(checks) | flag_norms, output, stage)
+    clip = _clipping(items, readers | set(checks) | set(flag_norms), output, stage)
     if checks and stage == 1 and any(output in it.grad.users for it in items):
         raise UnsupportedError(
             f"ZeRO stage 1 with a GradScaler and .grad left set after the step is not supported yet (the inf "
             f"checks at {_line(checks[0])} unscale this rank's chunks only, so .grad would hold rows of "
             "other scales): call optimizer.zero_grad() at the end of the step")
-    return items, clip, checks
+    return items, clip, checks, _skip_norm(flag_norms)
 
 
 _INF_CHECK = aten._amp_foreach_non_finite_check_and_unscale_.default
 
 
-def _gradient_readers(items: list[_Item], skip_flag: fx.Node | None) -> tuple[list[fx.Node], set[fx.Node]]:
+def _gradient_readers(items: list[_Item], skip_flag: fx.Node | None) -> tuple[list[fx.Node], dict[fx.Node, _Item]]:
     """A GradScaler's inf checks of the gradients (`_amp_foreach_non_finite_check_and_unscale_`,
     which also unscale them in place) and skip_nonfinite's per-gradient norms (the L2 norms the
-    skip flag is computed from): both may read this rank's chunks, as the flags they set are
-    then combined over the group (`_agree_on_skipping`)."""
+    skip flag is computed from, each with the item it norms): both may read this rank's chunks,
+    as the norms' total is made global (`_global_norm`) and the flags are combined over the
+    group (`_agree_on_skipping`)."""
     by_grad = {it.grad: it for it in items}
     checks: dict[fx.Node, None] = {}
     for it in items:
         for user in it.grad.users:
             if user.target is _INF_CHECK and all(g in by_grad for g in user.args[0]):
                 checks[user] = None
-    flag_norms: set[fx.Node] = set()
+    flag_norms: dict[fx.Node, _Item] = {}
     if skip_flag is not None:
         ancestors, stack = set(), [skip_flag]
         while stack:
@@ -244,9 +245,26 @@ def _gradient_readers(items: list[_Item], skip_flag: fx.Node | None) -> tuple[li
             if node not in ancestors:
                 ancestors.add(node)
                 stack.extend(node.all_input_nodes)
-        flag_norms = {u for it in items for u in it.grad.users
+        flag_norms = {u: it for it in items for u in it.grad.users
                       if u in ancestors and u.target is aten.linalg_vector_norm.default and u.args[1:2] == (2.0,)}
     return list(checks), flag_norms
+
+
+def _skip_norm(terms: dict[fx.Node, _Item]) -> _Clip | None:
+    """skip_nonfinite's global norm as `nonfinite.nonfinite_flag` traces it (per-gradient norms,
+    stacked, normed again), in `_Clip`'s form, so that `_global_norm` makes its total global."""
+    if not terms:
+        return None
+    stacks = {u for t in terms for u in t.users}
+    stack = next(iter(stacks)) if len(stacks) == 1 else None
+    totals = list(stack.users) if stack is not None else []
+    if stack is None or stack.target is not aten.stack.default or set(stack.args[0]) != set(terms) \
+            or len(totals) != 1 or totals[0].target is not aten.linalg_vector_norm.default:
+        raise UnsupportedError(
+            f"ZeRO data parallelism: skip_nonfinite's gradient norm at {_line(next(iter(terms)))} is not one L2 "
+            "norm of the per-gradient norms (gradients on several devices?); ZeRO makes it global from each "
+            "rank's chunks and supports that form only for now: drop skip_nonfinite=True")
+    return _Clip(terms, totals[0], [])
 
 
 @dataclass
@@ -390,7 +408,7 @@ def _reduce_gradients(emit: _Emitter, bucket: _Bucket, stage: int, rank: int, wo
 
 
 def _global_norm(emit: _Emitter, clip: _Clip, rank: int, group: str) -> None:
-    """Make clipping's total norm global. Its per-gradient norms now read this rank's chunks
+    """Make clipping's (or skip_nonfinite's) total norm global. Its per-gradient norms now read this rank's chunks
     (the readers of each gradient were pointed at them), so the norm the step computes is the L2
     norm of this rank's chunks: square it, all-reduce the scalar (a sum) and take the root, for
     everything that read it (the coefficient, the step's outputs). A 0-dim parameter's gradient is
@@ -553,7 +571,7 @@ def zero(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
     rank, world, group = dp.rank, dp.world_size, dp.group_name
     output = next(n for n in g.nodes if n.op == "output")
     skip_flag = _skip_flag(graph, output)
-    items, clip, checks = _items(kernels, output, dp.stage, skip_flag)
+    items, clip, checks, skip_norm = _items(kernels, output, dp.stage, skip_flag)
     if checks and ctx.config.offload is not None:
         raise UnsupportedError(
             f"ZeRO data parallelism with offload= and a GradScaler (its inf checks at {_line(checks[0])}) is not "
@@ -589,6 +607,8 @@ def zero(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
 
     if clip is not None:
         _global_norm(emit, clip, rank, group)
+    if skip_norm is not None:   # the flag's norm: global, as clipping's (its finiteness alone is read)
+        _global_norm(emit, skip_norm, rank, group)
     agreed = _agree_on_skipping(emit, checks, skip_flag, group) if checks or skip_flag is not None else []
 
     total = sum(it.numel for it in items)
@@ -626,7 +646,8 @@ def zero(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
                    terms=len(clip.terms), scales=len(clip.scales), total=clip.total.name)
     if agreed:
         graph.note("zero", f"{len(checks)} GradScaler inf checks read this rank's chunks of the averaged gradients"
-                   + (" and skip_nonfinite's norms read them" if skip_flag is not None else "")
+                   + (" and skip_nonfinite's norms read them (their total made global as clipping's)"
+                      if skip_norm is not None else "")
                    + f"; {len(agreed)} skip flags combined over the group (one all-reduce max of a scalar each), "
                    "so every rank skips or applies the same update", "nonfinite",
                    checks=len(checks), flags=tuple(agreed), skip_nonfinite=skip_flag is not None)

@@ -18,12 +18,13 @@ import torch
 import torch.distributed as dist
 from ring_dist import run_ranks
 from test_zero import AsRank, _whole
+from test_zero_stage3 import _ancestors
 
 import graphoffload
 
 c10d = torch.ops._c10d_functional
 RTOL = 2e-5
-POISONED = 2   # the step whose batch is not finite
+POISONED = 2   # the (first) step whose batch is not finite
 
 
 class _Net(torch.nn.Module):
@@ -75,15 +76,28 @@ def plain_step(model, optimizer, batch):
     return loss
 
 
-def _batches(world: int, poison: dict[str, tuple[int, float]], steps: int = 5) -> list[dict]:
-    """Whole batches of 2 rows a rank; on step POISONED, `poison` maps a key ("offset" or
-    "poison") to (the rank whose rows get it, the value)."""
+def eager_skipping_step(model, optimizer, batch) -> bool:
+    """skip_nonfinite eagerly (tests/test_skip_nonfinite.py): no step() when the loss or the fp32
+    global gradient norm is not finite. Returns whether it skipped."""
+    loss = _loss(model, batch)
+    loss.backward()
+    norms = [torch.linalg.vector_norm(p.grad, 2.0, dtype=torch.float32) for p in model.parameters()]
+    skipped = not (torch.isfinite(loss) and torch.isfinite(torch.linalg.vector_norm(torch.stack(norms), 2.0)))
+    if not skipped:
+        optimizer.step()
+    optimizer.zero_grad()
+    return skipped
+
+
+def _batches(world: int, poison: dict[int, dict[str, tuple[int, float]]], steps: int = 5) -> list[dict]:
+    """Whole batches of 2 rows a rank; `poison[step]` maps a key ("offset" or "poison") to (the
+    rank whose rows get it, the value)."""
     g = torch.Generator().manual_seed(3)
     out = []
     for i in range(steps):
         batch = {"x": torch.randn(2 * world, 6, generator=g), "y": torch.randn(2 * world, 3, generator=g),
                  "offset": torch.zeros(2 * world), "poison": torch.zeros(2 * world)}
-        for key, (rank, value) in (poison.items() if i == POISONED else ()):
+        for key, (rank, value) in poison.get(i, {}).items():
             batch[key][2 * rank:2 * rank + 2] = value
         out.append(batch)
     return out
@@ -119,7 +133,7 @@ def _scaler_as_eager(rank, world, stage, step_fn=scaled_step):
     # 1e37 * 2**8 overflows fp32: rank 0's gradient of a.weight's last row is inf, so is the
     # average's, whose row rank 1 holds; eager's (the mean over 4 rows, 5e36 * 2**8) too
     scales, worst = [], 0.0
-    for i, batch in enumerate(_batches(world, {"poison": (0, 1e37)})):
+    for i, batch in enumerate(_batches(world, {POISONED: {"poison": (0, 1e37)}})):
         before = copy.deepcopy(_whole(model.a.weight).detach())
         step_fn(eager, opt_e, scaler_e, batch)
         step(model, opt, scaler, _micro(batch, rank))
@@ -147,24 +161,25 @@ def _skip_as_eager(rank, world, stage):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     step = graphoffload.offload_compile(plain_step, config=graphoffload.CompileConfig(skip_nonfinite=True),
                                         data_parallel=graphoffload.ZeRO(stage=stage, timeout_s=60))
+    # the step after: rank 0's gradient of a.weight's last row is 1e20 (the loss finite), whose
+    # average's row rank 1 holds; the global norm (and eager's on the whole batch) overflows fp32
     worst = 0.0
-    for i, batch in enumerate(_batches(world, {"offset": (1, float("inf"))})):
+    bad = {POISONED: {"offset": (1, float("inf"))}, POISONED + 1: {"poison": (0, 1e20)}}
+    for i, batch in enumerate(_batches(world, bad)):
         state = {p: {k: _whole(t).clone() for k, t in s.items()} for p, s in opt.state.items()}
         params = [_whole(p).detach().clone() for p in model.parameters()]
         loss = step(model, opt, _micro(batch, rank))
         assert torch.isfinite(loss) == (i != POISONED or rank != 1)   # the rank's own loss
-        if i == POISONED:   # eager on the whole batch (inf loss) skips: no step
-            opt_e.zero_grad()
+        assert eager_skipping_step(eager, opt_e, batch) == (i in bad)   # on the whole batch
+        if i in bad:   # nothing changed
             for p, q in zip(model.parameters(), params):
                 assert torch.equal(_whole(p), q)
             for p, s in opt.state.items():
                 assert all(torch.equal(_whole(t), state[p][k]) for k, t in s.items())
-        else:
-            plain_step(eager, opt_e, batch)
         worst = max(worst, _assert_like_eager(model, eager, f"stage {stage} skip_nonfinite step {i}"))
         skipped = torch.tensor(step.skipped_steps)
-        assert step.skipped_steps == (i >= POISONED) and _same_on_every_rank(skipped, world)
-    assert all(s["step"].item() == 4 for s in opt.state.values())
+        assert step.skipped_steps == sum(j <= i for j in bad) and _same_on_every_rank(skipped, world)
+    assert all(s["step"].item() == 3 for s in opt.state.values())
     print(f"rank {rank} stage {stage} skip_nonfinite: largest relative error {worst:.3g}")
 
 
@@ -218,8 +233,11 @@ def test_found_inf_is_combined_after_the_checks_of_the_chunks_and_read_by_every_
 def test_the_skip_flag_the_step_returns_is_combined_over_the_group(stage, one_process_group):
     graph, _ = _compile(stage, plain_step, skip_nonfinite=True)
     nodes = list(graph.gm.graph.nodes)
-    (flag,) = [n for n in nodes if n.target is c10d.all_reduce.default]
-    assert flag.args[1] == "max"
+    # the flag's gradient norm made global as clipping's (its square summed), then the flag the
+    # rank's own loss also sets combined by its maximum
+    norm, flag = [n for n in nodes if n.target is c10d.all_reduce.default]
+    assert norm.args[1] == "sum" and flag.args[1] == "max" and norm.meta["val"].dim() == 0
+    assert norm in _ancestors(flag)
     output = nodes[-1]
     skipped = [v for spec, v in zip(graph.signature.outputs, output.args[0]) if spec.kind == "skipped"]
     assert skipped[0].target is c10d.wait_tensor.default and skipped[0].args[0] is flag
