@@ -203,7 +203,9 @@ class CompileConfig:
             on) or global gradient norm is not finite: no parameter, optimizer state or step
             counter changes (gradients are still cleared as the step says), and the call is
             counted in `step.skipped_steps`. Exact otherwise. Fused updates then wait for every
-            gradient, as with global-norm clipping. Off by default (graphoffload/nonfinite.py).
+            gradient, as with global-norm clipping. Under ZeRO the loss and the norm are every
+            rank's (the flag is combined over the group), so every rank skips alike; not yet
+            with offload= there. Off by default (graphoffload/nonfinite.py).
     """
 
     subgroup_numel: int = 32 * 1024 * 1024

@@ -26,13 +26,17 @@ Stage 3 shards the parameters too: when the step first compiles, each parameter 
 (but 0-dim ones) becomes an `nn.Parameter` holding a `Shard(0)` DTensor of this rank's rows
 (`shard_parameter`), as FSDP2 leaves a model, and the graph gathers them before use.
 
+A GradScaler and `skip_nonfinite=True` work with stages 1, 2 and 3: each rank checks its chunks
+of the averaged gradients, and the flag is combined over the group (its maximum, one scalar
+all-reduce), so every rank skips or applies the same update and the scale evolves alike.
+
 `accumulation_steps=k` works with stages 1, 2 and 3: gradients are reduced once per update (the
 `zero` pass; each rank's running sums are whole gradients, also with stage 3). With `offload=`
 (ZeRO-Offload, any stage) each rank keeps its chunks' fp32 master weights and state in host
 memory, still `Shard(0)` DTensors in `optimizer.state` (`as_shard`; runtime/host_state.py);
 stage 3's host updates upload into the rank's rows, which its parameters' DTensors hold. Not yet:
 ZeRO with `sequence_parallel=`, and `offload=` together with accumulation_steps,
-overlap_next_step or activations="auto"; each is refused with an `UnsupportedError` that says so.
+overlap_next_step, activations="auto", a GradScaler or skip_nonfinite=True; each is refused with an `UnsupportedError` that says so.
 """
 
 from __future__ import annotations

@@ -67,8 +67,18 @@ every call (with `accumulation_steps`, the accumulating calls too). Clipping wor
 (the norms read the reduce-scattered chunks; `_global_norm` makes the total global, once for all
 stages); `.grad` left set and a returned parameter are refused for it.
 
+**Skipping non-finite steps** (a GradScaler, `skip_nonfinite=True`): the decision must be the
+same on every rank, or their parameters part. A GradScaler's inf checks (which also unscale in
+place) and skip_nonfinite's per-gradient norms are pointed at this rank's chunks, like
+clipping's norms, so each rank checks 1/N of the averaged gradients; skip_nonfinite's total norm
+is made global as clipping's is (`_global_norm`); then each flag (the checks' `found_inf`, the
+skip flag, which the rank's own loss also sets) is replaced for everything that reads it after
+it is final by its maximum over the group, one scalar all-reduce each (`_agree_on_skipping`): an
+inf in any rank's chunk, or any rank's non-finite loss, skips the update everywhere, and the
+GradScaler's scale evolves alike on every rank. Not with `offload=` yet (refused).
+
 What the pass cannot shard yet (other reads or writes of the gradients besides the update:
-another norm, a GradScaler, skip_nonfinite; `.grad` left set after clipping; with stages 2 and
+another norm; `.grad` left set after clipping or, stage 1, with a GradScaler; with stages 2 and
 3, `.grad` left set at all) is refused with `UnsupportedError`.
 """
 
