@@ -231,6 +231,9 @@ class CompileConfig:
                 raise UnsupportedError("ZeRO data parallelism with sequence_parallel= is not supported yet: no "
                                        "ZeRO stage runs with sequence_parallel= for now; drop sequence_parallel= or "
                                        "data_parallel=")
+            if self.skip_nonfinite and self.accumulation_steps > 1:
+                raise UnsupportedError("ZeRO data parallelism with skip_nonfinite=True and accumulation_steps > 1 is "
+                                       "not supported yet (not tested): drop skip_nonfinite=True or accumulation_steps")
             if self.offload is not None:   # stages 1, 2 and 3 alike
                 self._check_zero_offload()
 

@@ -28,7 +28,9 @@ Stage 3 shards the parameters too: when the step first compiles, each parameter 
 
 A GradScaler and `skip_nonfinite=True` work with stages 1, 2 and 3: each rank checks its chunks
 of the averaged gradients, and the flag is combined over the group (its maximum, one scalar
-all-reduce), so every rank skips or applies the same update and the scale evolves alike.
+all-reduce), so every rank skips or applies the same update and the scale evolves alike (not
+yet: a GradScaler on stage 3 with accumulation_steps, skip_nonfinite with accumulation_steps;
+both refused).
 
 `accumulation_steps=k` works with stages 1, 2 and 3: gradients are reduced once per update (the
 `zero` pass; each rank's running sums are whole gradients, also with stage 3). With `offload=`

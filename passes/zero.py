@@ -572,6 +572,11 @@ def zero(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
     if dp is None:
         return graph
     window = graph.notes_of("capture", "accumulation")
+    if window and dp.stage == 3 and any(s.kind == "scaler" for s in graph.signature.inputs):
+        raise UnsupportedError(
+            "ZeRO stage 3 with accumulation_steps > 1 and a GradScaler is not supported yet (in our test its "
+            "updates after the first window differed from eager's; the cause is not found yet): use ZeRO(stage=2) "
+            "or accumulation_steps=1 with it")
     if dp.stage == 3 and window and not window[0].fields["update"]:
         return _accumulating_stage_3(graph, dp, window[0].fields["updated"])
     kernels = update_kernels_to_rewrite(graph, "zero", "shard")

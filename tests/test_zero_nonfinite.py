@@ -16,6 +16,7 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 from ring_dist import run_ranks
 from test_zero import AsRank, _whole
 from test_zero_stage3 import _ancestors
@@ -154,6 +155,32 @@ def _scaler_as_eager(rank, world, stage, step_fn=scaled_step):
     print(f"rank {rank} stage {stage} {step_fn.__name__}: largest relative error {worst:.3g}")
 
 
+def _accumulating_scaler_as_eager(rank, world, stage, k=2):
+    """accumulation_steps=k: the scaler unscales, checks and steps once a window, on the sums; a
+    window in which rank 0's first micro-batch overflows a row rank 1 holds is skipped by both."""
+    eager = _Net()
+    model = copy.deepcopy(eager)
+    opt_e = torch.optim.AdamW(eager.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
+    scaler_e, scaler = (torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=2) for _ in range(2))
+    step = graphoffload.offload_compile(scaled_step, accumulation_steps=k,
+                                        data_parallel=graphoffload.ZeRO(stage=stage, timeout_s=60))
+    batches = _batches(world, {k: {"poison": (0, 1e37)}}, steps=3 * k)   # the second window's first
+    scales, worst = [], 0.0
+    for start in range(0, len(batches), k):
+        for batch in batches[start:start + k]:
+            scaler_e.scale(_loss(eager, batch) / k).backward()
+            step(model, opt, scaler, _micro(batch, rank))
+        scaler_e.step(opt_e)
+        scaler_e.update()
+        opt_e.zero_grad()
+        assert scaler.get_scale() == scaler_e.get_scale(), (stage, start, scaler.get_scale(), scaler_e.get_scale())
+        scales.append(scaler.get_scale())
+        worst = max(worst, _assert_like_eager(model, eager, f"stage {stage} k={k} window {start // k}"))
+    assert scales[1] == scales[0] / 2 and all(s["step"].item() == 2 for s in opt.state.values())
+    print(f"rank {rank} stage {stage} accumulation_steps={k} GradScaler: largest relative error {worst:.3g}")
+
+
 def _skip_as_eager(rank, world, stage):
     eager = _Net()
     model = copy.deepcopy(eager)
@@ -188,6 +215,7 @@ def _world2(rank, world):
         _scaler_as_eager(rank, world, stage)
         _skip_as_eager(rank, world, stage)
     _scaler_as_eager(rank, world, 2, scaled_clipped_step)
+    _accumulating_scaler_as_eager(rank, world, 2)   # stage 3: refused (below)
 
 
 @pytest.mark.slow   # two processes
@@ -259,3 +287,18 @@ def test_a_grad_scaler_with_zero_and_offload_is_refused_before_anything_changes(
     with pytest.raises(graphoffload.UnsupportedError, match=r"offload= and skip_nonfinite=True is not supported yet"):
         graphoffload.CompileConfig(skip_nonfinite=True, offload=graphoffload.Offload(),
                                    data_parallel=graphoffload.ZeRO(stage=2))
+
+
+def test_zero_3_with_accumulation_and_a_grad_scaler_and_skip_nonfinite_with_accumulation_are_refused(
+        one_process_group):
+    model = _Net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    step = graphoffload.offload_compile(scaled_step, accumulation_steps=2,
+                                        data_parallel=AsRank(stage=3, as_rank=1, as_world=2))
+    with pytest.raises(graphoffload.UnsupportedError, match=r"stage 3 with accumulation_steps > 1 and a GradScaler is "
+                                                            r"not supported yet.*use ZeRO\(stage=2\)"):
+        step.compile(model, opt, torch.amp.GradScaler("cpu"), _micro(_batches(2, {})[0], 1))
+    assert not opt.state and not any(isinstance(p, DTensor) for p in model.parameters())
+    with pytest.raises(graphoffload.UnsupportedError, match=r"skip_nonfinite=True and accumulation_steps > 1 is not "
+                                                            r"supported yet"):
+        graphoffload.CompileConfig(skip_nonfinite=True, accumulation_steps=2, data_parallel=graphoffload.ZeRO())
