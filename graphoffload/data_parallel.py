@@ -26,6 +26,12 @@ Stage 3 shards the parameters too: when the step first compiles, each parameter 
 (but 0-dim ones) becomes an `nn.Parameter` holding a `Shard(0)` DTensor of this rank's rows
 (`shard_parameter`), as FSDP2 leaves a model, and the graph gathers them before use.
 
+A GradScaler and `skip_nonfinite=True` work with stages 1, 2 and 3: each rank checks its chunks
+of the averaged gradients, and the flag is combined over the group (its maximum, one scalar
+all-reduce), so every rank skips or applies the same update and the scale evolves alike (not
+yet: a GradScaler on stage 3 with accumulation_steps, skip_nonfinite with accumulation_steps;
+both refused).
+
 `accumulation_steps=k` works with stages 1, 2 and 3: gradients are reduced once per update (the
 `zero` pass; each rank's running sums are whole gradients on the device, also with stage 3). With
 `offload=` (ZeRO-Offload, any stage) each rank keeps its chunks' fp32 master weights and state in
@@ -33,10 +39,10 @@ host memory, still `Shard(0)` DTensors in `optimizer.state` (`as_shard`; runtime
 stage 3's host updates upload into the rank's rows, which its parameters' DTensors hold.
 ZeRO-Offload accumulates too, its sums on the device as above, the updating call updating the
 rank's chunks from its host state. Not yet: ZeRO with `sequence_parallel=`; `offload=` together
-with overlap_next_step or activations="auto"; and running sums on the host under ZeRO
-(`Offload(accumulate_on="host" | "auto")` with accumulation_steps: the updating call reduces the
-sums on the device, and host sums are added after that reduction would have to read them). Each
-is refused with an `UnsupportedError` that says so.
+with overlap_next_step, activations="auto", a GradScaler or skip_nonfinite=True; and running sums
+on the host under ZeRO (`Offload(accumulate_on="host" | "auto")` with accumulation_steps: the
+updating call reduces the sums on the device, and host sums are added after that reduction would
+have to read them). Each is refused with an `UnsupportedError` that says so.
 """
 
 from __future__ import annotations

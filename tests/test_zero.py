@@ -633,11 +633,6 @@ def test_stage_2_refuses_a_step_that_leaves_grad_set(one_process_group):
     _compile_as(0, 2, 1, step_fn=zero_first_step)   # stage 1 leaves the averaged gradients, as DDP
 
 
-def test_skip_nonfinite_is_refused(one_process_group):
-    with pytest.raises(graphoffload.UnsupportedError, match="GradScaler or skip_nonfinite=True is not supported yet"):
-        _compile_as(0, 2, 1, skip_nonfinite=True)
-
-
 def test_full_state_loaded_after_the_step_compiled_is_refused_with_what_to_do(one_process_group):
     model = _gpt().float()
     opt = _optimizer("adamw", model)

@@ -1,0 +1,304 @@
+"""A GradScaler and CompileConfig(skip_nonfinite=True) under ZeRO stages 1, 2 and 3 (issue 16):
+the decision to skip an update is made over the whole averaged gradient and every rank's loss,
+so every rank skips or applies the same update and a GradScaler's scale evolves alike.
+
+Two gloo ranks train a tiny fp32 model on their own micro-batches against single-process eager
+training on the whole batch. The GradScaler run has a step where rank 0's micro-batch overflows
+one gradient row that rank 1 owns: rank 0's own chunks stay finite, so only combining the flags
+makes it skip with rank 1 (and with eager). The skip_nonfinite run has a step whose loss is inf
+on rank 1 alone (its gradients finite): rank 0 must skip too. One rank's rewrite is also compiled
+in a single process (`AsRank`) for the graph's shape and what is refused."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from ring_dist import run_ranks
+from test_zero import AsRank, _whole
+from test_zero_stage3 import _ancestors
+
+import graphoffload
+
+c10d = torch.ops._c10d_functional
+RTOL = 2e-5
+POISONED = 2   # the (first) step whose batch is not finite
+
+
+class _Net(torch.nn.Module):
+    """Dims 0 of 5 and 3 rows (chunks of 3 and 2, 2 and 1 rows on 2 ranks) and a 0-dim parameter."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = torch.nn.Linear(6, 5)
+        self.b = torch.nn.Linear(5, 3)
+        self.scale = torch.nn.Parameter(torch.tensor(1.5))
+
+    def forward(self, x, y):
+        return ((self.b(torch.tanh(self.a(x))) * self.scale - y) ** 2).mean()
+
+
+def _loss(model, batch):
+    """The model's loss, plus `offset` (an inf offset makes the loss inf, the gradients finite)
+    and a term adding 0 whose gradient is `poison` in the last row of a.weight (rank 1's rows)."""
+    row = model.a.weight[-1]
+    return model(batch["x"], batch["y"]) + batch["offset"].mean() + batch["poison"].mean() * (row - row.detach()).sum()
+
+
+def scaled_step(model, optimizer, scaler, batch):
+    loss = _loss(model, batch)
+    scaler.scale(loss).backward()
+    scaler.step(optimizer)
+    scaler.update()
+    optimizer.zero_grad()
+    return loss
+
+
+def scaled_clipped_step(model, optimizer, scaler, batch):
+    loss = _loss(model, batch)
+    scaler.scale(loss).backward()
+    scaler.unscale_(optimizer)   # unscales this rank's chunks in place
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+    scaler.step(optimizer)
+    scaler.update()
+    optimizer.zero_grad()
+    return loss
+
+
+def plain_step(model, optimizer, batch):
+    loss = _loss(model, batch)
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss
+
+
+def eager_skipping_step(model, optimizer, batch) -> bool:
+    """skip_nonfinite eagerly (tests/test_skip_nonfinite.py): no step() when the loss or the fp32
+    global gradient norm is not finite. Returns whether it skipped."""
+    loss = _loss(model, batch)
+    loss.backward()
+    norms = [torch.linalg.vector_norm(p.grad, 2.0, dtype=torch.float32) for p in model.parameters()]
+    skipped = not (torch.isfinite(loss) and torch.isfinite(torch.linalg.vector_norm(torch.stack(norms), 2.0)))
+    if not skipped:
+        optimizer.step()
+    optimizer.zero_grad()
+    return skipped
+
+
+def _batches(world: int, poison: dict[int, dict[str, tuple[int, float]]], steps: int = 5) -> list[dict]:
+    """Whole batches of 2 rows a rank; `poison[step]` maps a key ("offset" or "poison") to (the
+    rank whose rows get it, the value)."""
+    g = torch.Generator().manual_seed(3)
+    out = []
+    for i in range(steps):
+        batch = {"x": torch.randn(2 * world, 6, generator=g), "y": torch.randn(2 * world, 3, generator=g),
+                 "offset": torch.zeros(2 * world), "poison": torch.zeros(2 * world)}
+        for key, (rank, value) in poison.get(i, {}).items():
+            batch[key][2 * rank:2 * rank + 2] = value
+        out.append(batch)
+    return out
+
+
+def _micro(batch: dict, rank: int) -> dict:
+    return {k: v[2 * rank:2 * rank + 2] for k, v in batch.items()}
+
+
+def _assert_like_eager(model, eager, what) -> float:
+    """The largest relative error of a parameter, after asserting it is within RTOL."""
+    worst = 0.0
+    for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+        err = ((_whole(p) - q).abs().max() / q.abs().max()).item()
+        assert err <= RTOL, f"{what}: {name} is {err:.3g} from eager"
+        worst = max(worst, err)
+    return worst
+
+
+def _same_on_every_rank(value: torch.Tensor, world: int) -> bool:
+    values = [torch.zeros_like(value) for _ in range(world)]
+    dist.all_gather(values, value)
+    return all(torch.equal(v, values[0]) for v in values)
+
+
+def _scaler_as_eager(rank, world, stage, step_fn=scaled_step):
+    eager = _Net()
+    model = copy.deepcopy(eager)
+    opt_e = torch.optim.AdamW(eager.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
+    scaler_e, scaler = (torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=2) for _ in range(2))
+    step = graphoffload.offload_compile(step_fn, data_parallel=graphoffload.ZeRO(stage=stage, timeout_s=60))
+    # 1e37 * 2**8 overflows fp32: rank 0's gradient of a.weight's last row is inf, so is the
+    # average's, whose row rank 1 holds; eager's (the mean over 4 rows, 5e36 * 2**8) too
+    scales, worst = [], 0.0
+    for i, batch in enumerate(_batches(world, {POISONED: {"poison": (0, 1e37)}})):
+        before = copy.deepcopy(_whole(model.a.weight).detach())
+        step_fn(eager, opt_e, scaler_e, batch)
+        step(model, opt, scaler, _micro(batch, rank))
+        scales.append(scaler.get_scale())
+        assert scaler.get_scale() == scaler_e.get_scale(), (stage, i, scaler.get_scale(), scaler_e.get_scale())
+        if i == POISONED:
+            assert torch.equal(_whole(model.a.weight), before)   # skipped on every rank
+        worst = max(worst, _assert_like_eager(model, eager, f"stage {stage} {step_fn.__name__} step {i}"))
+        assert _same_on_every_rank(scaler._scale, world) and _same_on_every_rank(scaler._growth_tracker, world)
+    assert scales[POISONED] == scales[POISONED - 1] / 2   # the skipped step backed the scale off
+    assert max(scales) > 2.0**8                            # growth_interval=2: the clean steps grew it
+    assert all(s["step"].item() == 4 for s in opt.state.values())   # 5 calls, one skipped
+    graph = step.last.graph
+    assert graph.notes_of("zero", "nonfinite")[0].fields["checks"] >= 1
+    targets = [n.target for n in graph.gm.graph.nodes]
+    # found_inf: one scalar all-reduce (and clipping's norm one more)
+    assert targets.count(c10d.all_reduce.default) == 1 + (step_fn is scaled_clipped_step)
+    print(f"rank {rank} stage {stage} {step_fn.__name__}: largest relative error {worst:.3g}")
+
+
+def _accumulating_scaler_as_eager(rank, world, stage, k=2):
+    """accumulation_steps=k: the scaler unscales, checks and steps once a window, on the sums; a
+    window in which rank 0's first micro-batch overflows a row rank 1 holds is skipped by both."""
+    eager = _Net()
+    model = copy.deepcopy(eager)
+    opt_e = torch.optim.AdamW(eager.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
+    scaler_e, scaler = (torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=2) for _ in range(2))
+    step = graphoffload.offload_compile(scaled_step, accumulation_steps=k,
+                                        data_parallel=graphoffload.ZeRO(stage=stage, timeout_s=60))
+    batches = _batches(world, {k: {"poison": (0, 1e37)}}, steps=3 * k)   # the second window's first
+    scales, worst = [], 0.0
+    for start in range(0, len(batches), k):
+        for batch in batches[start:start + k]:
+            scaler_e.scale(_loss(eager, batch) / k).backward()
+            step(model, opt, scaler, _micro(batch, rank))
+        scaler_e.step(opt_e)
+        scaler_e.update()
+        opt_e.zero_grad()
+        assert scaler.get_scale() == scaler_e.get_scale(), (stage, start, scaler.get_scale(), scaler_e.get_scale())
+        scales.append(scaler.get_scale())
+        worst = max(worst, _assert_like_eager(model, eager, f"stage {stage} k={k} window {start // k}"))
+    assert scales[1] == scales[0] / 2 and all(s["step"].item() == 2 for s in opt.state.values())
+    print(f"rank {rank} stage {stage} accumulation_steps={k} GradScaler: largest relative error {worst:.3g}")
+
+
+def _skip_as_eager(rank, world, stage):
+    eager = _Net()
+    model = copy.deepcopy(eager)
+    opt_e = torch.optim.AdamW(eager.parameters(), lr=1e-2, weight_decay=0.1)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    step = graphoffload.offload_compile(plain_step, config=graphoffload.CompileConfig(skip_nonfinite=True),
+                                        data_parallel=graphoffload.ZeRO(stage=stage, timeout_s=60))
+    # the step after: rank 0's gradient of a.weight's last row is 1e20 (the loss finite), whose
+    # average's row rank 1 holds; the global norm (and eager's on the whole batch) overflows fp32
+    worst = 0.0
+    bad = {POISONED: {"offset": (1, float("inf"))}, POISONED + 1: {"poison": (0, 1e20)}}
+    for i, batch in enumerate(_batches(world, bad)):
+        state = {p: {k: _whole(t).clone() for k, t in s.items()} for p, s in opt.state.items()}
+        params = [_whole(p).detach().clone() for p in model.parameters()]
+        loss = step(model, opt, _micro(batch, rank))
+        assert torch.isfinite(loss) == (i != POISONED or rank != 1)   # the rank's own loss
+        assert eager_skipping_step(eager, opt_e, batch) == (i in bad)   # on the whole batch
+        if i in bad:   # nothing changed
+            for p, q in zip(model.parameters(), params):
+                assert torch.equal(_whole(p), q)
+            for p, s in opt.state.items():
+                assert all(torch.equal(_whole(t), state[p][k]) for k, t in s.items())
+        worst = max(worst, _assert_like_eager(model, eager, f"stage {stage} skip_nonfinite step {i}"))
+        skipped = torch.tensor(step.skipped_steps)
+        assert step.skipped_steps == sum(j <= i for j in bad) and _same_on_every_rank(skipped, world)
+    assert all(s["step"].item() == 3 for s in opt.state.values())
+    print(f"rank {rank} stage {stage} skip_nonfinite: largest relative error {worst:.3g}")
+
+
+def _world2(rank, world):
+    for stage in (1, 2, 3):
+        _scaler_as_eager(rank, world, stage)
+        _skip_as_eager(rank, world, stage)
+    _scaler_as_eager(rank, world, 2, scaled_clipped_step)
+    _accumulating_scaler_as_eager(rank, world, 2)   # stage 3: refused (below)
+
+
+@pytest.mark.slow   # two processes
+def test_grad_scaler_and_skip_nonfinite_decide_over_the_group_world2():
+    run_ranks(_world2, 2, deadline_s=300)
+
+
+# ---------------------------------------------------------------- single process: one rank's rewrite
+
+
+def _compile(stage, step_fn, *extra, rank=1, **config):
+    model = _Net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    step = graphoffload.offload_compile(step_fn, data_parallel=AsRank(stage=stage, as_rank=rank, as_world=2),
+                                        config=graphoffload.CompileConfig(**config))
+    return step.compile(model, opt, *extra, _micro(_batches(2, {})[0], rank)), opt
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_found_inf_is_combined_after_the_checks_of_the_chunks_and_read_by_every_update(stage, one_process_group):
+    graph, _ = _compile(stage, scaled_step, torch.amp.GradScaler("cpu"))
+    nodes = list(graph.gm.graph.nodes)
+    index = {n: i for i, n in enumerate(nodes)}
+    gradient = c10d.all_reduce_coalesced.default if stage == 1 else c10d.reduce_scatter_tensor.default
+    (flag,) = [n for n in nodes if n.target is c10d.all_reduce.default]
+    assert flag.args[1] == "max" and flag.meta["val"].dim() == 0
+    checks = [n for n in nodes if n.target is torch.ops.aten._amp_foreach_non_finite_check_and_unscale_.default]
+    # every check reads this rank's chunks (no gradient of a parameter's whole shape) and comes
+    # after the gradient collectives, before the combined flag
+    assert checks and all(index[c] < index[flag] for c in checks)
+    assert max(index[n] for n in nodes if n.target is gradient) < index[flag]
+    agreed = next(iter(flag.users)).users   # the wait's readers
+    kernels = [n for n in nodes if n.target is torch.ops.aten._fused_adamw_.tensor_lr]
+    assert kernels and all(index[k] > index[flag] for k in kernels)
+    assert any(n.target is torch.ops.aten._amp_update_scale_.default for n in agreed)
+    fields = graph.notes_of("zero", "nonfinite")[0].fields
+    # one foreach check as traced, split into one per gradient by fuse_optimizer
+    assert fields["checks"] == 1 and len(checks) == 5
+    assert len(fields["flags"]) == 1 and not fields["skip_nonfinite"]
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_the_skip_flag_the_step_returns_is_combined_over_the_group(stage, one_process_group):
+    graph, _ = _compile(stage, plain_step, skip_nonfinite=True)
+    nodes = list(graph.gm.graph.nodes)
+    # the flag's gradient norm made global as clipping's (its square summed), then the flag the
+    # rank's own loss also sets combined by its maximum
+    norm, flag = [n for n in nodes if n.target is c10d.all_reduce.default]
+    assert norm.args[1] == "sum" and flag.args[1] == "max" and norm.meta["val"].dim() == 0
+    assert norm in _ancestors(flag)
+    output = nodes[-1]
+    skipped = [v for spec, v in zip(graph.signature.outputs, output.args[0]) if spec.kind == "skipped"]
+    assert skipped[0].target is c10d.wait_tensor.default and skipped[0].args[0] is flag
+    # the flag's norms read this rank's chunks: rank 1 holds 2 of a.weight's 5 rows
+    norms = [n for n in nodes if n.target is torch.ops.aten.linalg_vector_norm.default
+             and n.args[0].meta["val"].shape[1:] == (6,)]
+    assert norms and all(n.args[0].meta["val"].shape[0] == 2 for n in norms)
+
+
+def test_a_grad_scaler_with_zero_and_offload_is_refused_before_anything_changes(one_process_group):
+    model = _Net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    step = graphoffload.offload_compile(scaled_step, offload=graphoffload.Offload(device_updates="never"),
+                                        data_parallel=AsRank(stage=2, as_rank=1, as_world=2))
+    with pytest.raises(graphoffload.UnsupportedError, match=r"offload= and a GradScaler .* not supported yet: drop "
+                                                            r"offload= or the GradScaler"):
+        step.compile(model, opt, torch.amp.GradScaler("cpu"), _micro(_batches(2, {})[0], 1))
+    assert not opt.state
+    with pytest.raises(graphoffload.UnsupportedError, match=r"offload= and skip_nonfinite=True is not supported yet"):
+        graphoffload.CompileConfig(skip_nonfinite=True, offload=graphoffload.Offload(),
+                                   data_parallel=graphoffload.ZeRO(stage=2))
+
+
+def test_zero_3_with_accumulation_and_a_grad_scaler_and_skip_nonfinite_with_accumulation_are_refused(
+        one_process_group):
+    model = _Net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    step = graphoffload.offload_compile(scaled_step, accumulation_steps=2,
+                                        data_parallel=AsRank(stage=3, as_rank=1, as_world=2))
+    with pytest.raises(graphoffload.UnsupportedError, match=r"stage 3 with accumulation_steps > 1 and a GradScaler is "
+                                                            r"not supported yet.*use ZeRO\(stage=2\)"):
+        step.compile(model, opt, torch.amp.GradScaler("cpu"), _micro(_batches(2, {})[0], 1))
+    assert not opt.state and not any(isinstance(p, DTensor) for p in model.parameters())
+    with pytest.raises(graphoffload.UnsupportedError, match=r"skip_nonfinite=True and accumulation_steps > 1 is not "
+                                                            r"supported yet"):
+        graphoffload.CompileConfig(skip_nonfinite=True, accumulation_steps=2, data_parallel=graphoffload.ZeRO())
