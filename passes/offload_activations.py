@@ -511,12 +511,20 @@ def forward_blocks(graph: TrainGraph) -> tuple[tuple[str, ...], ...]:
     and its residual) counts as a value from its first forward reader to its last, as a forward
     value does: else the first block, whose input is no forward value, is cut apart inside and
     does not repeat.
+    A batch input read until the end (a GPT's labels) would leave no cut at all, so both ways
+    are tried and the one covering more forward nodes is kept.
     Empty when nothing repeats."""
+    plain, counted = _blocks(graph, False), _blocks(graph, True)
+    return counted if sum(map(len, counted)) > sum(map(len, plain)) else plain
+
+
+def _blocks(graph: TrainGraph, count_batch: bool) -> tuple[tuple[str, ...], ...]:
+    """forward_blocks, batch inputs counted as values (`count_batch`) or not."""
     position = {n: i for i, n in enumerate(graph.graph.nodes)}
     intervals: list[list[fx.Node]] = [[]]
     closing: dict[fx.Node, int] = {}   # a forward node -> how many values it reads last in forward
     opening: dict[fx.Node, int] = {}   # a forward node -> how many batch inputs it reads first
-    batch = {s.name for s in graph.signature.inputs if s.kind == "batch"}
+    batch = {s.name for s in graph.signature.inputs if s.kind == "batch"} if count_batch else set()
     for node in graph.graph.nodes:
         if node.op == "placeholder" and node.name in batch:
             readers = [u for u in node.users if u.meta.get("phase") == "forward"]
@@ -550,6 +558,8 @@ def forward_blocks(graph: TrainGraph) -> tuple[tuple[str, ...], ...]:
             if (end - start) // period >= 2:
                 best = max(best, ((end - start) // period * period, -period, -start))
     covered, period, start = best[0], -best[1], -best[2]
+    if not covered:
+        return ()
     return tuple(tuple(n.name for i in intervals[s:s + period] for n in i)
                  for s in range(start, start + covered, period))
 
