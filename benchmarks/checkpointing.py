@@ -67,12 +67,13 @@ def predict_rows(args) -> list[dict]:
         opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
         step = graphoffload.offload_compile(autocast_train_step, offload=graphoffload.Offload(
             device_updates="auto", calibration=cal, replan_after=0))
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         graph = step.compile(model, opt, batch)
         recomputed = sum("recompute" in n.meta for n in graph.graph.nodes)
         rows.append({"mode": name, "status": "predicted", "predicted_s": graph.schedule.step_seconds,
                      "peak_GiB": step.memory().peak / 2**30, "captured_peak_GiB": step.memory("captured").peak / 2**30,
                      "recomputed_nodes": recomputed, "compile_s": time.perf_counter() - start,
+                     "compile_cpu_s": time.process_time() - cpu,
                      "params": sum(p.numel() for p in model.parameters())})
     model.__class__ = GPT
     for gib in args.activation_budgets:   # the plain GPT, its activations planned under a budget
@@ -80,21 +81,24 @@ def predict_rows(args) -> list[dict]:
         step = graphoffload.offload_compile(autocast_train_step, offload=graphoffload.Offload(
             device_updates="auto", calibration=cal, replan_after=0, gpu_memory_budget=int(gib * 2**30),
             activations="auto"))
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         row = {"mode": f"activations='auto', {gib:g} GiB budget", "params": rows[0]["params"]}
         try:
             graph = step.compile(model, opt, batch)
         except graphoffload.UnsupportedError as err:
             least = int(str(err).split("(")[1].split(" bytes")[0].replace(",", ""))
             rows.append({**row, "status": "over budget", "peak_GiB": least / 2**30, "error": str(err),
-                         "compile_s": time.perf_counter() - start})
+                         "compile_s": time.perf_counter() - start, "compile_cpu_s": time.process_time() - cpu})
             continue
         chosen = graph.notes_of("offload_optimizer", "activations")[0].fields
+        # which activation plan was kept, and which one the buckets were planned again on
+        replanned = graph.notes_of("offload_optimizer", "state_replanned")
         rows.append({**row, "status": "predicted", "predicted_s": graph.schedule.step_seconds,
                      "peak_GiB": step.memory().peak / 2**30, "captured_peak_GiB": step.memory("captured").peak / 2**30,
                      "recomputed_nodes": sum("recompute" in n.meta for n in graph.graph.nodes),
-                     "recomputed": chosen["recompute"], "offloaded": chosen["offload"],
-                     "compile_s": time.perf_counter() - start})
+                     "recomputed": chosen["recompute"], "offloaded": chosen["offload"], "plan": chosen["strategy"],
+                     "buckets_planned_on": replanned[0].fields["made_on"] if replanned else "-",
+                     "compile_s": time.perf_counter() - start, "compile_cpu_s": time.process_time() - cpu})
     return rows
 
 
@@ -119,7 +123,7 @@ def main() -> None:
     print(f"GPT {rows[0]['params'] / 1e9:.2f}B params, batch {args.batch}x{args.seq}: predictions under "
           f"{args.predict} (meta device, {args.dtype} parameters and activations)")
     print_table(rows, ["mode", "status", "predicted_s", "peak_GiB", "captured_peak_GiB", "recomputed_nodes",
-                       "recomputed", "offloaded", "compile_s"])
+                       "recomputed", "offloaded", "plan", "buckets_planned_on", "compile_s", "compile_cpu_s"])
     suffix = "" if args.dtype == "float32" else f"_{args.dtype}"
     out = args.out or os.path.join(os.path.dirname(__file__), "results",
                                    f"checkpointing_predicted_b{args.batch}{suffix}.json")

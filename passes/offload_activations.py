@@ -158,6 +158,10 @@ class ActivationPlan:
     added_seconds: float = 0.0  # what the plan adds to the predicted step (recompute, stalls)
     strategy: str = "greedy"   # which search made it (plan_activations tries several)
     abandoned: bool = False    # cut short: it could not beat another plan that fits
+    blocks: int = 0            # whole blocks replayed
+    # the other plans that fit the budget (plan_activations): offload_optimizer plans the buckets
+    # again on each, so one that frees more than the budget needs can buy a faster bucket plan
+    others: tuple[ActivationPlan, ...] = ()
 
 
 def _replayable(node: fx.Node) -> bool:
@@ -503,13 +507,35 @@ def forward_blocks(graph: TrainGraph) -> tuple[tuple[str, ...], ...]:
     nodes after one cut up to the next form an interval, named by its ops; the longest run of
     intervals repeating with the shortest period gives the units, one period's intervals each
     (a GPT's attention and MLP sublayers: one block, what checkpointing the block replays).
+    A batch input that several forward nodes read (a residual MLP's `x`, the first block's input
+    and its residual) counts as a value from its first forward reader to its last, as a forward
+    value does: else the first block, whose input is no forward value, is cut apart inside and
+    does not repeat.
+    A batch input read until the end (a GPT's labels) would leave no cut at all, so both ways
+    are tried and the one covering more forward nodes is kept.
     Empty when nothing repeats."""
+    plain, counted = _blocks(graph, False), _blocks(graph, True)
+    return counted if sum(map(len, counted)) > sum(map(len, plain)) else plain
+
+
+def _blocks(graph: TrainGraph, count_batch: bool) -> tuple[tuple[str, ...], ...]:
+    """forward_blocks, batch inputs counted as values (`count_batch`) or not."""
     position = {n: i for i, n in enumerate(graph.graph.nodes)}
     intervals: list[list[fx.Node]] = [[]]
     closing: dict[fx.Node, int] = {}   # a forward node -> how many values it reads last in forward
+    opening: dict[fx.Node, int] = {}   # a forward node -> how many batch inputs it reads first
+    batch = {s.name for s in graph.signature.inputs if s.kind == "batch"} if count_batch else set()
+    for node in graph.graph.nodes:
+        if node.op == "placeholder" and node.name in batch:
+            readers = [u for u in node.users if u.meta.get("phase") == "forward"]
+            first, last = min(readers, key=position.__getitem__, default=None), \
+                max(readers, key=position.__getitem__, default=None)
+            if first is not last:
+                opening[first] = opening.get(first, 0) + 1
+                closing[last] = closing.get(last, 0) + 1
     open_values = 0
     for node in graph.graph.nodes:
-        open_values -= closing.pop(node, 0)
+        open_values += opening.pop(node, 0) - closing.pop(node, 0)
         if not _forward_value(node):
             continue
         intervals[-1].append(node)
@@ -532,6 +558,8 @@ def forward_blocks(graph: TrainGraph) -> tuple[tuple[str, ...], ...]:
             if (end - start) // period >= 2:
                 best = max(best, ((end - start) // period * period, -period, -start))
     covered, period, start = best[0], -best[1], -best[2]
+    if not covered:
+        return ()
     return tuple(tuple(n.name for i in intervals[s:s + period] for n in i)
                  for s in range(start, start + covered, period))
 
@@ -709,8 +737,9 @@ def plan_activations(graph: TrainGraph, budget: int, cal: Calibration, device: t
     `schedule`, `planned`: the optimizer-state plan's timeline and the names of the nodes its
     `node_start` is indexed by (place_on_schedule), on which an offload's stall is predicted;
     `costs`: what that plan was made from, on which each finished plan's step is predicted
-    (`retime`). Two plans (every block replayed first, the greedy), the one whose predicted
-    step is shortest kept (the module's docstring says why).
+    (`retime`). Up to three plans (blocks replayed first until the budget is met, every block
+    replayed, the greedy), the one whose predicted step is shortest kept (the module's
+    docstring says why); the others that fit ride along in `others`.
 
     Recomputes are found lazily: growing every saved activation's regions again after each
     choice took minutes on a 24-block GPT, so each seed waits in a heap under the best ratio of
@@ -727,11 +756,18 @@ def plan_activations(graph: TrainGraph, budget: int, cal: Calibration, device: t
 
     blocks = forward_blocks(graph)
     # copies of the graph as it is now, one per further plan (a copy's notes are its own)
-    blocks_first, retry = graph.deferred_copy(), graph.deferred_copy()
+    blocks_first, every, retry = graph.deferred_copy(), graph.deferred_copy(), graph.deferred_copy()
     plans, steps = [], {}
     if blocks:   # every block's replay (checkpointing's policy) first, the greedy after it if need be
         plans.append(_plan(blocks_first(), budget, cal, device, schedule, planned, merge=True, blocks=blocks,
                            strategy="blocks first"))
+        steps[plans[-1].strategy] = step_of(plans[-1])
+    if blocks and plans[-1].blocks < len(blocks):
+        # checkpointing's own plan, every block replayed, though the budget needs fewer: the
+        # memory it frees can buy a faster bucket plan (earlier prefetches), which
+        # offload_optimizer plans again on every plan that fits (_replan_with_activations)
+        plans.append(_plan(every(), budget, cal, device, schedule, planned, merge=True, blocks=blocks,
+                           strategy="every block", every_block=True))
         steps[plans[-1].strategy] = step_of(plans[-1])
     # the greedy stops once it cannot beat a plan that fits: what it adds to the compute stream
     # (replays, stalls) only grows, and a re-timed step is at least the compute floor plus that
@@ -758,16 +794,18 @@ def plan_activations(graph: TrainGraph, budget: int, cal: Calibration, device: t
         timed=timed, plans={p.strategy: {"step_seconds" if timed else "added_seconds": steps[p.strategy],
                                           "peak_bytes": p.peak, "fits": p.peak <= budget,
                                           "abandoned": p.abandoned} for p in plans})
-    return chosen
+    return replace(chosen, others=tuple(p for p in fits if p is not chosen))
 
 
 def _plan(graph: TrainGraph, budget: int, cal: Calibration, device: torch.device, schedule: Prediction | None,
           planned: Sequence[str], merge: bool, blocks: Sequence[tuple[str, ...]] = (), bound: float | None = None,
-          strategy: str = "greedy") -> ActivationPlan:
+          strategy: str = "greedy", every_block: bool = False) -> ActivationPlan:
     """One plan; `merge`: recomputes extend the chosen replays they overlap; `blocks`
     (forward_blocks' units): whole blocks replayed first, most bytes live at the peak per second
-    of their compute first, until the budget is met, the greedy after them; `bound`: give up
-    (the plan left over the budget) once the plan adds more than this to the predicted step."""
+    of their compute first, until the budget is met (`every_block`: every block, as
+    checkpointing every block does, each kept unless it raises the peak), the greedy after
+    them; `bound`: give up (the plan left over the budget) once the plan adds more than this to
+    the predicted step."""
     profile = analyze_memory(graph)
     keep_peak = profile.peak
     choices: dict[str, str] = {}
@@ -826,15 +864,16 @@ def _plan(graph: TrainGraph, budget: int, cal: Calibration, device: torch.device
             heappush(heap, (-max(_bytes(r) / max(extension(r)[0], 1e-12) for r in regions), counter, seed))
 
     pending = list(blocks)
-    while pending and profile.peak > budget:
+    while pending and (every_block or profile.peak > budget):
         step = _Step(graph, storages or StorageMap(graph.graph, cache=cache))
         time_nodes(step)
         at = profile.nodes.index(profile.peak_node)
         options = []
         for names in pending:
             region = step.block_region(names, seconds)
-            if region is not None and region.bytes_live_at(at):
-                options.append((region.bytes_live_at(at) / max(region.seconds, 1e-12), names, region))
+            if region is not None and (region.bytes_live_at(at) or every_block and region.freed):
+                options.append(((region.bytes_live_at(at) / max(region.seconds, 1e-12),
+                                 _bytes(region) / max(region.seconds, 1e-12)), names, region))
         if not options:
             break
         _, names, region = max(options, key=lambda o: o[0])
@@ -843,7 +882,9 @@ def _plan(graph: TrainGraph, budget: int, cal: Calibration, device: torch.device
         fill_missing_meta(graph, _PASS)
         storages = StorageMap(graph.graph, cache=cache)
         after = analyze_memory(graph, storages)
-        if not _lowered(profile, after):
+        # a block replayed beyond the budget frees memory away from the peak (where the buckets'
+        # prefetches may go): kept unless it raises the peak
+        if not (after.peak <= profile.peak if every_block else _lowered(profile, after)):
             edit.undo(graph, specs, gone)
             storages = None
             continue
@@ -990,7 +1031,7 @@ def _plan(graph: TrainGraph, budget: int, cal: Calibration, device: torch.device
                choices=dict(choices), strategy=strategy, added_seconds=added, blocks=blocks_replayed,
                abandoned=abandoned, **counts)
     return ActivationPlan(graph, keep_peak, profile.peak, profile.peak_node, choices, merged_count, added, strategy,
-                          abandoned)
+                          abandoned, blocks_replayed)
 
 
 def _restore(graph: TrainGraph, merged: list[_Replay], seconds: dict[fx.Node, float]) -> list[_Replay]:

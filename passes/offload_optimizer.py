@@ -584,20 +584,28 @@ def _activations_of_accumulating_call(graph: TrainGraph, ctx: PassContext) -> Tr
 
 
 def _replan_with_activations(fresh: Callable[[], TrainGraph], graph: TrainGraph, ctx: PassContext, planned: list[str],
-                             costs: StepCosts) -> TrainGraph | None:
+                             costs: StepCosts, activations: ActivationPlan) -> TrainGraph | None:
     """The bucket plan is made before the activations are planned, against the memory and
     compute of the step with every activation kept; a checkpointed model's bucket plan is made
     with its recompute in it (which can favour the CPU path: replays fill compute time that
-    device-path updates and prefetches would want). So the state is planned again the same way
-    on the step as the activation plan left it (offload_activations.retimed_costs: its replays
-    timed, its memory, in which prefetches can start earlier), and if that plan is predicted
-    faster, the pass runs again from the graph before it (`fresh`) with those paths and
-    prefetch points, planning the activations anew against them.
+    device-path updates and prefetches would want, and its memory, into which prefetches can
+    start earlier). So the state is planned again the same way on the step as each activation
+    plan that fits left it (the chosen one and `activations.others`, among them every block
+    replayed, which frees more than the budget needs; offload_activations.retimed_costs: its
+    replays timed, its memory), one bucket plan per activation plan, and if the fastest of
+    them is predicted faster, the pass runs again from the graph before it (`fresh`) with those
+    paths and prefetch points, planning the activations anew against them (the same plans
+    again, every block replayed among them, so that run's step is the candidate's or faster).
     The faster of the two that fits is kept; None: the first."""
     cal = _calibration(ctx)
-    timed, _, names = retimed_costs(graph, graph.schedule, planned, costs, cal, with_memory=True)
-    unseen = unseen_device_bytes(graph.graph, ctx.device)
-    chosen, _ = plan(timed, cal, _planning_budget(ctx, sum(unseen.values())))
+    best: tuple[Prediction, list[str], str] | None = None
+    for candidate in (activations, *activations.others):
+        timed, _, names = retimed_costs(candidate.graph, graph.schedule, planned, costs, cal, with_memory=True)
+        unseen = unseen_device_bytes(candidate.graph.graph, ctx.device)
+        made, _ = plan(timed, cal, _planning_budget(ctx, sum(unseen.values())))
+        if best is None or made.step_seconds < best[0].step_seconds:
+            best = (made, names, candidate.strategy)
+    chosen, names, strategy = best
     if chosen.step_seconds >= graph.schedule.step_seconds:
         return None
     # its prefetch points, on the nodes the first plan indexed (a replay's: the next such node)
@@ -613,14 +621,15 @@ def _replan_with_activations(fresh: Callable[[], TrainGraph], graph: TrainGraph,
         return None   # its activations could not fit the budget: the first plan stays
     if other.schedule.step_seconds >= graph.schedule.step_seconds:
         return None
-    other.note("offload_optimizer", f"bucket plan made again with the activation plan in the step: "
+    other.note("offload_optimizer", f"bucket plan made again with an activation plan in the step ({strategy}): "
                f"{chosen.assignment.count('device')} of {len(chosen.assignment)} buckets on the device, predicted "
                f"step {other.schedule.step_seconds * 1e3:.4g} ms (the first plan, "
                f"{graph.schedule.assignment.count('device')} on the device, with its activation plan: "
                f"{graph.schedule.step_seconds * 1e3:.4g} ms)", "state_replanned",
                step_seconds=other.schedule.step_seconds, first_step_seconds=graph.schedule.step_seconds,
                device_buckets=chosen.assignment.count("device"),
-               first_device_buckets=graph.schedule.assignment.count("device"))
+               first_device_buckets=graph.schedule.assignment.count("device"), made_on=strategy,
+               candidates=1 + len(activations.others))
     return other
 
 
@@ -772,6 +781,6 @@ def offload_optimizer(graph: TrainGraph, ctx: PassContext,
                f"{format_bytes(device_peak)}", "offloaded", buckets=len(kernels), host_bytes=moved_bytes,
                device_peak_bytes=device_peak)
     _check_budget(graph, ctx, device_peak, activations)
-    if fresh is not None and costs is not None and activations is not None and activations.choices:
-        return _replan_with_activations(fresh, graph, ctx, planned, costs) or graph
+    if fresh is not None and costs is not None and activations is not None and (activations.choices or activations.others):
+        return _replan_with_activations(fresh, graph, ctx, planned, costs, activations) or graph
     return graph

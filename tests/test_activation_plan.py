@@ -139,7 +139,8 @@ def test_choices_move_from_keep_to_recompute_and_offload_as_the_budget_shrinks(k
     kept = [c[0] for c in counts]
     moved = [c[1] + c[2] for c in counts]
     assert kept[0] > kept[1] > kept[2], counts
-    assert 0 < moved[0] < moved[1] < moved[2], counts
+    # (at 0.5x every block is replayed, the first block too, and every saved activation is moved)
+    assert 0 < moved[0] < moved[1] <= moved[2], counts
     # offloads whose copies back hide behind backward cost no time and go first; past them,
     # recomputing beats a copy back the reader would wait for
     assert counts[0][2] > 0 and counts[0][1] > 0 and counts[-1][1] > counts[0][1], counts
@@ -161,7 +162,8 @@ def test_offloads_are_ranked_by_the_stall_they_add():
 
 
 def test_each_choice_is_a_note_with_its_bytes_and_cost(keep_peak):
-    step = _compiled(_step(FAST_COMPUTE, gpu_memory_budget=int(0.5 * keep_peak), activations="auto"))
+    # 0.7x: the greedy's mix of recomputes and offloads (at 0.5x every block is replayed instead)
+    step = _compiled(_step(FAST_COMPUTE, gpu_memory_budget=int(0.7 * keep_peak), activations="auto"))
     notes = step.train_graph.notes_of("offload_optimizer", "activation")
     assert notes and {n.fields["choice"] for n in notes} == {"recompute", "offload"}
     peaks = [n.fields["peak_after"] for n in notes]
@@ -240,13 +242,15 @@ def test_activation_copies_share_the_links_with_the_state_transfers_on_one_timel
     on each link, and the step is predicted by the state plan's model with the replays in it
     (which delay the gradients after them, the device-path prefetches issued after them too)."""
     step = _compiled(graphoffload.offload_compile(mlp_step, offload=Offload(
-        calibration=FAST_COMPUTE, plan_cache=False, gpu_memory_budget=int(0.5 * keep_peak), activations="auto")))
+        calibration=MIXED, plan_cache=False, gpu_memory_budget=int(0.5 * keep_peak), activations="auto")))
     graph = step.train_graph
     schedule = graph.schedule
     added = graph.notes_of("offload_optimizer", "activations_on_schedule")[0].fields
     planned = graph.notes_of("offload_optimizer", "plan")[0].fields["step_seconds"]
-    assert added["step_seconds"] == schedule.step_seconds > planned
-    assert added["recompute_seconds"] > 0 and added["link_seconds"] > 0
+    assert added["step_seconds"] == schedule.step_seconds >= planned   # (the replays and copies may all hide)
+    # (MIXED: copies back hide behind the slow matmuls, so this plan offloads; under FAST_COMPUTE
+    # replaying every block, the first included, now wins at every budget here and copies nothing)
+    assert added["link_seconds"] > 0
     plans = graph.notes_of("offload_optimizer", "activation_plans")[0].fields
     assert plans["timed"] and plans["plans"][plans["chosen"]]["step_seconds"] == schedule.step_seconds
     offloaded = [n.fields["activation"] for n in graph.notes_of("offload_optimizer", "activation")
@@ -377,7 +381,7 @@ def test_forward_blocks_are_the_transformer_blocks():
     model = tiny_gpt(dropout=0.1, seq_len=32, n_layer=3)
     step = _gpt_step(MIXED)
     step.compile(model, adamw(model), token_batches(1, seq=32, batch=4)[0])
-    graph = step.graphs["offload_optimizer"]
+    graph = step.last.stages["offload_optimizer"]   # a TrainGraph: its signature names the batch inputs
     blocks = forward_blocks(graph)
     by_name = {n.name: n for n in graph.graph.nodes}
     assert len(blocks) == 3
@@ -439,9 +443,81 @@ def test_the_block_plan_is_kept_where_it_is_predicted_faster_and_trains_bit_iden
     plans = step.train_graph.notes_of("offload_optimizer", "activation_plans")[0].fields
     assert plans["timed"] and plans["chosen"] == "blocks first", plans
     blocks, greedy = plans["plans"]["blocks first"], plans["plans"]["greedy"]
-    assert blocks["fits"] and blocks["step_seconds"] < greedy["step_seconds"]
+    assert blocks["fits"] and blocks["step_seconds"] <= greedy["step_seconds"]
     assert step.train_graph.schedule.step_seconds == blocks["step_seconds"]
     assert step.memory().peak <= budget and _activations(step)["blocks"] >= 1
     graph = step.graphs["final"].graph
     replayed = {n.target for n in graph.nodes if "recompute" in n.meta}
     assert {torch.ops.aten.bernoulli_.float, torch.ops.aten.rand.default} <= replayed
+
+
+def _noisy_model(depth: int = 3, noise: bool = True, checkpointed: bool = False) -> Mlp:
+    """Residual blocks with dropout (and `torch.rand` noise), optionally each under checkpoint."""
+    torch.manual_seed(0)
+    model = Mlp(width=32, depth=depth, dropout=0.2, checkpointed=checkpointed)
+    if noise:
+        model.blocks = nn.ModuleList(NoisyBlock(32, 0.2) for _ in range(depth))
+    return model
+
+
+def _checkpointed_and_plain(depth: int, noise: bool, cal: Calibration):
+    """The model with every block checkpointed, compiled without a budget as
+    benchmarks/checkpointing.py compiles it, and the plain model compiled keeping everything."""
+    checkpointed = _compiled(graphoffload.offload_compile(mlp_step, offload=Offload(
+        calibration=cal, plan_cache=False)), _noisy_model(depth, noise, checkpointed=True))
+    plain = _compiled(graphoffload.offload_compile(mlp_step, offload=Offload(calibration=cal, plan_cache=False)),
+                      _noisy_model(depth, noise))
+    return checkpointed, plain
+
+
+def _auto(cal: Calibration, budget: int):
+    return graphoffload.offload_compile(mlp_step, offload=Offload(
+        calibration=cal, plan_cache=False, gpu_memory_budget=budget, activations="auto"))
+
+
+def test_every_block_replayed_with_the_bucket_plan_its_memory_buys_is_a_candidate():
+    """The counterexample benchmarks/RESULTS.md recorded: 3 residual blocks with dropout and
+    noise, FAST_COMPUTE, budget 0.6x the keep-everything peak, which the checkpointed model fits.
+    Its bucket plan, made without a budget, prefetches the state into memory that only replaying
+    every block frees; the auto planner now plans the buckets again on each activation plan that
+    fits (every block replayed among them), so its predicted step is no longer than the
+    checkpointed model's, the budget is met and training is bit-identical to eager."""
+    from graphoffload.passes.offload_activations import forward_blocks
+
+    checkpointed, plain = _checkpointed_and_plain(3, True, FAST_COMPUTE)
+    budget = int(0.6 * plain.memory().peak)
+    assert checkpointed.memory().peak <= budget < plain.memory().peak
+    # the first block, whose input is the batch's `x`, is one of the repeated units too
+    assert len(forward_blocks(plain.last.stages["fuse_optimizer"])) == 3
+    step = _auto(FAST_COMPUTE, budget)
+    model = _noisy_model()
+    _train_both(step, model)
+    predicted = step.train_graph.schedule.step_seconds
+    assert predicted <= checkpointed.train_graph.schedule.step_seconds, \
+        (predicted, checkpointed.train_graph.schedule.step_seconds)
+    assert step.memory().peak <= budget
+    replanned = step.train_graph.notes_of("offload_optimizer", "state_replanned")[0].fields
+    assert replanned["candidates"] >= 2 and replanned["step_seconds"] == predicted < replanned["first_step_seconds"]
+
+
+@pytest.mark.parametrize("depth,noise,cal", [(3, False, FAST_COMPUTE), (4, True, FAST_COMPUTE),
+                                             (3, True, COMPUTE_BOUND)],
+                         ids=["3 dropout fast", "4 noisy fast", "3 noisy compute-bound"])
+def test_no_slower_than_checkpointing_every_block_wherever_that_fits(depth, noise, cal):
+    """Across models, calibrations and budgets at and above the checkpointed model's peak, the
+    auto plan's predicted step is no longer than the checkpointed model's (same model, same
+    calibration) and its peak is within the budget; at the tightest budget it trains
+    bit-identical to eager, dropout (and noise) replayed."""
+    checkpointed, plain = _checkpointed_and_plain(depth, noise, cal)
+    policy_s, keep = checkpointed.train_graph.schedule.step_seconds, plain.memory().peak
+    for fraction in (checkpointed.memory().peak / keep + 0.003, 0.8):
+        budget = int(fraction * keep)
+        assert checkpointed.memory().peak <= budget
+        step = _auto(cal, budget)
+        if fraction < 0.8:
+            _train_both(step, _noisy_model(depth, noise))
+        else:
+            _compiled(step, _noisy_model(depth, noise))
+        predicted = step.train_graph.schedule.step_seconds
+        assert predicted <= policy_s, (fraction, predicted, policy_s)
+        assert step.memory().peak <= budget
