@@ -469,7 +469,7 @@ def test_torch_save_of_zero_offload_state_resumes_bit_for_bit(dtype, load, one_p
         return model, _optimizer("adamw", model), _step(2, Offload(device_updates="never"))
 
     model, opt, step = fresh()
-    batches = _batches(1)
+    batches = _batches(1) * 2   # 2 steps, the checkpoint, 4 more
     for batch in batches[:2]:
         step(model, opt, batch)
     host = step.last.executor.host_state
