@@ -481,7 +481,7 @@ def test_torch_save_of_zero_offload_state_resumes_bit_for_bit(dtype, load, one_p
     assert host.arena.allocated_bytes == arena_bytes and len(host.arena.chunks) == 1   # no copy kept in the arena
     went_on = [step(model, opt, batch) for batch in batches[2:]]
 
-    saved = torch.load(tmp_path / "ckpt.pt")   
+    saved = torch.load(tmp_path / "ckpt.pt")   # weights_only, the default: the DTensors load too
     for sd in (saved["step"], copied):   # what was saved and the deep copy are the state at the checkpoint
         assert _state_equal(sd["optimizers"][0], saved["optim"])
     model2, opt2, step2 = fresh()
