@@ -169,7 +169,10 @@ def shard_state(state: dict[str, Any], param: Tensor, name: str, mesh: Any, worl
 def as_shard(local: Tensor, param: Tensor, mesh: Any) -> Any:
     """`local`, this rank's chunk of a tensor shaped like `param`, as the `Shard(0)` DTensor over
     `mesh` that `optimizer.state` holds (the local tensor itself is kept: writes to it land in the
-    DTensor; it may live in host memory, with offload=, whatever the mesh's device)."""
+    DTensor; it may live in host memory, with offload=, whatever the mesh's device). `local`
+    should start its storage: torch gives the DTensor its storage offset, and `torch.save` and
+    `copy.deepcopy` of a DTensor with a non-zero one fail ("invalid python storage"); the host
+    arena's views are storages of their own for that reason."""
     from torch.distributed.tensor import DTensor, Shard
 
     return DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=param.shape, stride=param.stride())

@@ -13,6 +13,14 @@ exact size, no rounding; pinned as far as copies and `is_pinned()` are concerned
 back to torch's pinned allocator if registration fails. On a machine without one, or with
 `Offload(pin_memory=False)`, it is plain memory: the same code path, which is what the CPU
 tests exercise.
+
+Each view is a tensor of its own storage that begins at the view's first byte (made through
+numpy, sharing the allocation and keeping it alive), not a view at a storage offset into the
+allocation's storage. Under ZeRO `optimizer.state` holds these views as the local tensors of
+`Shard(0)` DTensors, and torch (2.11 to 2.13) gives a DTensor its local tensor's storage offset:
+a storage-less wrapper with a non-zero offset has a non-null `data_ptr()`, which `torch.save`
+and `copy.deepcopy` take for a tensor with storage ("invalid python storage"). A storage of its
+own also means `torch.save` of the state writes each tensor's bytes, not the whole allocation.
 """
 
 from __future__ import annotations
@@ -79,14 +87,18 @@ class HostArena:
         nbytes = math.prod(shape) * dtype.itemsize
         if not self.chunks or aligned_bytes(shape, dtype) > self._room():
             self._allocate(max(aligned_bytes(shape, dtype), ALIGN))
+        if nbytes == 0:   # no bytes to place (a rank's empty ZeRO chunk): a tensor of its own
+            return torch.empty(shape, dtype=dtype)
         chunk = self.chunks[-1]
-        view = chunk[self._offset:self._offset + nbytes].view(dtype).view(shape)
+        start = self._offset
         self._offset += aligned_bytes(shape, dtype)
-        return view
+        return torch.from_numpy(chunk.numpy()[start:start + nbytes]).view(dtype).view(shape)
 
     def holds(self, t: Tensor) -> bool:
-        """Whether `t` is a view into this arena."""
+        """Whether `t` is a view into this arena (an empty host tensor has nothing to place: it is)."""
         if t.device.type != "cpu":
             return False
-        storage = t.untyped_storage().data_ptr()
-        return any(storage == c.untyped_storage().data_ptr() for c in self.chunks)
+        if t.numel() == 0:
+            return True
+        first = t.data_ptr()
+        return any(c.data_ptr() <= first < c.data_ptr() + c.numel() for c in self.chunks)

@@ -453,3 +453,61 @@ def test_one_rank_clips_on_a_mix_of_paths_as_eager(stage, one_process_group):
                     for p, q in zip(model.parameters(), eager.parameters()))
         assert worst <= RTOL, worst   # (fp32 master weights of an fp64 model)
     assert 0 < step.last.graph.notes_of("offload_optimizer", "plan")[0].fields["device_buckets"]
+
+
+@pytest.mark.parametrize("dtype, load", [(torch.float32, "optimizer"), (torch.float32, "step"), (torch.bfloat16, "step")],
+                         ids=["fp32-optimizer.load_state_dict", "fp32-step.load_state_dict", "bf16-step.load_state_dict"])
+def test_torch_save_of_zero_offload_state_resumes_bit_for_bit(dtype, load, one_process_group, tmp_path):
+    """`torch.save` of `model.state_dict()`, `optimizer.state_dict()` and `step.state_dict()` under
+    ZeRO-Offload stage 2 (the host DTensors' local tensors are views into the one host arena), and
+    `copy.deepcopy` of them; loaded with `torch.load` into a fresh model, optimizer and step (before
+    its first call), the next steps are bit-identical to the run that went on. bf16 parameters
+    resume through `step.load_state_dict`, which keeps the fp32 master weights fp32 (the first call
+    finds the loaded parameters equal to them rounded, and keeps them)."""
+    def fresh():
+        model = _gpt().to(dtype)
+        return model, _optimizer("adamw", model), _step(2, Offload(device_updates="never"))
+
+    model, opt, step = fresh()
+    batches = _batches(1) * 2   # 2 steps, the checkpoint, 4 more
+    for batch in batches[:2]:
+        step(model, opt, batch)
+    host = step.last.executor.host_state
+    arena_bytes = host.arena.allocated_bytes
+    local = opt.state[next(model.parameters())]["exp_avg"].to_local()
+    assert host.arena.holds(local) and local.storage_offset() == 0   # a view into the arena, its own storage
+    torch.save({"model": model.state_dict(), "optim": opt.state_dict(), "step": step.state_dict()}, tmp_path / "ckpt.pt")
+    copied = copy.deepcopy(step.state_dict())
+    assert host.arena.allocated_bytes == arena_bytes and len(host.arena.chunks) == 1   # no copy kept in the arena
+    went_on = [step(model, opt, batch) for batch in batches[2:]]
+
+    saved = torch.load(tmp_path / "ckpt.pt")   # weights_only, the default: the DTensors load too
+    for sd in (saved["step"], copied):   # what was saved and the deep copy are the state at the checkpoint
+        assert _state_equal(sd["optimizers"][0], saved["optim"])
+    model2, opt2, step2 = fresh()
+    model2.load_state_dict(saved["model"])
+    if load == "optimizer":
+        opt2.load_state_dict(saved["optim"])
+    else:
+        step2.load_state_dict(saved["step"], optimizers=[opt2])
+    resumed = [step2(model2, opt2, batch) for batch in batches[2:]]
+    assert all(torch.equal(a, b) for a, b in zip(resumed, went_on)), (resumed, went_on)
+    for p, q in zip(model.parameters(), model2.parameters()):
+        assert torch.equal(p, q)
+        for key, t in opt.state[p].items():
+            u = opt2.state[q][key]
+            assert type(u) is type(t) and torch.equal(*(x.to_local() if isinstance(x, DTensor) else x for x in (t, u)))
+            assert key != "master_param" or u.dtype == torch.float32
+    assert step2.last.executor.host_state.arena.holds(opt2.state[q]["exp_avg"].to_local())   # moved into its arena
+
+
+def _state_equal(a, b) -> bool:
+    """Whether two optimizer state dicts hold the same values (a DTensor by its local tensor)."""
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_state_equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_state_equal(x, y) for x, y in zip(a, b))
+    if isinstance(a, torch.Tensor):
+        a, b = (x.to_local() if isinstance(x, DTensor) else x for x in (a, b))
+        return a.dtype == b.dtype and torch.equal(a, b)
+    return a == b

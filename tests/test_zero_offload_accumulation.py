@@ -122,9 +122,8 @@ def _host_share(rank, world, step, model, opt, eager, against_one: bool) -> tupl
 
 
 def _cloned(state):
-    """A copy of a state dict's tensors (`copy.deepcopy` cannot copy a DTensor whose local tensor
-    is a view at an offset into another storage, as the host arena's chunks are: torch raises
-    "invalid python storage")."""
+    """A copy of a state dict's tensors, each cloned (`copy.deepcopy` of it works too, since the host
+    arena's views are storages of their own: tests/test_zero_offload.py checks that)."""
     if isinstance(state, dict):
         return {k: _cloned(v) for k, v in state.items()}
     if isinstance(state, (list, tuple)):
