@@ -25,6 +25,7 @@ from graphoffload.checkpoint import load_optimizer_state_exactly
 from graphoffload.config import CompileConfig, Offload
 from graphoffload.errors import PartialUpdateError, RankFailedMidUpdateError, RankTimeoutError, StateError
 from graphoffload.graph import TrainGraph
+from graphoffload.groups import check_mesh
 from graphoffload.interruption import InterruptionGuard, Snapshot
 from graphoffload.optimizer_lowering import first_step_params
 from graphoffload.memory import MemoryProfile, analyze_memory
@@ -139,12 +140,13 @@ class CompiledStep:
         # one offload runtime (worker pool, copy streams) per device for every variant, shut down
         # when this step is garbage-collected: a runtime per variant leaked a thread per re-trace
         self._runtimes = SharedRuntimes(self, self.config.offload, self.config.sanitize)
-        # made on the first call of a step over a process group (sequence or data parallel)
-        self._rank_agreement: RankAgreement | None = None
+        # made on the first call of a step over a process group (sequence or data parallel; with
+        # both, one per group: the batch is checked over the sequence-parallel group, shapes over both)
+        self._rank_agreements: list[RankAgreement] | None = None
         # the group the graph's collectives run over (`OverGroup.step_group`), held weakly:
         # torch keeps it until destroy_process_group(), after which a step must not keep it
         # alive (gloo's threads abort the process when it is freed at interpreter exit)
-        self._step_group: weakref.ref | None = None
+        self._step_groups: list[weakref.ref] = []   # one per parallel config, in `_pass_config`'s order
         # ZeRO stage 3: the DTensor parameters the step made (by name, held weakly), which every
         # later call must find in the model (`_check_sharded_params`)
         self._sharded_params: dict[str, weakref.ref] = {}
@@ -263,15 +265,16 @@ class CompiledStep:
         (`OverGroup.step_group`: the same ranks, the config's `timeout_s`), so a rank that fails
         inside the step makes the others fail within `timeout_s`; it is made on the first
         compile, on every rank of the group at once (each compiles on its first call)."""
-        field = "sequence_parallel" if self.config.sequence_parallel is not None else "data_parallel"
-        parallel = getattr(self.config, field)
-        if parallel is None or not dist.is_available() or not dist.is_initialized():
+        # both (a 2-D mesh): the sequence-parallel group's first, on every rank, then the data-parallel one's
+        fields = [f for f in ("sequence_parallel", "data_parallel") if getattr(self.config, f) is not None]
+        if not fields or not dist.is_available() or not dist.is_initialized():
             return self.config   # one process, or (for inspection) a config that needs no group
-        group = self._step_group() if self._step_group is not None else None
-        if group is None:
-            group = parallel.step_group()
-            self._step_group = weakref.ref(group)
-        return dataclasses.replace(self.config, **{field: dataclasses.replace(parallel, group=group)})
+        groups = [ref() for ref in self._step_groups]
+        if len(groups) != len(fields) or any(g is None for g in groups):
+            groups = [getattr(self.config, f).step_group() for f in fields]
+            self._step_groups = [weakref.ref(g) for g in groups]
+        return dataclasses.replace(self.config, **{f: dataclasses.replace(getattr(self.config, f), group=g)
+                                                   for f, g in zip(fields, groups)})
 
     def _collective_failed(self) -> Callable[[BaseException, str], Exception] | None:
         """What the executor raises when a collective of the graph fails (the config's
@@ -412,11 +415,13 @@ class CompiledStep:
         self._interruption.clear()
 
     def _call(self, args: tuple, kwargs: dict, bindings: StepBindings) -> Any:
-        parallel = self.config.sequence_parallel or self.config.data_parallel
-        if parallel is not None:
-            if self._rank_agreement is None:
-                self._rank_agreement = RankAgreement(parallel)
-            self._rank_agreement.check(args, kwargs)
+        parallels = [p for p in (self.config.sequence_parallel, self.config.data_parallel) if p is not None]
+        if self._rank_agreements is None and parallels:
+            if len(parallels) == 2:   # two dimensions of a mesh: checked once, before anything is traced
+                check_mesh(self.config.data_parallel, self.config.sequence_parallel)
+            self._rank_agreements = [RankAgreement(p) for p in parallels]
+        for agreement in self._rank_agreements or ():
+            agreement.check(args, kwargs)
         if self.config.sequence_parallel is not None:   # per-rank batch shards -> full sequence
             args, kwargs = self.config.sequence_parallel.prepare_inputs(args, kwargs)
         key, variant = self._variant(args, kwargs, bindings)

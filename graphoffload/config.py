@@ -190,7 +190,9 @@ class CompileConfig:
         data_parallel: a `graphoffload.ZeRO`: each rank of a process group trains on its own
             micro-batch, gradients averaged, optimizer state (with stage 2 gradients too, with
             stage 3 parameters too) sharded over the group (the `zero` pass); None (default):
-            one process.
+            one process. With `sequence_parallel` too, the two groups are the two dimensions
+            of a device mesh (`ZeRO(group=mesh["dp"])`, `SequenceParallel(group=mesh["sp"])`):
+            the ranks of an sp group split one micro-batch's sequence, ZeRO shards over dp.
         accumulation_steps: k > 1 makes each call one micro-batch: its gradients (of the loss
             divided by k) are added into running sums kept on the device, and every k-th call
             updates from the sums (DeepSpeed's gradient_accumulation_steps). 1: every call updates.
@@ -226,11 +228,21 @@ class CompileConfig:
         object.__setattr__(self, "disable_passes", tuple(self.disable_passes))
         if self.data_parallel is not None:
             if self.sequence_parallel is not None:
-                raise UnsupportedError("ZeRO data parallelism with sequence_parallel= is not supported yet: no "
-                                       "ZeRO stage runs with sequence_parallel= for now; drop sequence_parallel= or "
-                                       "data_parallel=")
+                self._check_zero_sequence_parallel()
             if self.offload is not None:   # stages 1, 2 and 3 alike
                 self._check_zero_offload()
+
+    def _check_zero_sequence_parallel(self) -> None:
+        """ZeRO over one group with ring attention over another (a 2-D mesh) covers a plain step of
+        stages 1-3; what it does not cover yet is refused here, before anything is traced."""
+        not_yet = [what for what, given in (
+            ("offload=", self.offload is not None),
+            ("accumulation_steps > 1", self.accumulation_steps > 1)) if given]
+        if not_yet:
+            raise UnsupportedError(f"ZeRO data parallelism with sequence_parallel= and {' and '.join(not_yet)} is "
+                                   "not supported yet (the two-dimensional step reduces the gradients of a step "
+                                   f"that updates every call, on the device); drop {' and '.join(not_yet)}, or one "
+                                   "of data_parallel= and sequence_parallel=")
 
     def _check_zero_offload(self) -> None:
         """ZeRO stages 1 and 2 with offload= (ZeRO-Offload) cover each rank's chunk of a plain

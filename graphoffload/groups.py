@@ -32,10 +32,23 @@ class OverGroup:
     timeout_error: ClassVar[type[Exception]]
 
     def process_group(self) -> dist.ProcessGroup:
+        """The group: `group` itself, the world group for None, or the group of a 1-D `DeviceMesh`
+        (e.g. one dimension of a 2-D mesh, ``mesh["dp"]``), over this rank's slice of it."""
         if not dist.is_available() or not dist.is_initialized():
             raise UnsupportedError(f"{self.parallelism} needs torch.distributed: call "
                                    "torch.distributed.init_process_group() first (e.g. under torchrun)")
-        return self.group if self.group is not None else dist.group.WORLD
+        if self.group is None:
+            return dist.group.WORLD
+        from torch.distributed.device_mesh import DeviceMesh
+
+        if isinstance(self.group, DeviceMesh):
+            if self.group.ndim != 1:
+                raise UnsupportedError(
+                    f"{type(self).__name__}(group=...) was given a {self.group.ndim}-D DeviceMesh "
+                    f"{self.group.mesh_dim_names or ''}: pass one dimension of it, e.g. mesh['dp'] for data "
+                    "parallelism and mesh['sp'] for sequence parallelism")
+            return self.group.get_group()
+        return self.group
 
     @property
     def group_name(self) -> str:
@@ -71,3 +84,45 @@ class OverGroup:
             "the other ranks' errors first. The group cannot be used again in this process: end every rank "
             "and restart the job from the last checkpoint (torchrun restarts the ranks with --max-restarts); "
             "raise timeout_s if a rank is merely slow.")
+
+
+def check_orthogonal(dp_groups: list[list[int]], sp_groups: list[list[int]], world: int) -> None:
+    """Data parallelism over one group and sequence parallelism over another (a 2-D mesh): every
+    rank's pair of groups, `dp_groups[r]` and `sp_groups[r]` (global ranks), must cut the world
+    into a grid: each rank in exactly one group of each kind, a group of one kind meeting each
+    of the other in one rank, and dp size x sp size = world. Raises `UnsupportedError` naming
+    both groups' ranks otherwise (a pure check, given every rank's groups)."""
+    for r in range(world):
+        dp, sp = sorted(dp_groups[r]), sorted(sp_groups[r])
+        both = f"rank {r}'s data-parallel group has ranks {dp} and its sequence-parallel group ranks {sp}"
+        problem = None
+        if r not in dp or r not in sp:
+            problem = "a rank must belong to both of its groups"
+        elif set(dp) & set(sp) != {r}:
+            problem = "they share ranks other than itself (the two groups must be different dimensions of a mesh)"
+        elif len(dp) * len(sp) != world:
+            problem = f"their sizes {len(dp)} x {len(sp)} are not the world size {world}"
+        else:
+            for q in dp:   # the same groups as seen by every rank named in them
+                if sorted(dp_groups[q]) != dp:
+                    problem = f"rank {q} is in it but names data-parallel ranks {sorted(dp_groups[q])}"
+                    break
+            for q in sp:
+                if problem is None and sorted(sp_groups[q]) != sp:
+                    problem = f"rank {q} is in it but names sequence-parallel ranks {sorted(sp_groups[q])}"
+        if problem is not None:
+            raise UnsupportedError(
+                f"ZeRO data parallelism with sequence_parallel=: {both}: {problem}. The two groups must be "
+                "the two dimensions of one device mesh, every rank in exactly one group of each: e.g. "
+                "mesh = init_device_mesh(device, (dp, sp), mesh_dim_names=('dp', 'sp')), then "
+                "ZeRO(group=mesh['dp']) and SequenceParallel(group=mesh['sp'])")
+
+
+def check_mesh(dp: OverGroup, sp: OverGroup) -> None:
+    """`check_orthogonal` on every rank's groups, gathered over the world group (once, on a
+    step's first call, before anything is traced; every rank of the job must call it)."""
+    mine = (dist.get_process_group_ranks(dp.process_group()), dist.get_process_group_ranks(sp.process_group()))
+    world = dist.get_world_size()
+    every: list[Any] = [None] * world
+    dist.all_gather_object(every, mine)
+    check_orthogonal([e[0] for e in every], [e[1] for e in every], world)

@@ -1,0 +1,198 @@
+"""ZeRO over one dimension of a device mesh and ring attention over the other (`data_parallel=`
+and `sequence_parallel=` together), against single-process eager training.
+
+Four gloo ranks form a 2 x 2 mesh ("dp", "sp"): the two ranks of an sp group split the sequence
+of one micro-batch (passed whole, or as their `sp.shard` of it), the two dp groups shard the
+optimizer state (stage 2: the gradients, stage 3: the parameters too). Every rank's loss is its
+micro-batch's and its parameters equal eager training of a tiny Llama on the two micro-batches
+together; the gradient collectives per bucket are counted by group. Groups that are not the two
+dimensions of one mesh are refused before anything is traced (a pure check, no processes)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch.distributed.tensor import DTensor, Shard
+from ring_dist import run_ranks
+from steps import hf_step
+
+import graphoffload
+from graphoffload.data_parallel import shard_rows
+from graphoffload.groups import check_orthogonal
+
+STEPS = 2
+RTOL = 2e-5        # losses (fp32: Llama upcasts the logits)
+FP64_RTOL = 1e-10  # fp64 parameters
+FP32_FACTOR = 10   # fp32 parameters and state: as tests/test_ring_attention_step.py bounds them
+FP32_FLOOR = 8 * 2.0 ** -24
+c10d = torch.ops._c10d_functional
+
+
+def _llama():   # fp32; the tests run it in fp64 too
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                   attn_implementation="sdpa")
+    return transformers.LlamaForCausalLM(cfg)
+
+
+def _batches(dp: int, rows: int = 2) -> list[dict]:
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for _ in range(STEPS):
+        x = torch.randint(0, 64, (rows * dp, 16), generator=g)
+        out.append({"input_ids": x, "labels": x})   # Llama shifts the labels itself
+    return out
+
+
+def _full(p):
+    return p.full_tensor() if isinstance(p, DTensor) else p.detach()
+
+
+def _fp32_close(model, opt, eager, opt_e, ref, opt_ref):
+    """fp32: each parameter and optimizer state tensor within FP32_FACTOR times eager fp32's own
+    distance from eager fp64 (the ring attention tests' bound: AdamW's first steps turn fp32
+    rounding of near-zero gradient elements into lr-sized moves, whichever way the sums run)."""
+    def close(got, want, exact, what):
+        got, want, exact = _full(got).double(), want.detach().double(), exact.detach().double()
+        tol = FP32_FACTOR * (want - exact).abs().max().item() + FP32_FLOOR * exact.abs().max().item()
+        err = (got - want).abs().max().item()
+        assert err <= tol, f"{what}: {err:.3g} from eager fp32, bound {tol:.3g}"
+
+    for (name, p), q, r in zip(model.named_parameters(), eager.parameters(), ref.parameters()):
+        close(p, q, r, name)
+        for key, value in opt_e.state[q].items():
+            if key != "step":
+                close(opt.state[p][key], value, opt_ref.state[r][key], f"{name} {key}")
+
+
+def _train_and_compare(rank, mesh, stage, batch_mode, dtype=torch.float64):
+    dp_mesh, sp_mesh = mesh["dp"], mesh["sp"]
+    dp_rank, dp_world = dp_mesh.get_local_rank(), dp_mesh.size()
+    eager = _llama().to(dtype)
+    model, ref = copy.deepcopy(eager), copy.deepcopy(eager).double()
+    opt_e, opt, opt_ref = (torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1) for m in (eager, model, ref))
+    sp = graphoffload.SequenceParallel(group=sp_mesh, batch=batch_mode, timeout_s=60)
+    # small buckets: several gradient buckets, each with its two collectives
+    step = graphoffload.offload_compile(hf_step, sequence_parallel=sp,
+                                        data_parallel=graphoffload.ZeRO(stage=stage, group=dp_mesh,
+                                                                        bucket_numel=8192, timeout_s=60))
+    exact = dtype == torch.float64
+    for batch in _batches(dp_world):
+        rows = batch["input_ids"].shape[0] // dp_world
+        mine = {k: v[dp_rank * rows:(dp_rank + 1) * rows] for k, v in batch.items()}
+        with torch.no_grad():   # this dp rank's micro-batch's loss, from the parameters every rank holds
+            own = eager(**mine).loss
+        hf_step(eager, opt_e, batch)   # the dp micro-batches together, full sequences
+        if not exact:
+            hf_step(ref, opt_ref, batch)
+        got = step(model, opt, sp.shard(mine) if batch_mode == "sharded" else mine)
+        assert torch.allclose(got, own, rtol=RTOL, atol=0), (rank, got, own)   # Llama's loss is fp32 (upcast)
+        if exact:   # fp64: the same sums in another order
+            for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+                err = ((_full(p) - q).abs().max() / q.abs().max()).item()
+                assert err <= FP64_RTOL, f"rank {rank} stage {stage} {batch_mode}: {name} is {err:.3g} from eager"
+    if not exact:
+        _fp32_close(model, opt, eager, opt_e, ref, opt_ref)
+
+    # optimizer state: Shard(0) DTensors over the dp dimension, this dp rank's rows
+    for p, state in opt.state.items():
+        for key, t in state.items():
+            if key != "step":
+                assert isinstance(t, DTensor) and t.placements == (Shard(0),) and t.device_mesh.size() == dp_world
+                assert t.to_local().shape[0] == shard_rows(p.shape[0], dp_world, dp_rank)[1]
+    # the gradients: per bucket two collectives, one over each group; the loss: one all-reduce over sp
+    final = step.last.stages["final"]
+    (shards,) = final.notes_of("zero", "shards")
+    (two,) = final.notes_of("zero", "two_dimensions")
+    (deferred,) = final.notes_of("ring_attention", "deferred_gradients")
+    buckets = shards.fields["buckets"]
+    assert buckets > 1 and len(deferred.fields["gradients"]) == shards.fields["params"]
+    sp_group, dp_group = two.fields["sequence_parallel_group"], deferred.fields["group"]
+    assert sp_group == dp_group   # the group ring attention left the sums over
+    by_group: dict = {}
+    for n in final.graph.nodes:
+        if n.op == "call_function" and n.target in (c10d.all_reduce_coalesced.default, c10d.all_reduce.default,
+                                                    c10d.reduce_scatter_tensor.default,
+                                                    c10d.all_gather_into_tensor.default):
+            key = (n.target, "sp" if n.args[-1] == sp_group else "dp")
+            by_group[key] = by_group.get(key, 0) + 1
+    gathers = {3: shards.fields["buckets"] and len(final.notes_of("zero", "params")[0].fields["forward_buckets"])
+               + len(final.notes_of("zero", "params")[0].fields["backward_buckets"]) if stage == 3 else 0,
+               1: buckets, 2: buckets}[stage]
+    want = {(c10d.all_gather_into_tensor.default, "dp"): gathers}
+    if stage == 1:
+        want.update({(c10d.all_reduce_coalesced.default, "sp"): buckets,
+                     (c10d.all_reduce_coalesced.default, "dp"): buckets,
+                     (c10d.all_reduce.default, "sp"): 1})
+    else:
+        want.update({(c10d.reduce_scatter_tensor.default, "dp"): buckets,
+                     (c10d.all_reduce.default, "sp"): buckets + 1})
+    assert by_group == want, (stage, by_group, want)
+    return got
+
+
+def _mesh_2x2(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "sp"))
+    # the same group given for both dimensions: refused on every rank before anything is traced
+    model = _llama()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    step = graphoffload.offload_compile(hf_step, sequence_parallel=graphoffload.SequenceParallel(group=mesh["sp"]),
+                                        data_parallel=graphoffload.ZeRO(stage=2, group=mesh["sp"]))
+    with pytest.raises(graphoffload.UnsupportedError, match=r"data-parallel group has ranks \[\d, \d\] and its "
+                                                            r"sequence-parallel group ranks \[\d, \d\]: they share"):
+        step(model, opt, _batches(1)[0])
+    assert not opt.state and step.trace_count == 0
+    for stage, batch_mode, dtype in ((1, "full", torch.float64), (2, "sharded", torch.float64),
+                                     (3, "full", torch.float32)):
+        _train_and_compare(rank, mesh, stage, batch_mode, dtype)
+
+
+@pytest.mark.slow   # four processes
+def test_zero_with_ring_attention_on_a_2x2_mesh_trains_as_eager():
+    run_ranks(_mesh_2x2, 4, deadline_s=500)
+
+
+# ---------------------------------------------------------------- no processes
+
+
+def test_groups_that_are_not_a_mesh_are_refused_naming_both():
+    # 2 x 2 mesh [[0, 1], [2, 3]]: dp groups are the columns, sp groups the rows
+    dp = [[0, 2], [1, 3], [0, 2], [1, 3]]
+    sp = [[0, 1], [0, 1], [2, 3], [2, 3]]
+    check_orthogonal(dp, sp, 4)
+    check_orthogonal([[0, 1, 2, 3]] * 4, [[r] for r in range(4)], 4)   # sp of one rank each
+    with pytest.raises(graphoffload.UnsupportedError, match=r"rank 0's data-parallel group has ranks \[0, 1\] and "
+                                                            r"its sequence-parallel group ranks \[0, 1\]: they share"):
+        check_orthogonal(sp, sp, 4)
+    with pytest.raises(graphoffload.UnsupportedError, match=r"sizes 2 x 2 are not the world size 8"):
+        check_orthogonal(dp + dp, sp + sp, 8)
+    with pytest.raises(graphoffload.UnsupportedError, match=r"rank 2 is in it but names data-parallel ranks \[1, 2\]"):
+        check_orthogonal([[0, 2], [1, 2], [1, 2], [1, 3]], sp, 4)
+
+
+def test_zero_with_sequence_parallel_refuses_what_it_does_not_cover_yet():
+    zero, sp = graphoffload.ZeRO(stage=2), graphoffload.SequenceParallel()
+    graphoffload.CompileConfig(data_parallel=zero, sequence_parallel=sp)   # accepted
+    for extra, named in (({"offload": graphoffload.Offload()}, "offload="),
+                         ({"accumulation_steps": 2}, "accumulation_steps > 1")):
+        with pytest.raises(graphoffload.UnsupportedError,
+                           match=f"ZeRO data parallelism with sequence_parallel= and {named} is not supported yet"):
+            graphoffload.offload_compile(hf_step, data_parallel=zero, sequence_parallel=sp, **extra)
+
+
+def test_a_device_mesh_dimension_is_a_group_and_a_2d_mesh_is_refused(one_process_group):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "sp"))
+    zero = graphoffload.ZeRO(group=mesh["dp"])
+    assert zero.world_size == 1 and zero.rank == 0 and zero.process_group() is mesh["dp"].get_group()
+    with pytest.raises(graphoffload.UnsupportedError, match=r"was given a 2-D DeviceMesh.*pass one dimension of it, "
+                                                            r"e.g. mesh\['dp'\]"):
+        graphoffload.ZeRO(group=mesh).process_group()
