@@ -106,11 +106,19 @@ class _Sharder:
         grads: dict[fx.Node, None] = {}
         for node in self.graph.nodes:
             if kernel_rule(node) is not None:
-                grads.update((grad, None) for grad in node.args[1] if isinstance(grad, fx.Node))
+                grads.update((self._produced(grad), None) for grad in node.args[1] if isinstance(grad, fx.Node))
         self.buckets: dict[fx.Node, list[fx.Node]] = {
             bucket[-1]: bucket for bucket in greedy_buckets(sorted(grads, key=self.position.__getitem__),
                                                             lambda grad: grad.meta["val"].numel(),
                                                             sp.bucket_numel)}
+
+    def _produced(self, grad: fx.Node) -> fx.Node:
+        """The gradient as backward produced it: with ZeRO (`defer_gradients`), the gradient
+        clipping's in-place `mul_` scaled (the update reads what `mul_` returned), so it is taken
+        as reduced from where backward makes it, before clipping's norms read it."""
+        if self.defer_gradients and grad.target in (aten.mul_.Tensor, aten.mul_.Scalar):
+            return grad.args[0]
+        return grad
 
     # ------------------------------------------------------------------ what rules see
 
@@ -339,6 +347,13 @@ class _Sharder:
         if self.defer_gradients:
             # ZeRO over another group reduces them, over both groups (passes/zero.py): from here
             # on they are taken as the sums over this sequence-parallel group they will be
+            changed = [g for g in grads if g.meta.get("phase") != "backward"]
+            if changed:
+                raise UnsupportedError(
+                    f"ZeRO data parallelism with sequence_parallel=: the update reads {changed[0].name} "
+                    f"({changed[0].target}, at {user_line(changed[0])}), a gradient changed after backward (e.g. by "
+                    "clip_grad_norm_); ZeRO reduces the gradients over both groups and cannot reduce a changed one "
+                    "yet: drop the change, or one of data_parallel= and sequence_parallel=")
             for grad in grads:
                 self.specs[grad] = REPLICATED
                 self.deferred.append(grad.name)

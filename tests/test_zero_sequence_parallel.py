@@ -53,6 +53,15 @@ def _full(p):
     return p.full_tensor() if isinstance(p, DTensor) else p.detach()
 
 
+def _clipped_hf_step(model, optimizer, batch):   # the tiny Llama's gradient norm is about 1.06: every step clips
+    loss = model(input_ids=batch["input_ids"], labels=batch["labels"]).loss
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss
+
+
 def _fp32_close(model, opt, eager, opt_e, ref, opt_ref):
     """fp32: each parameter and optimizer state tensor within FP32_FACTOR times eager fp32's own
     distance from eager fp64 (the ring attention tests' bound: AdamW's first steps turn fp32
@@ -70,7 +79,7 @@ def _fp32_close(model, opt, eager, opt_e, ref, opt_ref):
                 close(opt.state[p][key], value, opt_ref.state[r][key], f"{name} {key}")
 
 
-def _train_and_compare(rank, mesh, stage, batch_mode, dtype=torch.float64):
+def _train_and_compare(rank, mesh, stage, batch_mode, dtype=torch.float64, step_fn=hf_step):
     dp_mesh, sp_mesh = mesh["dp"], mesh["sp"]
     dp_rank, dp_world = dp_mesh.get_local_rank(), dp_mesh.size()
     eager = _llama().to(dtype)
@@ -78,7 +87,7 @@ def _train_and_compare(rank, mesh, stage, batch_mode, dtype=torch.float64):
     opt_e, opt, opt_ref = (torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1) for m in (eager, model, ref))
     sp = graphoffload.SequenceParallel(group=sp_mesh, batch=batch_mode, timeout_s=60)
     # small buckets: several gradient buckets, each with its two collectives
-    step = graphoffload.offload_compile(hf_step, sequence_parallel=sp,
+    step = graphoffload.offload_compile(step_fn, sequence_parallel=sp,
                                         data_parallel=graphoffload.ZeRO(stage=stage, group=dp_mesh,
                                                                         bucket_numel=8192, timeout_s=60))
     exact = dtype == torch.float64
@@ -87,9 +96,9 @@ def _train_and_compare(rank, mesh, stage, batch_mode, dtype=torch.float64):
         mine = {k: v[dp_rank * rows:(dp_rank + 1) * rows] for k, v in batch.items()}
         with torch.no_grad():   # this dp rank's micro-batch's loss, from the parameters every rank holds
             own = eager(**mine).loss
-        hf_step(eager, opt_e, batch)   # the dp micro-batches together, full sequences
+        step_fn(eager, opt_e, batch)   # the dp micro-batches together, full sequences
         if not exact:
-            hf_step(ref, opt_ref, batch)
+            step_fn(ref, opt_ref, batch)
         got = step(model, opt, sp.shard(mine) if batch_mode == "sharded" else mine)
         assert torch.allclose(got, own, rtol=RTOL, atol=0), (rank, got, own)   # Llama's loss is fp32 (upcast)
         if exact:   # fp64: the same sums in another order
@@ -125,6 +134,8 @@ def _train_and_compare(rank, mesh, stage, batch_mode, dtype=torch.float64):
                + len(final.notes_of("zero", "params")[0].fields["backward_buckets"]) if stage == 3 else 0,
                1: buckets, 2: buckets}[stage]
     want = {(c10d.all_gather_into_tensor.default, "dp"): gathers}
+    if step_fn is _clipped_hf_step:   # the global norm: one scalar all-reduce over dp (the chunks are sp sums)
+        want[(c10d.all_reduce.default, "dp")] = 1
     if stage == 1:
         want.update({(c10d.all_reduce_coalesced.default, "sp"): buckets,
                      (c10d.all_reduce_coalesced.default, "dp"): buckets,
@@ -149,9 +160,9 @@ def _mesh_2x2(rank, world):
                                                             r"sequence-parallel group ranks \[\d, \d\]: they share"):
         step(model, opt, _batches(1)[0])
     assert not opt.state and step.trace_count == 0
-    for stage, batch_mode, dtype in ((1, "full", torch.float64), (2, "sharded", torch.float64),
-                                     (3, "full", torch.float32)):
-        _train_and_compare(rank, mesh, stage, batch_mode, dtype)
+    _train_and_compare(rank, mesh, 1, "full", torch.float64, _clipped_hf_step)   # clip_grad_norm_ too
+    _train_and_compare(rank, mesh, 2, "sharded", torch.float64)
+    _train_and_compare(rank, mesh, 3, "full", torch.float32)
 
 
 @pytest.mark.slow   # four processes
@@ -196,3 +207,4 @@ def test_a_device_mesh_dimension_is_a_group_and_a_2d_mesh_is_refused(one_process
     with pytest.raises(graphoffload.UnsupportedError, match=r"was given a 2-D DeviceMesh.*pass one dimension of it, "
                                                             r"e.g. mesh\['dp'\]"):
         graphoffload.ZeRO(group=mesh).process_group()
+
