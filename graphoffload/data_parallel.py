@@ -30,9 +30,21 @@ Stage 3 shards the parameters too: when the step first compiles, each parameter 
 `zero` pass; each rank's running sums are whole gradients, also with stage 3). With `offload=`
 (ZeRO-Offload, any stage) each rank keeps its chunks' fp32 master weights and state in host
 memory, still `Shard(0)` DTensors in `optimizer.state` (`as_shard`; runtime/host_state.py);
-stage 3's host updates upload into the rank's rows, which its parameters' DTensors hold. Not yet:
-ZeRO with `sequence_parallel=`, and `offload=` together with accumulation_steps,
-overlap_next_step or activations="auto"; each is refused with an `UnsupportedError` that says so.
+stage 3's host updates upload into the rank's rows, which its parameters' DTensors hold.
+
+With `sequence_parallel=` too (stages 1, 2 and 3) the two groups are the two dimensions of a
+device mesh, `ZeRO(group=mesh["dp"])` and `SequenceParallel(group=mesh["sp"])` (`OverGroup`
+takes a 1-D `DeviceMesh`; `groups.check_mesh` refuses groups that are not such a grid before
+anything is traced): the ranks of an sp group split one micro-batch's sequence, and the
+`ring_attention` pass leaves the parameter gradients as their partial sums, which the `zero`
+pass reduces over both groups (stage 1: an all-reduce over sp, then one over dp, per bucket;
+stages 2-3: the reduce-scatter over dp, then this rank's part all-reduced over sp). The state is
+sharded over dp alone: `Shard(0)` DTensors over a 1-D dp mesh, the same on the ranks of an sp
+group (not a 2-D mesh DTensor with `Replicate()` over sp; DCP with it is not tested yet).
+
+Not yet: `offload=` together with accumulation_steps, overlap_next_step or activations="auto";
+ZeRO with `sequence_parallel=` together with `offload=` or accumulation_steps; each is refused
+with an `UnsupportedError` that says so.
 """
 
 from __future__ import annotations

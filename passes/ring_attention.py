@@ -351,9 +351,9 @@ class _Sharder:
             if changed:
                 raise UnsupportedError(
                     f"ZeRO data parallelism with sequence_parallel=: the update reads {changed[0].name} "
-                    f"({changed[0].target}, at {user_line(changed[0])}), a gradient changed after backward (e.g. by "
-                    "clip_grad_norm_); ZeRO reduces the gradients over both groups and cannot reduce a changed one "
-                    "yet: drop the change, or one of data_parallel= and sequence_parallel=")
+                    f"({changed[0].target}, at {user_line(changed[0])}), a gradient changed after backward other "
+                    "than by clip_grad_norm_'s scaling; ZeRO reduces the gradients over both groups and cannot "
+                    "reduce a changed one yet: drop the change, or one of data_parallel= and sequence_parallel=")
             for grad in grads:
                 self.specs[grad] = REPLICATED
                 self.deferred.append(grad.name)

@@ -505,9 +505,8 @@ def _sequence_parallel_group(graph: TrainGraph, ctx: PassContext, items: list[_I
             raise UnsupportedError(
                 f"ZeRO data parallelism with sequence_parallel=: the gradient of {it.name} ({it.grad.name}, at "
                 f"{_line(it.grad)}) is not one ring attention left as a partial sum over the sequence-parallel "
-                "group (a parameter whose gradient does not come from the split sequence, or a gradient changed "
-                "before optimizer.step(), e.g. by clip_grad_norm_), which this combination cannot reduce yet; "
-                "drop data_parallel= or sequence_parallel=")
+                "group (a parameter whose gradient does not come from the split sequence), which this "
+                "combination cannot reduce yet; drop data_parallel= or sequence_parallel=")
     return notes[0].fields["group"]
 
 
