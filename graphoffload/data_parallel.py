@@ -40,7 +40,8 @@ anything is traced): the ranks of an sp group split one micro-batch's sequence, 
 pass reduces over both groups (stage 1: an all-reduce over sp, then one over dp, per bucket;
 stages 2-3: the reduce-scatter over dp, then this rank's part all-reduced over sp). The state is
 sharded over dp alone: `Shard(0)` DTensors over a 1-D dp mesh, the same on the ranks of an sp
-group (not a 2-D mesh DTensor with `Replicate()` over sp; DCP with it is not tested yet).
+group (not a 2-D mesh DTensor with `Replicate()` over sp); DCP saves and loads it on the same
+mesh (tests/test_zero_sequence_parallel.py).
 
 Not yet: `offload=` together with accumulation_steps, overlap_next_step or activations="auto";
 ZeRO with `sequence_parallel=` together with `offload=` or accumulation_steps; each is refused

@@ -5,7 +5,8 @@ Four gloo ranks form a 2 x 2 mesh ("dp", "sp"): the two ranks of an sp group spl
 of one micro-batch (passed whole, or as their `sp.shard` of it), the two dp groups shard the
 optimizer state (stage 2: the gradients, stage 3: the parameters too). Every rank's loss is its
 micro-batch's and its parameters equal eager training of a tiny Llama on the two micro-batches
-together; the gradient collectives per bucket are counted by group. Groups that are not the two
+together (stage 1 with clip_grad_norm_); the gradient collectives per bucket are counted by
+group; a DCP checkpoint of the stage 2 run loads back on the same mesh. Groups that are not the two
 dimensions of one mesh are refused before anything is traced (a pure check, no processes)."""
 
 from __future__ import annotations
@@ -144,10 +145,50 @@ def _train_and_compare(rank, mesh, stage, batch_mode, dtype=torch.float64, step_
         want.update({(c10d.reduce_scatter_tensor.default, "dp"): buckets,
                      (c10d.all_reduce.default, "sp"): buckets + 1})
     assert by_group == want, (stage, by_group, want)
-    return got
+    return model, opt
 
 
-def _mesh_2x2(rank, world):
+def _state(model, opt) -> dict:
+    names = {p: n for n, p in model.named_parameters()}
+    return {"params": {n: _full(p).clone() for n, p in model.named_parameters()},
+            "state": {names[p]: {k: _full(t).clone() for k, t in s.items()} for p, s in opt.state.items()}}
+
+
+def _dcp_round_trip(rank, mesh, model, opt, path):
+    """DCP saves the model and the dp-sharded state (the two ranks of an sp group hold the same
+    chunks) and loads them into a fresh model and step on the same mesh, every value as saved."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
+                                                         set_model_state_dict, set_optimizer_state_dict)
+
+    dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)},
+             checkpoint_id=path)
+    saved = _state(model, opt)
+    fresh = _llama().double()
+    with torch.no_grad():
+        for p in fresh.parameters():
+            p.add_(1.0)
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2, weight_decay=0.1)
+    step = graphoffload.offload_compile(hf_step, sequence_parallel=graphoffload.SequenceParallel(group=mesh["sp"]),
+                                        data_parallel=graphoffload.ZeRO(stage=2, group=mesh["dp"]))
+    dp_rank = mesh["dp"].get_local_rank()
+    step.compile(fresh, fresh_opt, {k: v[2 * dp_rank:2 * dp_rank + 2] for k, v in _batches(2)[0].items()})
+    state = {"model": get_model_state_dict(fresh), "optim": get_optimizer_state_dict(fresh, fresh_opt)}
+    dcp.load(state, checkpoint_id=path)
+    set_model_state_dict(fresh, state["model"])
+    set_optimizer_state_dict(fresh, fresh_opt, state["optim"])
+    loaded = _state(fresh, fresh_opt)
+    assert loaded.keys() == saved.keys()
+    for part in saved:
+        for name, value in saved[part].items():
+            if part == "params":
+                assert torch.equal(loaded[part][name], value), (rank, name)
+            else:
+                assert loaded[part][name].keys() == value.keys()
+                assert all(torch.equal(loaded[part][name][k], v) for k, v in value.items()), (rank, name)
+
+
+def _mesh_2x2(rank, world, path):
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "sp"))
@@ -161,13 +202,14 @@ def _mesh_2x2(rank, world):
         step(model, opt, _batches(1)[0])
     assert not opt.state and step.trace_count == 0
     _train_and_compare(rank, mesh, 1, "full", torch.float64, _clipped_hf_step)   # clip_grad_norm_ too
-    _train_and_compare(rank, mesh, 2, "sharded", torch.float64)
+    model, opt = _train_and_compare(rank, mesh, 2, "sharded", torch.float64)
+    _dcp_round_trip(rank, mesh, model, opt, path)
     _train_and_compare(rank, mesh, 3, "full", torch.float32)
 
 
 @pytest.mark.slow   # four processes
-def test_zero_with_ring_attention_on_a_2x2_mesh_trains_as_eager():
-    run_ranks(_mesh_2x2, 4, deadline_s=500)
+def test_zero_with_ring_attention_on_a_2x2_mesh_trains_as_eager(tmp_path):
+    run_ranks(_mesh_2x2, 4, str(tmp_path), deadline_s=500)
 
 
 # ---------------------------------------------------------------- no processes
