@@ -25,7 +25,7 @@ from graphoffload.checkpoint import load_optimizer_state_exactly
 from graphoffload.config import CompileConfig, Offload
 from graphoffload.errors import PartialUpdateError, RankFailedMidUpdateError, RankTimeoutError, StateError
 from graphoffload.graph import TrainGraph
-from graphoffload.groups import check_mesh
+from graphoffload.groups import check_mesh, mesh_step_group
 from graphoffload.interruption import InterruptionGuard, Snapshot
 from graphoffload.optimizer_lowering import first_step_params
 from graphoffload.memory import MemoryProfile, analyze_memory
@@ -206,8 +206,8 @@ class CompiledStep:
         dropped, and the optimizer state its capture created with it, so nothing changes."""
         capture = capture_step(self.fn, args, kwargs, self.config, self._accumulation[update])
         try:
-            self.pass_manager.run(capture.graph, PassContext(self._pass_config(), capture.bindings.device,
-                                                             grad_sum_placement=placement))
+            self.pass_manager.run(capture.graph, self._pass_context(capture.bindings.device,
+                                                                    grad_sum_placement=placement))
         finally:
             capture.discard_created_state()
 
@@ -233,7 +233,7 @@ class CompiledStep:
                 f"graphoffload traced {self._name} {self.trace_count} times: each new input shape, "
                 "dtype, train/eval mode or optimizer setting re-traces the step. Pad inputs to fixed "
                 "shapes to avoid it.", stacklevel=3)
-        ctx = PassContext(self._pass_config(), capture.bindings.device, grad_sum_placement=placement)
+        ctx = self._pass_context(capture.bindings.device, grad_sum_placement=placement)
         try:
             graph, stages = self.pass_manager.run(capture.graph, ctx)
             if self.config.data_parallel is not None:   # state for this rank's chunks only
@@ -260,18 +260,30 @@ class CompiledStep:
             self._host_states.setdefault(owner, executor.host_state)
         return CompiledVariant(capture, graph, stages, executor, dict(ctx.timings))
 
+    def _pass_context(self, device: torch.device, **kwargs: Any) -> PassContext:
+        """What the passes read: `_pass_config`'s config and, with both `data_parallel=` and
+        `sequence_parallel=`, the name of the step's group over both dimensions' ranks."""
+        config = self._pass_config()
+        mesh = self._step_groups[2]() if len(self._step_groups) == 3 else None
+        return PassContext(config, device, mesh_group=None if mesh is None else mesh.group_name, **kwargs)
+
     def _pass_config(self) -> CompileConfig:
         """The config the passes see. A parallel step's collectives run over a group of its own
         (`OverGroup.step_group`: the same ranks, the config's `timeout_s`), so a rank that fails
         inside the step makes the others fail within `timeout_s`; it is made on the first
-        compile, on every rank of the group at once (each compiles on its first call)."""
-        # both (a 2-D mesh): the sequence-parallel group's first, on every rank, then the data-parallel one's
+        compile, on every rank of the group at once (each compiles on its first call). With both
+        `sequence_parallel=` and `data_parallel=` (a 2-D mesh) a third group spans both
+        dimensions' ranks (`groups.mesh_step_group`), for ZeRO stage 1's one gradient all-reduce."""
+        # both: the sequence-parallel group's first, on every rank, then the data-parallel one's, then the mesh's
         fields = [f for f in ("sequence_parallel", "data_parallel") if getattr(self.config, f) is not None]
         if not fields or not dist.is_available() or not dist.is_initialized():
             return self.config   # one process, or (for inspection) a config that needs no group
         groups = [ref() for ref in self._step_groups]
-        if len(groups) != len(fields) or any(g is None for g in groups):
+        wanted = 3 if len(fields) == 2 else 1
+        if len(groups) != wanted or any(g is None for g in groups):
             groups = [getattr(self.config, f).step_group() for f in fields]
+            if len(fields) == 2:
+                groups.append(mesh_step_group(self.config.data_parallel, self.config.sequence_parallel))
             self._step_groups = [weakref.ref(g) for g in groups]
         return dataclasses.replace(self.config, **{f: dataclasses.replace(getattr(self.config, f), group=g)
                                                    for f, g in zip(fields, groups)})
@@ -460,7 +472,7 @@ class CompiledStep:
 
     def _replan(self, key: Any, old: CompiledVariant, node_seconds: dict[str, float], measured: float) -> None:
         """Run the passes again on the captured graph with measured node times."""
-        ctx = PassContext(self._pass_config(), old.executor.device, measured_node_seconds=node_seconds,
+        ctx = self._pass_context(old.executor.device, measured_node_seconds=node_seconds,
                           grad_sum_placement=self._sum_placement(key))
         graph, stages = self.pass_manager.run(old.stages["captured"].copy(), ctx)
         for g in {id(graph): graph, id(stages["final"]): stages["final"]}.values():

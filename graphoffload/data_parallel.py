@@ -37,8 +37,8 @@ device mesh, `ZeRO(group=mesh["dp"])` and `SequenceParallel(group=mesh["sp"])` (
 takes a 1-D `DeviceMesh`; `groups.check_mesh` refuses groups that are not such a grid before
 anything is traced): the ranks of an sp group split one micro-batch's sequence, and the
 `ring_attention` pass leaves the parameter gradients as their partial sums, which the `zero`
-pass reduces over both groups (stage 1: an all-reduce over sp, then one over dp, per bucket;
-stages 2-3: the reduce-scatter over dp, then this rank's part all-reduced over sp). The state is
+pass reduces over both groups (stage 1: one all-reduce per bucket over a group of all the
+mesh's ranks; stages 2-3: the reduce-scatter over dp, then this rank's part all-reduced over sp). The state is
 sharded over dp alone: `Shard(0)` DTensors over a 1-D dp mesh, the same on the ranks of an sp
 group (not a 2-D mesh DTensor with `Replicate()` over sp); DCP saves and loads it on the same
 mesh (tests/test_zero_sequence_parallel.py).

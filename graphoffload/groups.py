@@ -126,3 +126,14 @@ def check_mesh(dp: OverGroup, sp: OverGroup) -> None:
     every: list[Any] = [None] * world
     dist.all_gather_object(every, mine)
     check_orthogonal([e[0] for e in every], [e[1] for e in every], world)
+
+
+def mesh_step_group(dp: OverGroup, sp: OverGroup) -> dist.ProcessGroup:
+    """A step's group over the ranks of both dimensions of a mesh, which `check_mesh` made sure
+    are the whole world (in rank order), on the dp group's backend, timing out after the longer
+    of the two configs' `timeout_s`. Every rank calls it at the same point, after its two
+    `step_group`s."""
+    group = dp.process_group()
+    return dist.new_group(list(range(dist.get_world_size())), backend=dist.get_backend(group),
+                          timeout=datetime.timedelta(seconds=max(dp.timeout_s, sp.timeout_s)),
+                          use_local_synchronization=True)

@@ -337,23 +337,24 @@ def _summed(emit: _Emitter, bucket: _Bucket, tensors: list[fx.Node], group: str)
     return out
 
 
-def _reduce_gradients(emit: _Emitter, bucket: _Bucket, stage: int, rank: int, world: int,
-                      group: str, sp_group: str | None = None) -> dict[fx.Node, tuple[fx.Node, fx.Node | None]]:
+def _reduce_gradients(emit: _Emitter, bucket: _Bucket, stage: int, rank: int, world: int, group: str,
+                      sp_group: str | None = None, mesh_group: str | None = None
+                      ) -> dict[fx.Node, tuple[fx.Node, fx.Node | None]]:
     """Stage 1: every gradient averaged; stage 2: this rank's chunks of them. Returns
     grad -> (this rank's chunk of its average, the whole average or None (stage 2)).
 
     `sp_group`: the gradients are partial sums over this sequence-parallel group too (ring
-    attention left them to this pass): stage 1 sums them over it first, a second
-    `all_reduce_coalesced` of the bucket; stages 2 and 3 reduce-scatter over the data-parallel
-    group first and then all-reduce this rank's part over `sp_group` (1/N of the bucket), which
-    moves less than summing the whole bucket over it first."""
+    attention left them to this pass): stage 1 sums the bucket over both dimensions in one
+    `all_reduce_coalesced` over `mesh_group` (their ranks together); stages 2 and 3
+    reduce-scatter over the data-parallel group first and then all-reduce this rank's part over
+    `sp_group` (1/N of the bucket), which moves less than summing the whole bucket over it first
+    (one reduce-scatter over both dimensions would cut each chunk once more, and an all-gather
+    over sp would have to follow: two collectives again)."""
     last = bucket.items[-1].grad
     averaged = {}
     if stage == 1:
         grads = [it.grad for it in bucket.items]
-        if sp_group is not None:
-            grads = _summed(emit, bucket, grads, sp_group)
-        for it, wait in zip(bucket.items, _summed(emit, bucket, grads, group)):
+        for it, wait in zip(bucket.items, _summed(emit, bucket, grads, group if sp_group is None else mesh_group)):
             avg = emit(aten.div.Scalar, (wait, world), it.grad, param=(it.name,))
             averaged[it.grad] = (_local_rows(emit, it, avg, world, rank), avg)
         return averaged
@@ -507,6 +508,10 @@ def _sequence_parallel_group(graph: TrainGraph, ctx: PassContext, items: list[_I
                 f"{_line(it.grad)}) is not one ring attention left as a partial sum over the sequence-parallel "
                 "group (a parameter whose gradient does not come from the split sequence), which this "
                 "combination cannot reduce yet; drop data_parallel= or sequence_parallel=")
+    if ctx.config.data_parallel.stage == 1 and ctx.mesh_group is None:
+        raise UnsupportedError("ZeRO stage 1 with sequence_parallel= all-reduces the gradients over both dimensions' "
+                               "ranks: the pass needs PassContext(mesh_group=...), the name of a group over them "
+                               "(offload_compile makes one)")
     return notes[0].fields["group"]
 
 
@@ -549,7 +554,7 @@ def zero(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
     for bucket in buckets:
         last = max((it.grad for it in bucket.items), key=position.__getitem__)
         with g.inserting_before(last.next):   # (inserting_after would put each new node first)
-            averaged = _reduce_gradients(emit, bucket, dp.stage, rank, world, group, sp_group)
+            averaged = _reduce_gradients(emit, bucket, dp.stage, rank, world, group, sp_group, ctx.mesh_group)
         for grad, (local, whole) in averaged.items():
             for user in readers[grad]:
                 user.replace_input_with(grad, whole if user is output else local)
@@ -584,15 +589,16 @@ def zero(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
                params=len(items), local_numel=local, numel=total, state_numel=state_numel,
                bucket_parts=tuple(b.part for b in buckets), padded_numel=padded)
     if sp_group is not None:
-        order = ("the bucket all-reduced over the sequence-parallel group, then over the data-parallel group"
-                 if dp.stage == 1 else "the bucket reduce-scattered over the data-parallel group, then this "
-                 "rank's part all-reduced over the sequence-parallel group")
+        order = ("the bucket all-reduced over both dimensions' ranks at once (one collective)" if dp.stage == 1
+                 else "the bucket reduce-scattered over the data-parallel group, then this rank's part "
+                 "all-reduced over the sequence-parallel group (two collectives)")
         graph.note("zero", f"two dimensions: gradients are partial sums over the sequence-parallel group "
                    f"{sp_group!r} ({ctx.config.sequence_parallel.world_size} ranks) and per-micro-batch over the "
-                   f"data-parallel group ({world} ranks); per bucket {order} (two collectives), then divided by "
-                   f"{world}", "two_dimensions", sequence_parallel_group=sp_group,
-                   sequence_parallel_world=ctx.config.sequence_parallel.world_size, data_parallel_world=world,
-                   gradient_collectives=(("all_reduce_coalesced", "sp"), ("all_reduce_coalesced", "dp"))
+                   f"data-parallel group ({world} ranks); per bucket {order}, then divided by {world}",
+                   "two_dimensions", sequence_parallel_group=sp_group, data_parallel_group=group,
+                   mesh_group=ctx.mesh_group, sequence_parallel_world=ctx.config.sequence_parallel.world_size,
+                   data_parallel_world=world,
+                   gradient_collectives=(("all_reduce_coalesced", "mesh"),)
                    if dp.stage == 1 else (("reduce_scatter_tensor", "dp"), ("all_reduce", "sp")))
     if dp.stage == 3:
         _note_params(graph, gathers, local, total, padded)

@@ -115,21 +115,24 @@ def _train_and_compare(rank, mesh, stage, batch_mode, dtype=torch.float64, step_
             if key != "step":
                 assert isinstance(t, DTensor) and t.placements == (Shard(0),) and t.device_mesh.size() == dp_world
                 assert t.to_local().shape[0] == shard_rows(p.shape[0], dp_world, dp_rank)[1]
-    # the gradients: per bucket two collectives, one over each group; the loss: one all-reduce over sp
+    # the gradients: per bucket one all-reduce over all four ranks (stage 1) or a reduce-scatter over
+    # dp and an all-reduce of its result over sp (stages 2, 3); the loss: one all-reduce over sp
     final = step.last.stages["final"]
     (shards,) = final.notes_of("zero", "shards")
     (two,) = final.notes_of("zero", "two_dimensions")
     (deferred,) = final.notes_of("ring_attention", "deferred_gradients")
     buckets = shards.fields["buckets"]
     assert buckets > 1 and len(deferred.fields["gradients"]) == shards.fields["params"]
-    sp_group, dp_group = two.fields["sequence_parallel_group"], deferred.fields["group"]
-    assert sp_group == dp_group   # the group ring attention left the sums over
+    sp_group = two.fields["sequence_parallel_group"]
+    assert sp_group == deferred.fields["group"]   # the group ring attention left the sums over
+    groups = {two.fields["data_parallel_group"]: "dp", sp_group: "sp", two.fields["mesh_group"]: "mesh"}
+    assert len(groups) == 3
     by_group: dict = {}
     for n in final.graph.nodes:
         if n.op == "call_function" and n.target in (c10d.all_reduce_coalesced.default, c10d.all_reduce.default,
                                                     c10d.reduce_scatter_tensor.default,
                                                     c10d.all_gather_into_tensor.default):
-            key = (n.target, "sp" if n.args[-1] == sp_group else "dp")
+            key = (n.target, groups[n.args[-1]])
             by_group[key] = by_group.get(key, 0) + 1
     gathers = {3: shards.fields["buckets"] and len(final.notes_of("zero", "params")[0].fields["forward_buckets"])
                + len(final.notes_of("zero", "params")[0].fields["backward_buckets"]) if stage == 3 else 0,
@@ -138,8 +141,7 @@ def _train_and_compare(rank, mesh, stage, batch_mode, dtype=torch.float64, step_
     if step_fn is _clipped_hf_step:   # the global norm: one scalar all-reduce over dp (the chunks are sp sums)
         want[(c10d.all_reduce.default, "dp")] = 1
     if stage == 1:
-        want.update({(c10d.all_reduce_coalesced.default, "sp"): buckets,
-                     (c10d.all_reduce_coalesced.default, "dp"): buckets,
+        want.update({(c10d.all_reduce_coalesced.default, "mesh"): buckets,   # one collective over both
                      (c10d.all_reduce.default, "sp"): 1})
     else:
         want.update({(c10d.reduce_scatter_tensor.default, "dp"): buckets,
