@@ -119,13 +119,33 @@ def check_orthogonal(dp_groups: list[list[int]], sp_groups: list[list[int]], wor
 
 
 def check_mesh(dp: OverGroup, sp: OverGroup) -> None:
-    """`check_orthogonal` on every rank's groups, gathered over the world group (once, on a
-    step's first call, before anything is traced; every rank of the job must call it)."""
-    mine = (dist.get_process_group_ranks(dp.process_group()), dist.get_process_group_ranks(sp.process_group()))
-    world = dist.get_world_size()
-    every: list[Any] = [None] * world
-    dist.all_gather_object(every, mine)
-    check_orthogonal([e[0] for e in every], [e[1] for e in every], world)
+    """`check_orthogonal` on every rank's groups, gathered over the world (once, on a step's
+    first call, before anything is traced; every rank of the job must call it). The gather is one
+    small all-gather over gloo (the world group, or a gloo group beside an NCCL one) that waits at
+    most the longer `timeout_s`, so a rank that never calls makes the others raise the dp
+    config's `timeout_error` rather than hang."""
+    import torch
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    mine = torch.full((2, world), -1, dtype=torch.int64)
+    for row, config in enumerate((dp, sp)):
+        ranks = dist.get_process_group_ranks(config.process_group())
+        mine[row, :len(ranks)] = torch.tensor(ranks, dtype=torch.int64)
+    timeout = datetime.timedelta(seconds=max(dp.timeout_s, sp.timeout_s))
+    group = dist.group.WORLD if "gloo" in str(dist.get_backend()) else dist.new_group(backend="gloo", timeout=timeout)
+    every = [torch.empty_like(mine) for _ in range(world)]
+    try:
+        ok = dist.all_gather(every, mine, group=group, async_op=True).wait(timeout)
+        cause = ""
+    except Exception as exc:  # noqa: BLE001 - backends raise their own error types
+        ok, cause = False, f" ({describe(exc)})"
+    if ok is False:
+        raise dp.timeout_error(
+            f"ZeRO data parallelism with sequence_parallel=: rank {rank} of {world} waited "
+            f"{timeout.total_seconds():g} s for the other ranks to start the step's first call: a rank failed or "
+            f"never called it{cause}")
+    groups = [[[r for r in e[row].tolist() if r >= 0] for e in every] for row in (0, 1)]
+    check_orthogonal(groups[0], groups[1], world)
 
 
 def mesh_step_group(dp: OverGroup, sp: OverGroup) -> dist.ProcessGroup:

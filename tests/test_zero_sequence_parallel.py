@@ -7,7 +7,8 @@ optimizer state (stage 2: the gradients, stage 3: the parameters too). Every ran
 micro-batch's and its parameters equal eager training of a tiny Llama on the two micro-batches
 together (stage 1 with clip_grad_norm_); the gradient collectives per bucket are counted by
 group; a DCP checkpoint of the stage 2 run loads back on the same mesh. Groups that are not the two
-dimensions of one mesh are refused before anything is traced (a pure check, no processes)."""
+dimensions of one mesh are refused before anything is traced (on 4 ranks, and as a pure check
+without processes), and so is a first call that one rank never makes (`RankTimeoutError`)."""
 
 from __future__ import annotations
 
@@ -203,6 +204,7 @@ def _mesh_2x2(rank, world, path):
                                                             r"sequence-parallel group ranks \[\d, \d\]: they share"):
         step(model, opt, _batches(1)[0])
     assert not opt.state and step.trace_count == 0
+    _silent_fourth_rank(rank, world, mesh)
     _train_and_compare(rank, mesh, 1, "full", torch.float64, _clipped_hf_step)   # clip_grad_norm_ too
     model, opt = _train_and_compare(rank, mesh, 2, "sharded", torch.float64)
     _dcp_round_trip(rank, mesh, model, opt, path)
@@ -210,8 +212,32 @@ def _mesh_2x2(rank, world, path):
 
 
 @pytest.mark.slow   # four processes
-def test_zero_with_ring_attention_on_a_2x2_mesh_trains_as_eager(tmp_path):
+def test_zero_with_ring_attention_on_a_2x2_mesh_trains_as_eager_and_refuses_bad_meshes_and_silent_ranks(tmp_path):
     run_ranks(_mesh_2x2, 4, str(tmp_path), deadline_s=500)
+
+
+def _silent_fourth_rank(rank, world, mesh):
+    """Rank 3 never calls: the others raise RankTimeoutError from the first call's check of the
+    mesh after timeout_s, nothing traced; then rank 3 answers that gather (a (2, world) int64
+    per rank), so the world group is whole again for what follows."""
+    import torch.distributed as dist
+
+    gave_up = torch.zeros(1)
+    if rank == 3:
+        for other in range(3):
+            dist.recv(gave_up, other, tag=7)
+        dist.all_gather([torch.empty(2, world, dtype=torch.int64) for _ in range(world)],
+                        torch.full((2, world), -1, dtype=torch.int64))
+        return
+    model = _llama()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    step = graphoffload.offload_compile(hf_step,
+                                        sequence_parallel=graphoffload.SequenceParallel(group=mesh["sp"], timeout_s=1),
+                                        data_parallel=graphoffload.ZeRO(stage=2, group=mesh["dp"], timeout_s=1))
+    with pytest.raises(graphoffload.RankTimeoutError, match=rf"rank {rank} of 4 waited 1 s for the other ranks"):
+        step(model, opt, _batches(2)[0])
+    assert step.trace_count == 0 and not opt.state
+    dist.send(gave_up, 3, tag=7)
 
 
 # ---------------------------------------------------------------- no processes
