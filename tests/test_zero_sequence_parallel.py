@@ -205,6 +205,13 @@ def _mesh_2x2(rank, world, path):
         step(model, opt, _batches(1)[0])
     assert not opt.state and step.trace_count == 0
     _silent_fourth_rank(rank, world, mesh)
+    # the two ranks of an sp group given different micro-batches (batch="full"): refused on both,
+    # the check per sp group (the dp ranks' micro-batches differ in every run below)
+    step = graphoffload.offload_compile(hf_step, sequence_parallel=graphoffload.SequenceParallel(group=mesh["sp"]),
+                                        data_parallel=graphoffload.ZeRO(stage=2, group=mesh["dp"]))
+    with pytest.raises(graphoffload.StateError, match=r"sequence parallelism: rank \d was given another batch"):
+        step(model, opt, _batches(2)[rank % 2])
+    assert not opt.state and step.trace_count == 0
     _train_and_compare(rank, mesh, 1, "full", torch.float64, _clipped_hf_step)   # clip_grad_norm_ too
     model, opt = _train_and_compare(rank, mesh, 2, "sharded", torch.float64)
     _dcp_round_trip(rank, mesh, model, opt, path)
