@@ -71,7 +71,9 @@ class ZeRO(OverGroup):
             parameter (the model's parameters become DTensors when the step first compiles),
             and the graph gathers each bucket of parameters before forward reads it and again
             before backward does (`passes/zero_params.py`).
-        group: the torch.distributed process group; None: the default (world) group.
+        group: the torch.distributed process group, or a 1-D `DeviceMesh` (one dimension of a
+            mesh, e.g. ``mesh["dp"]``, with ZeRO and sequence parallelism together); None: the
+            default (world) group.
         bucket_numel: most elements of gradients one collective covers (buckets follow the
             order gradients are produced in backward); per bucket, one gradient collective
             and one all-gather.
