@@ -25,7 +25,7 @@ from graphoffload.checkpoint import load_optimizer_state_exactly
 from graphoffload.config import CompileConfig, Offload
 from graphoffload.errors import PartialUpdateError, RankFailedMidUpdateError, RankTimeoutError, StateError
 from graphoffload.graph import TrainGraph
-from graphoffload.groups import check_mesh, mesh_step_group
+from graphoffload.groups import MeshRankFailed, check_mesh, mesh_step_group
 from graphoffload.interruption import InterruptionGuard, Snapshot
 from graphoffload.optimizer_lowering import first_step_params
 from graphoffload.memory import MemoryProfile, analyze_memory
@@ -291,7 +291,10 @@ class CompiledStep:
     def _collective_failed(self) -> Callable[[BaseException, str], Exception] | None:
         """What the executor raises when a collective of the graph fails (the config's
         `rank_failed`; not a method of the step, which the executor must not keep alive)."""
-        parallel = self.config.sequence_parallel or self.config.data_parallel
+        dp, sp = self.config.data_parallel, self.config.sequence_parallel
+        if dp is not None and sp is not None:
+            return MeshRankFailed(dp, sp)
+        parallel = sp or dp
         return None if parallel is None else parallel.rank_failed
 
     def _check_sharded_params(self, bindings: StepBindings) -> None:

@@ -15,6 +15,7 @@ the config's `RankTimeoutError`. The user's group keeps its own timeout for ever
 from __future__ import annotations
 
 import datetime
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch.distributed as dist
@@ -84,6 +85,29 @@ class OverGroup:
             "the other ranks' errors first. The group cannot be used again in this process: end every rank "
             "and restart the job from the last checkpoint (torchrun restarts the ranks with --max-restarts); "
             "raise timeout_s if a rank is merely slow.")
+
+
+@dataclass(frozen=True)
+class MeshRankFailed:
+    """`OverGroup.rank_failed` for a step over both dimensions of a mesh (ZeRO over `dp`,
+    sequence parallelism over `sp`): a collective of the step failed over one of its three
+    groups (dp, sp, or all the mesh's ranks); the error names each group's ranks."""
+
+    dp: OverGroup
+    sp: OverGroup
+
+    def __call__(self, exc: BaseException, where: str) -> Exception:
+        dp_ranks = dist.get_process_group_ranks(self.dp.process_group())
+        sp_ranks = dist.get_process_group_ranks(self.sp.process_group())
+        return self.dp.timeout_error(
+            f"ZeRO data parallelism with sequence parallelism: rank {dist.get_rank()} of {dist.get_world_size()} "
+            f"failed in a collective of the step ({where}) over one of the step's own groups: data-parallel global "
+            f"ranks {dp_ranks} (timing out after ZeRO(timeout_s={self.dp.timeout_s:g})), sequence-parallel ranks "
+            f"{sp_ranks} (SequenceParallel(timeout_s={self.sp.timeout_s:g})) or all ranks of the mesh (the longer "
+            f"of the two): another rank raised or died inside the step, or did not reach this collective in time "
+            f"({describe(exc)}). Look at the other ranks' errors first. The groups cannot be used again in this "
+            "process: end every rank and restart the job from the last checkpoint (torchrun restarts the ranks "
+            "with --max-restarts); raise timeout_s if a rank is merely slow.")
 
 
 def check_orthogonal(dp_groups: list[list[int]], sp_groups: list[list[int]], world: int) -> None:

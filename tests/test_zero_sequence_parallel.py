@@ -285,3 +285,20 @@ def test_a_device_mesh_dimension_is_a_group_and_a_2d_mesh_is_refused(one_process
                                                             r"e.g. mesh\['dp'\]"):
         graphoffload.ZeRO(group=mesh).process_group()
 
+
+
+def test_a_failed_collective_names_both_groups(one_process_group):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from graphoffload.groups import MeshRankFailed
+
+    mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "sp"))
+    failed = MeshRankFailed(graphoffload.ZeRO(group=mesh["dp"], timeout_s=3),
+                            graphoffload.SequenceParallel(group=mesh["sp"], timeout_s=4))
+    error = failed(RuntimeError("connection closed by peer"), "all_reduce, node all_reduce_1")
+    assert isinstance(error, graphoffload.RankTimeoutError)
+    message = str(error)
+    for part in ("(all_reduce, node all_reduce_1)", "data-parallel global ranks [0] (timing out after ZeRO(timeout_s=3))",
+                 "sequence-parallel ranks [0] (SequenceParallel(timeout_s=4))", "connection closed by peer",
+                 "restart the job from the last checkpoint"):
+        assert part in message, (part, message)
