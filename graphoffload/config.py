@@ -233,16 +233,12 @@ class CompileConfig:
                 self._check_zero_offload()
 
     def _check_zero_sequence_parallel(self) -> None:
-        """ZeRO over one group with ring attention over another (a 2-D mesh) covers a plain step of
-        stages 1-3; what it does not cover yet is refused here, before anything is traced."""
-        not_yet = [what for what, given in (
-            ("offload=", self.offload is not None),
-            ("accumulation_steps > 1", self.accumulation_steps > 1)) if given]
-        if not_yet:
-            raise UnsupportedError(f"ZeRO data parallelism with sequence_parallel= and {' and '.join(not_yet)} is "
-                                   "not supported yet (the two-dimensional step reduces the gradients of a step "
-                                   f"that updates every call, on the device); drop {' and '.join(not_yet)}, or one "
-                                   "of data_parallel= and sequence_parallel=")
+        """ZeRO over one group with ring attention over another (a 2-D mesh) covers stages 1-3,
+        with accumulation_steps too; offload= is refused here, before anything is traced."""
+        if self.offload is not None:
+            raise UnsupportedError("ZeRO data parallelism with sequence_parallel= and offload= is not supported yet "
+                                   "(the two-dimensional step keeps optimizer state on the device); drop offload=, "
+                                   "or one of data_parallel= and sequence_parallel=")
 
     def _check_zero_offload(self) -> None:
         """ZeRO stages 1 and 2 with offload= (ZeRO-Offload) cover each rank's chunk of a plain

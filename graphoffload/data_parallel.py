@@ -38,14 +38,15 @@ takes a 1-D `DeviceMesh`; `groups.check_mesh` refuses groups that are not such a
 anything is traced): the ranks of an sp group split one micro-batch's sequence, and the
 `ring_attention` pass leaves the parameter gradients as their partial sums, which the `zero`
 pass reduces over both groups (stage 1: one all-reduce per bucket over a group of all the
-mesh's ranks; stages 2-3: the reduce-scatter over dp, then this rank's part all-reduced over sp). The state is
-sharded over dp alone: `Shard(0)` DTensors over a 1-D dp mesh, the same on the ranks of an sp
-group (not a 2-D mesh DTensor with `Replicate()` over sp); DCP saves and loads it on the same
-mesh (tests/test_zero_sequence_parallel.py).
+mesh's ranks; stages 2-3: the reduce-scatter over dp, then this rank's part all-reduced over sp).
+`accumulation_steps` works too: the running sums stay each rank's partial sums, reduced over both
+groups once per update. The state is sharded over dp alone: `Shard(0)` DTensors over a 1-D dp
+mesh, the same on the ranks of an sp group (not a 2-D mesh DTensor with `Replicate()` over sp);
+DCP saves and loads it on the same mesh (tests/test_zero_sequence_parallel.py).
 
 Not yet: `offload=` together with accumulation_steps, overlap_next_step or activations="auto";
-ZeRO with `sequence_parallel=` together with `offload=` or accumulation_steps; each is refused
-with an `UnsupportedError` that says so.
+ZeRO with `sequence_parallel=` together with `offload=`; each is refused with an
+`UnsupportedError` that says so.
 """
 
 from __future__ import annotations
