@@ -24,7 +24,7 @@ holds at the end.
 
 With --sp S the ranks form a 2-D device mesh ("dp", "sp") of world/S x S: the S ranks of an sp
 group pass the same micro-batch and split its sequence (ring attention), ZeRO shards over the dp
-dimension, and the gradients are reduced over both (not with --offload yet).
+dimension, and the gradients are reduced over both.
 """
 
 from __future__ import annotations

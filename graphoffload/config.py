@@ -227,18 +227,8 @@ class CompileConfig:
             raise ValueError(f"subgroup_numel must be positive, got {self.subgroup_numel}")
         object.__setattr__(self, "disable_passes", tuple(self.disable_passes))
         if self.data_parallel is not None:
-            if self.sequence_parallel is not None:
-                self._check_zero_sequence_parallel()
-            if self.offload is not None:   # stages 1, 2 and 3 alike
+            if self.offload is not None:   # stages 1, 2 and 3 alike, with sequence_parallel= too
                 self._check_zero_offload()
-
-    def _check_zero_sequence_parallel(self) -> None:
-        """ZeRO over one group with ring attention over another (a 2-D mesh) covers stages 1-3,
-        with accumulation_steps too; offload= is refused here, before anything is traced."""
-        if self.offload is not None:
-            raise UnsupportedError("ZeRO data parallelism with sequence_parallel= and offload= is not supported yet "
-                                   "(the two-dimensional step keeps optimizer state on the device); drop offload=, "
-                                   "or one of data_parallel= and sequence_parallel=")
 
     def _check_zero_offload(self) -> None:
         """ZeRO stages 1 and 2 with offload= (ZeRO-Offload) cover each rank's chunk of a plain

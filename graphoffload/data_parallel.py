@@ -44,8 +44,8 @@ groups once per update. The state is sharded over dp alone: `Shard(0)` DTensors 
 mesh, the same on the ranks of an sp group (not a 2-D mesh DTensor with `Replicate()` over sp);
 DCP saves and loads it on the same mesh (tests/test_zero_sequence_parallel.py).
 
-Not yet: `offload=` together with accumulation_steps, overlap_next_step or activations="auto";
-ZeRO with `sequence_parallel=` together with `offload=`; each is refused with an
+`offload=` works with it too, as without `sequence_parallel=`. Not yet: `offload=` together with
+accumulation_steps, overlap_next_step or activations="auto"; each is refused with an
 `UnsupportedError` that says so.
 """
 
