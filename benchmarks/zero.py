@@ -6,7 +6,10 @@ Every (N, mode) pair runs in N freshly spawned processes (gloo on the CPU; NCCL 
 rank under ``--device cuda``), so each process's peak memory is that mode's alone. Each rank
 trains the benchmark GPT on its own micro-batch of ``--batch`` sequences (weak scaling: the
 global batch is N x --batch) with AdamW; step times are rank 0's, between barriers, median of
-``--iters`` after ``--warmup`` (the first of which compiles graphoffload's step).
+``--iters`` after ``--warmup`` (the first of which compiles graphoffload's step). The ``*_sp2``
+modes run ZeRO over the "dp" dimension of an (N/2, 2) device mesh and ring attention over its "sp"
+dimension: the two ranks of an sp pair split one micro-batch's sequence, so the global batch is
+N/2 x --batch there (half the other modes'), and activations are half a rank's.
 
 Columns: ``state_MiB`` the optimizer state one rank holds, measured from ``optimizer.state``
 (its local shards for FSDP2), the largest over the ranks; ``state_share`` that over the whole
@@ -49,7 +52,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import autocast_train_step, build_gpt, device_name, median, print_table, write_json  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-MODES = ("zero1", "zero2", "zero3", "zero1_offload", "zero2_offload", "zero3_offload", "ddp", "fsdp2")
+MODES = ("zero1", "zero2", "zero3", "zero1_offload", "zero2_offload", "zero3_offload", "zero2_sp2", "zero3_sp2",
+         "ddp", "fsdp2")
+SP = 2   # the sp dimension of the *_sp2 modes' (N/2, 2) mesh
 COLUMNS = ["world", "mode", "step_ms", "state_MiB", "state_share", "state_on", "params_MiB", "predicted_peak_MiB",
            "peak_MiB", "step_peak_MiB", "status"]
 
@@ -102,10 +107,17 @@ def _prepare(mode: str, model: torch.nn.Module, world: int, device: torch.device
     if mode.startswith("zero"):
         opt = make_opt(model.parameters())
         offload = graphoffload.Offload() if mode.endswith("_offload") else None
-        zero = graphoffload.ZeRO(stage=int(mode[4]))
+        sp = dp_group = None
+        if mode.endswith("_sp2"):   # ZeRO over "dp", ring attention over "sp" of a (N/2, 2) mesh
+            from torch.distributed.device_mesh import init_device_mesh
+
+            mesh = init_device_mesh(device.type, (world // SP, SP), mesh_dim_names=("dp", "sp"))
+            sp, dp_group = graphoffload.SequenceParallel(group=mesh["sp"]), mesh["dp"]
+        zero = graphoffload.ZeRO(stage=int(mode[4]), group=dp_group)
         if bucket_numel:
-            zero = graphoffload.ZeRO(stage=zero.stage, bucket_numel=bucket_numel)
-        step = graphoffload.offload_compile(autocast_train_step, offload=offload, data_parallel=zero)
+            zero = graphoffload.ZeRO(stage=zero.stage, group=dp_group, bucket_numel=bucket_numel)
+        step = graphoffload.offload_compile(autocast_train_step, offload=offload, data_parallel=zero,
+                                            sequence_parallel=sp)
         return lambda batch: step(model, opt, batch), opt, step
     if mode == "ddp":
         from torch.nn.parallel import DistributedDataParallel
@@ -160,7 +172,8 @@ def _measure(rank: int, world: int, mode: str, args: argparse.Namespace, device:
     if mode.endswith("_offload"):   # and the fp32 master weights
         full_state += sum(p.numel() * 4 for p in model.parameters())
     run, opt, step = _prepare(mode, model, world, device, args.bucket_numel)
-    g = torch.Generator().manual_seed(1 + rank)   # each rank its own micro-batch
+    # each rank its own micro-batch; the *_sp2 modes: each sp pair one, split along the sequence
+    g = torch.Generator().manual_seed(1 + (rank // SP if mode.endswith("_sp2") else rank))
     batch = torch.randint(0, cfg.vocab_size, (args.batch, cfg.seq_len), generator=g).to(device)
     times = []
     for i in range(args.warmup + args.iters):
@@ -188,6 +201,9 @@ def run_mode(world: int, mode: str, args: argparse.Namespace) -> dict:
     import torch.multiprocessing as mp
 
     row: dict = {"world": world, "mode": mode}
+    if mode.endswith("_sp2") and world % SP:
+        row["status"] = f"skipped: a ({world}/{SP}, {SP}) mesh"
+        return row
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "r.pt")
         try:

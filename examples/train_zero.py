@@ -8,6 +8,7 @@ the ranks.
     torchrun --nproc-per-node 2 examples/train_zero.py --stage 3              # parameters sharded too
     torchrun --nproc-per-node 2 examples/train_zero.py --stage 3 --offload    # ... and ZeRO-Offload
     torchrun --nproc-per-node 2 examples/train_zero.py --accumulation-steps 4 # one update per 4 calls
+    torchrun --nproc-per-node 4 examples/train_zero.py --sp 2                 # 2 x 2 mesh: ZeRO x ring
 
 The model code is the plain GPT of examples/gpt.py and the step an ordinary train step; the
 `zero` pass averages the gradients over the ranks, has each rank update only its dim-0 chunk of
@@ -20,6 +21,10 @@ result is uploaded into the rank's rows of the parameters). With --accumulation-
 call is one micro-batch and every k-th call updates, the gradients reduced once per update (not
 with --offload yet). Each rank prints the share of the optimizer state and of the parameters it
 holds at the end.
+
+With --sp S the ranks form a 2-D device mesh ("dp", "sp") of world/S x S: the S ranks of an sp
+group pass the same micro-batch and split its sequence (ring attention), ZeRO shards over the dp
+dimension, and the gradients are reduced over both.
 """
 
 from __future__ import annotations
@@ -66,6 +71,8 @@ def main() -> None:
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--offload", action="store_true", help="master weights and state in host memory (any stage)")
+    ap.add_argument("--sp", type=int, default=1,
+                    help="sequence-parallel ranks per micro-batch: a (world/sp, sp) mesh, ZeRO over its dp dimension")
     ap.add_argument("--accumulation-steps", type=int, default=1,
                     help="micro-batches per update (gradients reduced once per update)")
     args = ap.parse_args()
@@ -77,13 +84,24 @@ def main() -> None:
                     d_model=args.d_model)
     model = GPT(cfg).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)
-    zero = graphoffload.ZeRO(stage=args.stage) if args.bucket_numel is None else \
-        graphoffload.ZeRO(stage=args.stage, bucket_numel=args.bucket_numel)
+    dp_rank, sp = rank, None
+    if args.sp > 1:   # a 2-D mesh: ZeRO over "dp", the sequence split over "sp"
+        from torch.distributed.device_mesh import init_device_mesh
+
+        if world % args.sp:
+            raise SystemExit(f"--sp {args.sp} does not divide the {world} ranks")
+        mesh = init_device_mesh(device.type, (world // args.sp, args.sp), mesh_dim_names=("dp", "sp"))
+        dp_rank = mesh["dp"].get_local_rank()
+        sp = graphoffload.SequenceParallel(group=mesh["sp"])
+    group = mesh["dp"] if sp is not None else None
+    zero = graphoffload.ZeRO(stage=args.stage, group=group) if args.bucket_numel is None else \
+        graphoffload.ZeRO(stage=args.stage, group=group, bucket_numel=args.bucket_numel)
     step = graphoffload.offload_compile(train_step, data_parallel=zero, accumulation_steps=args.accumulation_steps,
-                                        offload=graphoffload.Offload() if args.offload else None)
+                                        offload=graphoffload.Offload() if args.offload else None,
+                                        sequence_parallel=sp)
     whole_params = sum(p.numel() * p.element_size() for p in model.parameters())
 
-    data = torch.Generator().manual_seed(1 + rank)   # each rank its own micro-batches
+    data = torch.Generator().manual_seed(1 + dp_rank)   # each dp rank its own micro-batches (shared over sp)
     for i in range(args.steps):
         x = torch.randint(0, cfg.vocab_size, (args.micro_batch, args.seq_len), generator=data).to(device)
         start = time.perf_counter()
@@ -93,6 +111,7 @@ def main() -> None:
         if rank == 0:
             print(f"step {i}: loss {loss.item():.4f} (rank 0's micro-batch)  "
                   f"{1e3 * (time.perf_counter() - start):.1f} ms, {world} ranks, ZeRO stage {args.stage}"
+                  + (f" x sequence parallel over {args.sp}" if sp is not None else "")
                   + (" + offload" if args.offload else "")
                   + (("  (updated)" if step.micro_step == 0 else "  (accumulated)") if args.accumulation_steps > 1
                      else ""))

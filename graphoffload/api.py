@@ -25,6 +25,7 @@ from graphoffload.checkpoint import load_optimizer_state_exactly
 from graphoffload.config import CompileConfig, Offload
 from graphoffload.errors import PartialUpdateError, RankFailedMidUpdateError, RankTimeoutError, StateError
 from graphoffload.graph import TrainGraph
+from graphoffload.groups import MeshRankFailed, check_mesh, mesh_step_group
 from graphoffload.interruption import InterruptionGuard, Snapshot
 from graphoffload.optimizer_lowering import first_step_params
 from graphoffload.memory import MemoryProfile, analyze_memory
@@ -139,12 +140,13 @@ class CompiledStep:
         # one offload runtime (worker pool, copy streams) per device for every variant, shut down
         # when this step is garbage-collected: a runtime per variant leaked a thread per re-trace
         self._runtimes = SharedRuntimes(self, self.config.offload, self.config.sanitize)
-        # made on the first call of a step over a process group (sequence or data parallel)
-        self._rank_agreement: RankAgreement | None = None
+        # made on the first call of a step over a process group (sequence or data parallel; with
+        # both, one per group: the batch is checked over the sequence-parallel group, shapes over both)
+        self._rank_agreements: list[RankAgreement] | None = None
         # the group the graph's collectives run over (`OverGroup.step_group`), held weakly:
         # torch keeps it until destroy_process_group(), after which a step must not keep it
         # alive (gloo's threads abort the process when it is freed at interpreter exit)
-        self._step_group: weakref.ref | None = None
+        self._step_groups: list[weakref.ref] = []   # one per parallel config, in `_pass_config`'s order
         # ZeRO stage 3: the DTensor parameters the step made (by name, held weakly), which every
         # later call must find in the model (`_check_sharded_params`)
         self._sharded_params: dict[str, weakref.ref] = {}
@@ -204,8 +206,8 @@ class CompiledStep:
         dropped, and the optimizer state its capture created with it, so nothing changes."""
         capture = capture_step(self.fn, args, kwargs, self.config, self._accumulation[update])
         try:
-            self.pass_manager.run(capture.graph, PassContext(self._pass_config(), capture.bindings.device,
-                                                             grad_sum_placement=placement))
+            self.pass_manager.run(capture.graph, self._pass_context(capture.bindings.device,
+                                                                    grad_sum_placement=placement))
         finally:
             capture.discard_created_state()
 
@@ -240,7 +242,7 @@ class CompiledStep:
                 f"graphoffload traced {self._name} {self.trace_count} times: each new input shape, "
                 "dtype, train/eval mode or optimizer setting re-traces the step. Pad inputs to fixed "
                 "shapes to avoid it.", stacklevel=3)
-        ctx = PassContext(self._pass_config(), capture.bindings.device, grad_sum_placement=placement)
+        ctx = self._pass_context(capture.bindings.device, grad_sum_placement=placement)
         try:
             graph, stages = self.pass_manager.run(capture.graph, ctx)
             if self._host_sums_read(accumulation, graph):
@@ -272,25 +274,41 @@ class CompiledStep:
             self._host_states.setdefault(owner, executor.host_state)
         return CompiledVariant(capture, graph, stages, executor, dict(ctx.timings))
 
+    def _pass_context(self, device: torch.device, **kwargs: Any) -> PassContext:
+        """What the passes read: `_pass_config`'s config and, with both `data_parallel=` and
+        `sequence_parallel=`, the name of the step's group over both dimensions' ranks."""
+        config = self._pass_config()
+        mesh = self._step_groups[2]() if len(self._step_groups) == 3 else None
+        return PassContext(config, device, mesh_group=None if mesh is None else mesh.group_name, **kwargs)
+
     def _pass_config(self) -> CompileConfig:
         """The config the passes see. A parallel step's collectives run over a group of its own
         (`OverGroup.step_group`: the same ranks, the config's `timeout_s`), so a rank that fails
         inside the step makes the others fail within `timeout_s`; it is made on the first
-        compile, on every rank of the group at once (each compiles on its first call)."""
-        field = "sequence_parallel" if self.config.sequence_parallel is not None else "data_parallel"
-        parallel = getattr(self.config, field)
-        if parallel is None or not dist.is_available() or not dist.is_initialized():
+        compile, on every rank of the group at once (each compiles on its first call). With both
+        `sequence_parallel=` and `data_parallel=` (a 2-D mesh) a third group spans both
+        dimensions' ranks (`groups.mesh_step_group`), for ZeRO stage 1's one gradient all-reduce."""
+        # both: the sequence-parallel group's first, on every rank, then the data-parallel one's, then the mesh's
+        fields = [f for f in ("sequence_parallel", "data_parallel") if getattr(self.config, f) is not None]
+        if not fields or not dist.is_available() or not dist.is_initialized():
             return self.config   # one process, or (for inspection) a config that needs no group
-        group = self._step_group() if self._step_group is not None else None
-        if group is None:
-            group = parallel.step_group()
-            self._step_group = weakref.ref(group)
-        return dataclasses.replace(self.config, **{field: dataclasses.replace(parallel, group=group)})
+        groups = [ref() for ref in self._step_groups]
+        wanted = 3 if len(fields) == 2 else 1
+        if len(groups) != wanted or any(g is None for g in groups):
+            groups = [getattr(self.config, f).step_group() for f in fields]
+            if len(fields) == 2:
+                groups.append(mesh_step_group(self.config.data_parallel, self.config.sequence_parallel))
+            self._step_groups = [weakref.ref(g) for g in groups]
+        return dataclasses.replace(self.config, **{f: dataclasses.replace(getattr(self.config, f), group=g)
+                                                   for f, g in zip(fields, groups)})
 
     def _collective_failed(self) -> Callable[[BaseException, str], Exception] | None:
         """What the executor raises when a collective of the graph fails (the config's
         `rank_failed`; not a method of the step, which the executor must not keep alive)."""
-        parallel = self.config.sequence_parallel or self.config.data_parallel
+        dp, sp = self.config.data_parallel, self.config.sequence_parallel
+        if dp is not None and sp is not None:
+            return MeshRankFailed(dp, sp)
+        parallel = sp or dp
         return None if parallel is None else parallel.rank_failed
 
     def _check_sharded_params(self, bindings: StepBindings) -> None:
@@ -426,11 +444,13 @@ class CompiledStep:
         self._interruption.clear()
 
     def _call(self, args: tuple, kwargs: dict, bindings: StepBindings) -> Any:
-        parallel = self.config.sequence_parallel or self.config.data_parallel
-        if parallel is not None:
-            if self._rank_agreement is None:
-                self._rank_agreement = RankAgreement(parallel)
-            self._rank_agreement.check(args, kwargs)
+        parallels = [p for p in (self.config.sequence_parallel, self.config.data_parallel) if p is not None]
+        if self._rank_agreements is None and parallels:
+            if len(parallels) == 2:   # two dimensions of a mesh: checked once, before anything is traced
+                check_mesh(self.config.data_parallel, self.config.sequence_parallel)
+            self._rank_agreements = [RankAgreement(p) for p in parallels]
+        for agreement in self._rank_agreements or ():
+            agreement.check(args, kwargs)
         if self.config.sequence_parallel is not None:   # per-rank batch shards -> full sequence
             args, kwargs = self.config.sequence_parallel.prepare_inputs(args, kwargs)
         key, variant = self._variant(args, kwargs, bindings)
@@ -469,7 +489,7 @@ class CompiledStep:
 
     def _replan(self, key: Any, old: CompiledVariant, node_seconds: dict[str, float], measured: float) -> None:
         """Run the passes again on the captured graph with measured node times."""
-        ctx = PassContext(self._pass_config(), old.executor.device, measured_node_seconds=node_seconds,
+        ctx = self._pass_context(old.executor.device, measured_node_seconds=node_seconds,
                           grad_sum_placement=self._sum_placement(key))
         graph, stages = self.pass_manager.run(old.stages["captured"].copy(), ctx)
         for g in {id(graph): graph, id(stages["final"]): stages["final"]}.values():

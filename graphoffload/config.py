@@ -192,7 +192,9 @@ class CompileConfig:
         data_parallel: a `graphoffload.ZeRO`: each rank of a process group trains on its own
             micro-batch, gradients averaged, optimizer state (with stage 2 gradients too, with
             stage 3 parameters too) sharded over the group (the `zero` pass); None (default):
-            one process.
+            one process. With `sequence_parallel` too, the two groups are the two dimensions
+            of a device mesh (`ZeRO(group=mesh["dp"])`, `SequenceParallel(group=mesh["sp"])`):
+            the ranks of an sp group split one micro-batch's sequence, ZeRO shards over dp.
         accumulation_steps: k > 1 makes each call one micro-batch: its gradients (of the loss
             divided by k) are added into running sums kept on the device, and every k-th call
             updates from the sums (DeepSpeed's gradient_accumulation_steps). 1: every call updates.
@@ -229,14 +231,14 @@ class CompileConfig:
             raise ValueError(f"subgroup_numel must be positive, got {self.subgroup_numel}")
         object.__setattr__(self, "disable_passes", tuple(self.disable_passes))
         if self.data_parallel is not None:
-            if self.sequence_parallel is not None:
-                raise UnsupportedError("ZeRO data parallelism with sequence_parallel= is not supported yet: no "
-                                       "ZeRO stage runs with sequence_parallel= for now; drop sequence_parallel= or "
-                                       "data_parallel=")
             if self.skip_nonfinite and self.accumulation_steps > 1:
                 raise UnsupportedError("ZeRO data parallelism with skip_nonfinite=True and accumulation_steps > 1 is "
                                        "not supported yet (not tested): drop skip_nonfinite=True or accumulation_steps")
-            if self.offload is not None:   # stages 1, 2 and 3 alike
+            if self.skip_nonfinite and self.sequence_parallel is not None:
+                raise UnsupportedError("ZeRO data parallelism with sequence_parallel= and skip_nonfinite=True is not "
+                                       "supported yet (not tested): drop skip_nonfinite=True, or one of "
+                                       "data_parallel= and sequence_parallel=")
+            if self.offload is not None:   # stages 1, 2 and 3 alike, with sequence_parallel= too
                 self._check_zero_offload()
 
     def _check_zero_offload(self) -> None:

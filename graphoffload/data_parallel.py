@@ -38,11 +38,26 @@ both refused).
 host memory, still `Shard(0)` DTensors in `optimizer.state` (`as_shard`; runtime/host_state.py);
 stage 3's host updates upload into the rank's rows, which its parameters' DTensors hold.
 ZeRO-Offload accumulates too, its sums on the device as above, the updating call updating the
-rank's chunks from its host state. Not yet: ZeRO with `sequence_parallel=`; `offload=` together
-with overlap_next_step, activations="auto", a GradScaler or skip_nonfinite=True; and running sums
-on the host under ZeRO (`Offload(accumulate_on="host" | "auto")` with accumulation_steps: the
-updating call reduces the sums on the device, and host sums are added after that reduction would
-have to read them). Each is refused with an `UnsupportedError` that says so.
+rank's chunks from its host state.
+
+With `sequence_parallel=` too (stages 1, 2 and 3) the two groups are the two dimensions of a
+device mesh, `ZeRO(group=mesh["dp"])` and `SequenceParallel(group=mesh["sp"])` (`OverGroup`
+takes a 1-D `DeviceMesh`; `groups.check_mesh` refuses groups that are not such a grid before
+anything is traced): the ranks of an sp group split one micro-batch's sequence, and the
+`ring_attention` pass leaves the parameter gradients as their partial sums, which the `zero`
+pass reduces over both groups (stage 1: one all-reduce per bucket over a group of all the
+mesh's ranks; stages 2-3: the reduce-scatter over dp, then this rank's part all-reduced over sp).
+`accumulation_steps` works too: the running sums stay each rank's partial sums, reduced over both
+groups once per update. The state is sharded over dp alone: `Shard(0)` DTensors over a 1-D dp
+mesh, the same on the ranks of an sp group (not a 2-D mesh DTensor with `Replicate()` over sp);
+DCP saves and loads it on the same mesh (tests/test_zero_sequence_parallel.py). `offload=` works
+with it too, as without `sequence_parallel=`.
+
+Not yet: `offload=` together with overlap_next_step, activations="auto", a GradScaler or
+skip_nonfinite=True; running sums on the host under ZeRO (`Offload(accumulate_on="host" |
+"auto")` with accumulation_steps: the updating call reduces the sums on the device, and host sums
+are added after that reduction would have to read them); a GradScaler or skip_nonfinite=True
+together with sequence_parallel=. Each is refused with an `UnsupportedError` that says so.
 """
 
 from __future__ import annotations
@@ -68,7 +83,9 @@ class ZeRO(OverGroup):
             parameter (the model's parameters become DTensors when the step first compiles),
             and the graph gathers each bucket of parameters before forward reads it and again
             before backward does (`passes/zero_params.py`).
-        group: the torch.distributed process group; None: the default (world) group.
+        group: the torch.distributed process group, or a 1-D `DeviceMesh` (one dimension of a
+            mesh, e.g. ``mesh["dp"]``, with ZeRO and sequence parallelism together); None: the
+            default (world) group.
         bucket_numel: most elements of gradients one collective covers (buckets follow the
             order gradients are produced in backward); per bucket, one gradient collective
             and one all-gather.

@@ -15,6 +15,7 @@ the config's `RankTimeoutError`. The user's group keeps its own timeout for ever
 from __future__ import annotations
 
 import datetime
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch.distributed as dist
@@ -32,10 +33,23 @@ class OverGroup:
     timeout_error: ClassVar[type[Exception]]
 
     def process_group(self) -> dist.ProcessGroup:
+        """The group: `group` itself, the world group for None, or the group of a 1-D `DeviceMesh`
+        (e.g. one dimension of a 2-D mesh, ``mesh["dp"]``), over this rank's slice of it."""
         if not dist.is_available() or not dist.is_initialized():
             raise UnsupportedError(f"{self.parallelism} needs torch.distributed: call "
                                    "torch.distributed.init_process_group() first (e.g. under torchrun)")
-        return self.group if self.group is not None else dist.group.WORLD
+        if self.group is None:
+            return dist.group.WORLD
+        from torch.distributed.device_mesh import DeviceMesh
+
+        if isinstance(self.group, DeviceMesh):
+            if self.group.ndim != 1:
+                raise UnsupportedError(
+                    f"{type(self).__name__}(group=...) was given a {self.group.ndim}-D DeviceMesh "
+                    f"{self.group.mesh_dim_names or ''}: pass one dimension of it, e.g. mesh['dp'] for data "
+                    "parallelism and mesh['sp'] for sequence parallelism")
+            return self.group.get_group()
+        return self.group
 
     @property
     def group_name(self) -> str:
@@ -71,3 +85,99 @@ class OverGroup:
             "the other ranks' errors first. The group cannot be used again in this process: end every rank "
             "and restart the job from the last checkpoint (torchrun restarts the ranks with --max-restarts); "
             "raise timeout_s if a rank is merely slow.")
+
+
+@dataclass(frozen=True)
+class MeshRankFailed:
+    """`OverGroup.rank_failed` for a step over both dimensions of a mesh (ZeRO over `dp`,
+    sequence parallelism over `sp`): a collective of the step failed over one of its three
+    groups (dp, sp, or all the mesh's ranks); the error names each group's ranks."""
+
+    dp: OverGroup
+    sp: OverGroup
+
+    def __call__(self, exc: BaseException, where: str) -> Exception:
+        dp_ranks = dist.get_process_group_ranks(self.dp.process_group())
+        sp_ranks = dist.get_process_group_ranks(self.sp.process_group())
+        return self.dp.timeout_error(
+            f"ZeRO data parallelism with sequence parallelism: rank {dist.get_rank()} of {dist.get_world_size()} "
+            f"failed in a collective of the step ({where}) over one of the step's own groups: data-parallel global "
+            f"ranks {dp_ranks} (timing out after ZeRO(timeout_s={self.dp.timeout_s:g})), sequence-parallel ranks "
+            f"{sp_ranks} (SequenceParallel(timeout_s={self.sp.timeout_s:g})) or all ranks of the mesh (the longer "
+            f"of the two): another rank raised or died inside the step, or did not reach this collective in time "
+            f"({describe(exc)}). Look at the other ranks' errors first. The groups cannot be used again in this "
+            "process: end every rank and restart the job from the last checkpoint (torchrun restarts the ranks "
+            "with --max-restarts); raise timeout_s if a rank is merely slow.")
+
+
+def check_orthogonal(dp_groups: list[list[int]], sp_groups: list[list[int]], world: int) -> None:
+    """Data parallelism over one group and sequence parallelism over another (a 2-D mesh): every
+    rank's pair of groups, `dp_groups[r]` and `sp_groups[r]` (global ranks), must cut the world
+    into a grid: each rank in exactly one group of each kind, a group of one kind meeting each
+    of the other in one rank, and dp size x sp size = world. Raises `UnsupportedError` naming
+    both groups' ranks otherwise (a pure check, given every rank's groups)."""
+    for r in range(world):
+        dp, sp = sorted(dp_groups[r]), sorted(sp_groups[r])
+        both = f"rank {r}'s data-parallel group has ranks {dp} and its sequence-parallel group ranks {sp}"
+        problem = None
+        if r not in dp or r not in sp:
+            problem = "a rank must belong to both of its groups"
+        elif set(dp) & set(sp) != {r}:
+            problem = "they share ranks other than itself (the two groups must be different dimensions of a mesh)"
+        elif len(dp) * len(sp) != world:
+            problem = f"their sizes {len(dp)} x {len(sp)} are not the world size {world}"
+        else:
+            for q in dp:   # the same groups as seen by every rank named in them
+                if sorted(dp_groups[q]) != dp:
+                    problem = f"rank {q} is in it but names data-parallel ranks {sorted(dp_groups[q])}"
+                    break
+            for q in sp:
+                if problem is None and sorted(sp_groups[q]) != sp:
+                    problem = f"rank {q} is in it but names sequence-parallel ranks {sorted(sp_groups[q])}"
+        if problem is not None:
+            raise UnsupportedError(
+                f"ZeRO data parallelism with sequence_parallel=: {both}: {problem}. The two groups must be "
+                "the two dimensions of one device mesh, every rank in exactly one group of each: e.g. "
+                "mesh = init_device_mesh(device, (dp, sp), mesh_dim_names=('dp', 'sp')), then "
+                "ZeRO(group=mesh['dp']) and SequenceParallel(group=mesh['sp'])")
+
+
+def check_mesh(dp: OverGroup, sp: OverGroup) -> None:
+    """`check_orthogonal` on every rank's groups, gathered over the world (once, on a step's
+    first call, before anything is traced; every rank of the job must call it). The gather is one
+    small all-gather over gloo (the world group, or a gloo group beside an NCCL one) that waits at
+    most the longer `timeout_s`, so a rank that never calls makes the others raise the dp
+    config's `timeout_error` rather than hang."""
+    import torch
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    mine = torch.full((2, world), -1, dtype=torch.int64)
+    for row, config in enumerate((dp, sp)):
+        ranks = dist.get_process_group_ranks(config.process_group())
+        mine[row, :len(ranks)] = torch.tensor(ranks, dtype=torch.int64)
+    timeout = datetime.timedelta(seconds=max(dp.timeout_s, sp.timeout_s))
+    group = dist.group.WORLD if "gloo" in str(dist.get_backend()) else dist.new_group(backend="gloo", timeout=timeout)
+    every = [torch.empty_like(mine) for _ in range(world)]
+    try:
+        ok = dist.all_gather(every, mine, group=group, async_op=True).wait(timeout)
+        cause = ""
+    except Exception as exc:  # noqa: BLE001 - backends raise their own error types
+        ok, cause = False, f" ({describe(exc)})"
+    if ok is False:
+        raise dp.timeout_error(
+            f"ZeRO data parallelism with sequence_parallel=: rank {rank} of {world} waited "
+            f"{timeout.total_seconds():g} s for the other ranks to start the step's first call: a rank failed or "
+            f"never called it{cause}")
+    groups = [[[r for r in e[row].tolist() if r >= 0] for e in every] for row in (0, 1)]
+    check_orthogonal(groups[0], groups[1], world)
+
+
+def mesh_step_group(dp: OverGroup, sp: OverGroup) -> dist.ProcessGroup:
+    """A step's group over the ranks of both dimensions of a mesh, which `check_mesh` made sure
+    are the whole world (in rank order), on the dp group's backend, timing out after the longer
+    of the two configs' `timeout_s`. Every rank calls it at the same point, after its two
+    `step_group`s."""
+    group = dp.process_group()
+    return dist.new_group(list(range(dist.get_world_size())), backend=dist.get_backend(group),
+                          timeout=datetime.timedelta(seconds=max(dp.timeout_s, sp.timeout_s)),
+                          use_local_synchronization=True)

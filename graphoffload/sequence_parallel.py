@@ -18,7 +18,9 @@ Two ways to feed the batch (both give the same result):
 
 Every call first checks that the ranks pass tensors of the same shapes and dtypes, and the
 first call with ``batch="full"`` that they pass the same batch (`RankAgreement`: one small
-all-gather over gloo).
+all-gather over gloo). With ZeRO over the other dimension of a mesh (`data_parallel=`), the
+ranks of each sp group split one micro-batch: the batch is checked over the sp group, the shapes
+over both groups (one `RankAgreement` each), and the gradients are left to the `zero` pass.
 """
 
 from __future__ import annotations
@@ -42,7 +44,9 @@ class SequenceParallel(OverGroup):
     """Sequence parallelism over a process group (the `ring_attention` pass).
 
     Attributes:
-        group: the torch.distributed process group; None: the default (world) group.
+        group: the torch.distributed process group, or a 1-D `DeviceMesh` (one dimension of a
+            mesh, e.g. ``mesh["sp"]``, with ZeRO and sequence parallelism together); None: the
+            default (world) group.
         layout: ``"zigzag"`` (rank r holds chunks r and 2N-1-r of 2N, balancing causal work)
             or ``"contiguous"`` (rank r holds chunk r of N).
         batch: ``"full"`` (every rank passes the whole batch) or ``"sharded"`` (each rank

@@ -73,6 +73,9 @@ class PassContext:
     # with accumulation_steps and Offload(accumulate_on="auto"): the step's one decision of where
     # each running gradient sum lives, shared by both compiled variants (passes/host_accumulation.py)
     grad_sum_placement: SumPlacement | None = None
+    # with data_parallel= and sequence_parallel= (a 2-D mesh): the name of the step's group over
+    # both dimensions' ranks, over which ZeRO stage 1 all-reduces the gradients in one collective
+    mesh_group: str | None = None
 
 
 def validate_schedule(passes: Sequence[Pass], known: frozenset[str]) -> None:

@@ -23,6 +23,9 @@ the elementwise `FALLBACK` for an op without one:
   all-reduce first. Parameter gradients are all-reduced in buckets (one
   `_c10d_functional.all_reduce_coalesced` + `wait_tensor` per optimizer update kernel, right
   after its last gradient is produced), so every rank applies the same update.
+  With `data_parallel=` (ZeRO over the other dimension of a mesh) the pass leaves the
+  parameter gradients partial and lists them in a `deferred_gradients` note: the `zero` pass
+  reduces them over both groups in its own bucket collectives.
 * **The loss** (`nll_loss_forward`, i.e. cross-entropy, with mean reduction) becomes the sum
   over local tokens, all-reduced with the token count: the mean over all tokens of all ranks,
   and its backward divides by the global count.
@@ -56,8 +59,12 @@ class _Sharder:
     """The walk over the graph: each node's `Spec`, the shards and all-reduces it inserted.
     What it does at a node is the node's rule (`ring_attention_rules.rule_for`)."""
 
-    def __init__(self, train_graph: TrainGraph, sp: Any):
+    def __init__(self, train_graph: TrainGraph, sp: Any, defer_gradients: bool = False):
         self.train_graph = train_graph
+        # with ZeRO (`data_parallel=`) over the other dimension of a mesh, the parameter
+        # gradients' partial sums are left to the `zero` pass, which reduces them over both groups
+        self.defer_gradients = defer_gradients
+        self.deferred: list[str] = []
         self.graph = train_graph.graph
         self.sp = sp
         self.rank, self.world, self.group = sp.rank, sp.world_size, sp.group_name
@@ -99,11 +106,19 @@ class _Sharder:
         grads: dict[fx.Node, None] = {}
         for node in self.graph.nodes:
             if kernel_rule(node) is not None:
-                grads.update((grad, None) for grad in node.args[1] if isinstance(grad, fx.Node))
+                grads.update((self._produced(grad), None) for grad in node.args[1] if isinstance(grad, fx.Node))
         self.buckets: dict[fx.Node, list[fx.Node]] = {
             bucket[-1]: bucket for bucket in greedy_buckets(sorted(grads, key=self.position.__getitem__),
                                                             lambda grad: grad.meta["val"].numel(),
                                                             sp.bucket_numel)}
+
+    def _produced(self, grad: fx.Node) -> fx.Node:
+        """The gradient as backward produced it: with ZeRO (`defer_gradients`), the gradient
+        clipping's in-place `mul_` scaled (the update reads what `mul_` returned), so it is taken
+        as reduced from where backward makes it, before clipping's norms read it."""
+        if self.defer_gradients and grad.target in (aten.mul_.Tensor, aten.mul_.Scalar):
+            return grad.args[0]
+        return grad
 
     # ------------------------------------------------------------------ what rules see
 
@@ -329,6 +344,20 @@ class _Sharder:
                                        "shape follows the sequence length are not supported")
         if not grads:
             return
+        if self.defer_gradients:
+            # ZeRO over another group reduces them, over both groups (passes/zero.py): from here
+            # on they are taken as the sums over this sequence-parallel group they will be
+            changed = [g for g in grads if g.meta.get("phase") != "backward"]
+            if changed:
+                raise UnsupportedError(
+                    f"ZeRO data parallelism with sequence_parallel=: the update reads {changed[0].name} "
+                    f"({changed[0].target}, at {user_line(changed[0])}), a gradient changed after backward other "
+                    "than by clip_grad_norm_'s scaling; ZeRO reduces the gradients over both groups and cannot "
+                    "reduce a changed one yet: drop the change, or one of data_parallel= and sequence_parallel=")
+            for grad in grads:
+                self.specs[grad] = REPLICATED
+                self.deferred.append(grad.name)
+            return
         with self.graph.inserting_after(last):
             red = self.new_node(c10d.all_reduce_coalesced.default, (grads, "sum", self.group), phase="comm",
                                 like=last)
@@ -366,7 +395,7 @@ def ring_attention(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
     sp = ctx.config.sequence_parallel
     if sp is None:
         return graph
-    sharder = _Sharder(graph, sp)
+    sharder = _Sharder(graph, sp, defer_gradients=ctx.config.data_parallel is not None)
     sharder.run()
     c = sharder.counts
     graph.note("ring_attention", f"rank {sharder.rank} of {sharder.world}, {sp.layout} layout: the sequence of "
@@ -380,6 +409,10 @@ def ring_attention(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
                f"{c['losses']} loss(es) averaged over all ranks' tokens; {c['partials']} other partial sums "
                "all-reduced", "reductions", gradients=c["grads"], gradient_buckets=c["buckets"],
                losses=c["losses"], other_partials=c["partials"])
+    if sharder.defer_gradients:
+        graph.note("ring_attention", f"{len(sharder.deferred)} parameter gradients left as this rank's partial sums "
+                   f"over the sequence-parallel group {sp.group_name!r}: the zero pass reduces them over it and the "
+                   "data-parallel group", "deferred_gradients", gradients=tuple(sharder.deferred), group=sp.group_name)
     if c["sharded_outputs"]:
         graph.note("ring_attention", f"{c['sharded_outputs']} step outputs are this rank's part of the sequence")
     return graph

@@ -388,25 +388,44 @@ def _local_rows(emit: _Emitter, it: _Item, full: fx.Node, world: int, rank: int,
     return emit(aten.slice.Tensor, (full, 0, start, start + rows), full, phase=phase, param=(it.name,))
 
 
-def _reduce_gradients(emit: _Emitter, bucket: _Bucket, stage: int, rank: int, world: int,
-                      group: str) -> dict[fx.Node, tuple[fx.Node, fx.Node | None]]:
+def _summed(emit: _Emitter, bucket: _Bucket, tensors: list[fx.Node], group: str) -> list[fx.Node]:
+    """One `all_reduce_coalesced` (a sum) of the bucket's `tensors` over `group`, waited for."""
+    red = emit(c10d.all_reduce_coalesced.default, (tensors, "sum", group), bucket.items[-1].grad)
+    out = []
+    for i, it in enumerate(bucket.items):
+        item = emit(operator.getitem, (red, i), it.grad, param=(it.name,))
+        out.append(emit(c10d.wait_tensor.default, (item,), it.grad, param=(it.name,)))
+    return out
+
+
+def _reduce_gradients(emit: _Emitter, bucket: _Bucket, stage: int, rank: int, world: int, group: str,
+                      sp_group: str | None = None, mesh_group: str | None = None
+                      ) -> dict[fx.Node, tuple[fx.Node, fx.Node | None]]:
     """Stage 1: every gradient averaged; stage 2: this rank's chunks of them. Returns
-    grad -> (this rank's chunk of its average, the whole average or None (stage 2))."""
+    grad -> (this rank's chunk of its average, the whole average or None (stage 2)).
+
+    `sp_group`: the gradients are partial sums over this sequence-parallel group too (ring
+    attention left them to this pass): stage 1 sums the bucket over both dimensions in one
+    `all_reduce_coalesced` over `mesh_group` (their ranks together); stages 2 and 3
+    reduce-scatter over the data-parallel group first and then all-reduce this rank's part over
+    `sp_group` (1/N of the bucket), which moves less than summing the whole bucket over it first
+    (one reduce-scatter over both dimensions would cut each chunk once more, and an all-gather
+    over sp would have to follow: two collectives again)."""
     last = bucket.items[-1].grad
     averaged = {}
     if stage == 1:
         grads = [it.grad for it in bucket.items]
-        red = emit(c10d.all_reduce_coalesced.default, (grads, "sum", group), last)
-        for i, it in enumerate(bucket.items):
-            item = emit(operator.getitem, (red, i), it.grad, param=(it.name,))
-            wait = emit(c10d.wait_tensor.default, (item,), it.grad, param=(it.name,))
+        for it, wait in zip(bucket.items, _summed(emit, bucket, grads, group if sp_group is None else mesh_group)):
             avg = emit(aten.div.Scalar, (wait, world), it.grad, param=(it.name,))
             averaged[it.grad] = (_local_rows(emit, it, avg, world, rank), avg)
         return averaged
     pieces = [_rows_by_rank(emit, it, it.grad, world) for it in bucket.items]
     flat = emit(aten.reshape.default, (emit(aten.cat.default, (pieces, 1), last), [-1]), last)
     red = emit(c10d.reduce_scatter_tensor.default, (flat, "sum", world, group), last)
-    mine = emit(aten.div.Scalar, (emit(c10d.wait_tensor.default, (red,), last), world), last)
+    mine = emit(c10d.wait_tensor.default, (red,), last)
+    if sp_group is not None:
+        mine = emit(c10d.wait_tensor.default, (emit(c10d.all_reduce.default, (mine, "sum", sp_group), last),), last)
+    mine = emit(aten.div.Scalar, (mine, world), last)
     for it in bucket.items:
         part = emit(aten.slice.Tensor, (mine, 0, it.offset, it.offset + it.local_numel(world, rank)), it.grad,
                     param=(it.name,))
@@ -567,6 +586,28 @@ def _note_params(graph: TrainGraph, gathers: GatherReport, local: int, total: in
                gathered_numel=gathered_numel, volume_vs_ddp=ratio)
 
 
+def _sequence_parallel_group(graph: TrainGraph, ctx: PassContext, items: list[_Item]) -> str | None:
+    """With `sequence_parallel=`: the group over which `ring_attention` left the gradients the
+    update reads as partial sums (its `deferred_gradients` note), which this pass reduces over
+    it besides the data-parallel group; None without sequence parallelism."""
+    if ctx.config.sequence_parallel is None:
+        return None
+    notes = graph.notes_of("ring_attention", "deferred_gradients")
+    deferred = set(notes[0].fields["gradients"]) if notes else set()
+    for it in items:
+        if it.grad.name not in deferred:
+            raise UnsupportedError(
+                f"ZeRO data parallelism with sequence_parallel=: the gradient of {it.name} ({it.grad.name}, at "
+                f"{_line(it.grad)}) is not one ring attention left as a partial sum over the sequence-parallel "
+                "group (a parameter whose gradient does not come from the split sequence), which this "
+                "combination cannot reduce yet; drop data_parallel= or sequence_parallel=")
+    if ctx.config.data_parallel.stage == 1 and ctx.mesh_group is None:
+        raise UnsupportedError("ZeRO stage 1 with sequence_parallel= all-reduces the gradients over both dimensions' "
+                               "ranks: the pass needs PassContext(mesh_group=...), the name of a group over them "
+                               "(offload_compile makes one)")
+    return notes[0].fields["group"]
+
+
 def zero(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
     dp = ctx.config.data_parallel
     if dp is None:
@@ -591,6 +632,12 @@ def zero(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
         raise UnsupportedError(
             f"ZeRO data parallelism with offload= and a GradScaler (its inf checks at {_line(checks[0])}) is not "
             "supported yet: drop offload= or the GradScaler (bf16 autocast needs no loss scaling)")
+    if checks and ctx.config.sequence_parallel is not None:
+        raise UnsupportedError(
+            f"ZeRO data parallelism with sequence_parallel= and a GradScaler (its inf checks at {_line(checks[0])}) "
+            "is not supported yet (not tested): drop the GradScaler (bf16 autocast needs no loss scaling), or one of "
+            "data_parallel= and sequence_parallel=")
+    sp_group = _sequence_parallel_group(graph, ctx, items)
     position = {n: i for i, n in enumerate(g.nodes)}
     sharded = _stage_3_params(items, position, world, rank) if dp.stage == 3 else []
     buckets = _layout(items, position, dp.bucket_numel, world)
@@ -615,7 +662,7 @@ def zero(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
     for bucket in buckets:
         last = max((it.grad for it in bucket.items), key=position.__getitem__)
         with g.inserting_before(last.next):   # (inserting_after would put each new node first)
-            averaged = _reduce_gradients(emit, bucket, dp.stage, rank, world, group)
+            averaged = _reduce_gradients(emit, bucket, dp.stage, rank, world, group, sp_group, ctx.mesh_group)
         for grad, (local, whole) in averaged.items():
             for user in readers[grad]:
                 user.replace_input_with(grad, whole if user is output else local)
@@ -652,6 +699,18 @@ def zero(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
                stage=dp.stage, rank=rank, world=world, buckets=len(buckets), gradient_collective=collective,
                params=len(items), local_numel=local, numel=total, state_numel=state_numel,
                bucket_parts=tuple(b.part for b in buckets), padded_numel=padded)
+    if sp_group is not None:
+        order = ("the bucket all-reduced over both dimensions' ranks at once (one collective)" if dp.stage == 1
+                 else "the bucket reduce-scattered over the data-parallel group, then this rank's part "
+                 "all-reduced over the sequence-parallel group (two collectives)")
+        graph.note("zero", f"two dimensions: gradients are partial sums over the sequence-parallel group "
+                   f"{sp_group!r} ({ctx.config.sequence_parallel.world_size} ranks) and per-micro-batch over the "
+                   f"data-parallel group ({world} ranks); per bucket {order}, then divided by {world}",
+                   "two_dimensions", sequence_parallel_group=sp_group, data_parallel_group=group,
+                   mesh_group=ctx.mesh_group, sequence_parallel_world=ctx.config.sequence_parallel.world_size,
+                   data_parallel_world=world,
+                   gradient_collectives=(("all_reduce_coalesced", "mesh"),)
+                   if dp.stage == 1 else (("reduce_scatter_tensor", "dp"), ("all_reduce", "sp")))
     if dp.stage == 3:
         _note_params(graph, gathers, local, total, padded)
     if clip is not None:

@@ -437,16 +437,6 @@ def test_a_stage_other_than_1_2_or_3_is_refused():
             graphoffload.ZeRO(stage=stage)
 
 
-@pytest.mark.parametrize("extra, named", [
-    ({"sequence_parallel": graphoffload.SequenceParallel()}, "sequence_parallel="),
-])
-def test_combinations_not_supported_yet_are_refused(extra, named):   # offload=: tests/test_zero_offload.py
-    with pytest.raises(graphoffload.UnsupportedError, match=f"ZeRO data parallelism with {named} is not supported yet"):
-        graphoffload.offload_compile(gpt_step, data_parallel=graphoffload.ZeRO(stage=2), **extra)
-    with pytest.raises(graphoffload.UnsupportedError, match="not supported yet"):
-        graphoffload.CompileConfig(data_parallel=graphoffload.ZeRO(), **extra)
-
-
 def test_a_zero_step_outside_a_process_group_says_how_to_start_one():
     model = _gpt()
     step = graphoffload.offload_compile(gpt_step, data_parallel=graphoffload.ZeRO())

@@ -1,0 +1,330 @@
+"""ZeRO over one dimension of a device mesh and ring attention over the other (`data_parallel=`
+and `sequence_parallel=` together), against single-process eager training.
+
+Four gloo ranks form a 2 x 2 mesh ("dp", "sp"): the two ranks of an sp group split the sequence
+of one micro-batch (passed whole, or as their `sp.shard` of it), the two dp groups shard the
+optimizer state (stage 2: the gradients, stage 3: the parameters too). Every rank's loss is its
+micro-batch's and its parameters equal eager training of a tiny Llama on the two micro-batches
+together (stage 1 with clip_grad_norm_); the gradient collectives per bucket are counted by
+group; a DCP checkpoint of the stage 2 run loads back on the same mesh. Groups that are not the two
+dimensions of one mesh are refused before anything is traced (on 4 ranks, and as a pure check
+without processes), and so is a first call that one rank never makes (`RankTimeoutError`)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch.distributed.tensor import DTensor, Shard
+from ring_dist import run_ranks
+from steps import hf_step
+
+import graphoffload
+from graphoffload.data_parallel import shard_rows
+from graphoffload.groups import check_orthogonal
+
+STEPS = 2
+RTOL = 2e-5        # losses (fp32: Llama upcasts the logits)
+FP64_RTOL = 1e-10  # fp64 parameters
+FP32_FACTOR = 10   # fp32 parameters and state: as tests/test_ring_attention_step.py bounds them
+FP32_FLOOR = 8 * 2.0 ** -24
+c10d = torch.ops._c10d_functional
+
+
+def _llama():   # fp32; the tests run it in fp64 too
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                   attn_implementation="sdpa")
+    return transformers.LlamaForCausalLM(cfg)
+
+
+def _batches(dp: int, rows: int = 2) -> list[dict]:
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for _ in range(STEPS):
+        x = torch.randint(0, 64, (rows * dp, 16), generator=g)
+        out.append({"input_ids": x, "labels": x})   # Llama shifts the labels itself
+    return out
+
+
+def _full(p):
+    return p.full_tensor() if isinstance(p, DTensor) else p.detach()
+
+
+def _clipped_hf_step(model, optimizer, batch):   # the tiny Llama's gradient norm is about 1.06: every step clips
+    loss = model(input_ids=batch["input_ids"], labels=batch["labels"]).loss
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss
+
+
+def _fp32_close(model, opt, eager, opt_e, ref, opt_ref):
+    """fp32: each parameter and optimizer state tensor within FP32_FACTOR times eager fp32's own
+    distance from eager fp64 (the ring attention tests' bound: AdamW's first steps turn fp32
+    rounding of near-zero gradient elements into lr-sized moves, whichever way the sums run)."""
+    def close(got, want, exact, what):
+        got, want, exact = _full(got).double(), want.detach().double(), exact.detach().double()
+        tol = FP32_FACTOR * (want - exact).abs().max().item() + FP32_FLOOR * exact.abs().max().item()
+        err = (got - want).abs().max().item()
+        assert err <= tol, f"{what}: {err:.3g} from eager fp32, bound {tol:.3g}"
+
+    for (name, p), q, r in zip(model.named_parameters(), eager.parameters(), ref.parameters()):
+        close(p, q, r, name)
+        for key, value in opt_e.state[q].items():
+            if key != "step":
+                close(opt.state[p][key], value, opt_ref.state[r][key], f"{name} {key}")
+
+
+def _train_and_compare(rank, mesh, stage, batch_mode, dtype=torch.float64, step_fn=hf_step, offload=None):
+    dp_mesh, sp_mesh = mesh["dp"], mesh["sp"]
+    dp_rank, dp_world = dp_mesh.get_local_rank(), dp_mesh.size()
+    eager = _llama().to(dtype)
+    model, ref = copy.deepcopy(eager), copy.deepcopy(eager).double()
+    opt_e, opt, opt_ref = (torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1) for m in (eager, model, ref))
+    sp = graphoffload.SequenceParallel(group=sp_mesh, batch=batch_mode, timeout_s=60)
+    # small buckets: several gradient buckets, each with its two collectives
+    step = graphoffload.offload_compile(step_fn, sequence_parallel=sp, offload=offload,
+                                        data_parallel=graphoffload.ZeRO(stage=stage, group=dp_mesh,
+                                                                        bucket_numel=8192, timeout_s=60))
+    exact = dtype == torch.float64
+    for batch in _batches(dp_world):
+        rows = batch["input_ids"].shape[0] // dp_world
+        mine = {k: v[dp_rank * rows:(dp_rank + 1) * rows] for k, v in batch.items()}
+        with torch.no_grad():   # this dp rank's micro-batch's loss, from the parameters every rank holds
+            own = eager(**mine).loss
+        step_fn(eager, opt_e, batch)   # the dp micro-batches together, full sequences
+        if not exact:
+            step_fn(ref, opt_ref, batch)
+        got = step(model, opt, sp.shard(mine) if batch_mode == "sharded" else mine)
+        assert torch.allclose(got, own, rtol=RTOL, atol=0), (rank, got, own)   # Llama's loss is fp32 (upcast)
+        if exact:   # fp64: the same sums in another order
+            for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+                err = ((_full(p) - q).abs().max() / q.abs().max()).item()
+                # (offload=: fp32 master weights of the fp64 model, as tests/test_zero_offload.py holds them)
+                assert err <= (FP64_RTOL if offload is None else RTOL), \
+                    f"rank {rank} stage {stage} {batch_mode} {offload}: {name} is {err:.3g} from eager"
+    if not exact:
+        _fp32_close(model, opt, eager, opt_e, ref, opt_ref)
+
+    # optimizer state: Shard(0) DTensors over the dp dimension, this dp rank's rows
+    for p, state in opt.state.items():
+        for key, t in state.items():
+            if key != "step":
+                assert isinstance(t, DTensor) and t.placements == (Shard(0),) and t.device_mesh.size() == dp_world
+                assert t.to_local().shape[0] == shard_rows(p.shape[0], dp_world, dp_rank)[1]
+    # the gradients: per bucket one all-reduce over all four ranks (stage 1) or a reduce-scatter over
+    # dp and an all-reduce of its result over sp (stages 2, 3); the loss: one all-reduce over sp
+    final = step.last.stages["final"]
+    assert (offload is not None) == any(s.host for s in final.signature.inputs)   # state in host memory
+    (shards,) = final.notes_of("zero", "shards")
+    (two,) = final.notes_of("zero", "two_dimensions")
+    (deferred,) = final.notes_of("ring_attention", "deferred_gradients")
+    buckets = shards.fields["buckets"]
+    assert buckets > 1 and len(deferred.fields["gradients"]) == shards.fields["params"]
+    sp_group = two.fields["sequence_parallel_group"]
+    assert sp_group == deferred.fields["group"]   # the group ring attention left the sums over
+    groups = {two.fields["data_parallel_group"]: "dp", sp_group: "sp", two.fields["mesh_group"]: "mesh"}
+    assert len(groups) == 3
+    by_group: dict = {}
+    for n in final.graph.nodes:
+        if n.op == "call_function" and n.target in (c10d.all_reduce_coalesced.default, c10d.all_reduce.default,
+                                                    c10d.reduce_scatter_tensor.default,
+                                                    c10d.all_gather_into_tensor.default):
+            key = (n.target, groups[n.args[-1]])
+            by_group[key] = by_group.get(key, 0) + 1
+    gathers = {3: shards.fields["buckets"] and len(final.notes_of("zero", "params")[0].fields["forward_buckets"])
+               + len(final.notes_of("zero", "params")[0].fields["backward_buckets"]) if stage == 3 else 0,
+               1: buckets, 2: buckets}[stage]
+    want = {(c10d.all_gather_into_tensor.default, "dp"): gathers}
+    if step_fn is _clipped_hf_step:   # the global norm: one scalar all-reduce over dp (the chunks are sp sums)
+        want[(c10d.all_reduce.default, "dp")] = 1
+    if stage == 1:
+        want.update({(c10d.all_reduce_coalesced.default, "mesh"): buckets,   # one collective over both
+                     (c10d.all_reduce.default, "sp"): 1})
+    else:
+        want.update({(c10d.reduce_scatter_tensor.default, "dp"): buckets,
+                     (c10d.all_reduce.default, "sp"): buckets + 1})
+    assert by_group == want, (stage, by_group, want)
+    return model, opt
+
+
+def _state(model, opt) -> dict:
+    names = {p: n for n, p in model.named_parameters()}
+    return {"params": {n: _full(p).clone() for n, p in model.named_parameters()},
+            "state": {names[p]: {k: _full(t).clone() for k, t in s.items()} for p, s in opt.state.items()}}
+
+
+def _dcp_round_trip(rank, mesh, model, opt, path):
+    """DCP saves the model and the dp-sharded state (the two ranks of an sp group hold the same
+    chunks) and loads them into a fresh model and step on the same mesh, every value as saved."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
+                                                         set_model_state_dict, set_optimizer_state_dict)
+
+    dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)},
+             checkpoint_id=path)
+    saved = _state(model, opt)
+    fresh = _llama().double()
+    with torch.no_grad():
+        for p in fresh.parameters():
+            p.add_(1.0)
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2, weight_decay=0.1)
+    step = graphoffload.offload_compile(hf_step, sequence_parallel=graphoffload.SequenceParallel(group=mesh["sp"]),
+                                        data_parallel=graphoffload.ZeRO(stage=2, group=mesh["dp"]))
+    dp_rank = mesh["dp"].get_local_rank()
+    step.compile(fresh, fresh_opt, {k: v[2 * dp_rank:2 * dp_rank + 2] for k, v in _batches(2)[0].items()})
+    state = {"model": get_model_state_dict(fresh), "optim": get_optimizer_state_dict(fresh, fresh_opt)}
+    dcp.load(state, checkpoint_id=path)
+    set_model_state_dict(fresh, state["model"])
+    set_optimizer_state_dict(fresh, fresh_opt, state["optim"])
+    loaded = _state(fresh, fresh_opt)
+    assert loaded.keys() == saved.keys()
+    for part in saved:
+        for name, value in saved[part].items():
+            if part == "params":
+                assert torch.equal(loaded[part][name], value), (rank, name)
+            else:
+                assert loaded[part][name].keys() == value.keys()
+                assert all(torch.equal(loaded[part][name][k], v) for k, v in value.items()), (rank, name)
+
+
+K = 2   # accumulation_steps
+
+
+def _accumulates_as_eager(rank, mesh, stage):
+    """accumulation_steps=K: each rank's running sums are its partial sums over its sequence part
+    of its micro-batches; the updating call reduces them over both groups, once per update, and
+    the accumulating calls run no gradient collective (their only one: the loss's, over sp)."""
+    dp_rank = mesh["dp"].get_local_rank()
+    eager = _llama().double()
+    model = copy.deepcopy(eager)
+    opt_e, opt = (torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1) for m in (eager, model))
+    step = graphoffload.offload_compile(hf_step, accumulation_steps=K,
+                                        sequence_parallel=graphoffload.SequenceParallel(group=mesh["sp"]),
+                                        data_parallel=graphoffload.ZeRO(stage=stage, group=mesh["dp"],
+                                                                        bucket_numel=8192))
+    for i, batch in enumerate(_batches(2) + _batches(2)[::-1]):   # two windows
+        (eager(**batch).loss / K).backward()
+        if i % K == K - 1:
+            opt_e.step()
+            opt_e.zero_grad()
+        step(model, opt, {k: v[2 * dp_rank:2 * dp_rank + 2] for k, v in batch.items()})
+        targets = [n.target for n in step.graphs["final"].graph.nodes]
+        gradient_collectives = sum(targets.count(t) for t in (c10d.reduce_scatter_tensor.default,
+                                                              c10d.all_reduce_coalesced.default))
+        assert targets.count(c10d.all_reduce.default) == (1 if i % K < K - 1 else 1 + gradient_collectives)
+        assert (gradient_collectives > 0) == (i % K == K - 1), (i, gradient_collectives)
+    for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+        err = ((_full(p) - q).abs().max() / q.abs().max()).item()
+        assert err <= FP64_RTOL, f"rank {rank} stage {stage} accumulating: {name} is {err:.3g} from eager"
+
+
+def _mesh_2x2(rank, world, path):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "sp"))
+    # the same group given for both dimensions: refused on every rank before anything is traced
+    model = _llama()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    step = graphoffload.offload_compile(hf_step, sequence_parallel=graphoffload.SequenceParallel(group=mesh["sp"]),
+                                        data_parallel=graphoffload.ZeRO(stage=2, group=mesh["sp"]))
+    with pytest.raises(graphoffload.UnsupportedError, match=r"data-parallel group has ranks \[\d, \d\] and its "
+                                                            r"sequence-parallel group ranks \[\d, \d\]: they share"):
+        step(model, opt, _batches(1)[0])
+    assert not opt.state and step.trace_count == 0
+    _silent_fourth_rank(rank, world, mesh)
+    # the two ranks of an sp group given different micro-batches (batch="full"): refused on both,
+    # the check per sp group (the dp ranks' micro-batches differ in every run below)
+    step = graphoffload.offload_compile(hf_step, sequence_parallel=graphoffload.SequenceParallel(group=mesh["sp"]),
+                                        data_parallel=graphoffload.ZeRO(stage=2, group=mesh["dp"]))
+    with pytest.raises(graphoffload.StateError, match=r"sequence parallelism: rank \d was given another batch"):
+        step(model, opt, _batches(2)[rank % 2])
+    assert not opt.state and step.trace_count == 0
+    _train_and_compare(rank, mesh, 1, "full", torch.float64, _clipped_hf_step)   # clip_grad_norm_ too
+    model, opt = _train_and_compare(rank, mesh, 2, "sharded", torch.float64)
+    _dcp_round_trip(rank, mesh, model, opt, path)
+    _train_and_compare(rank, mesh, 3, "full", torch.float32)
+    _accumulates_as_eager(rank, mesh, 2)
+    _train_and_compare(rank, mesh, 2, "full", torch.float64, offload=graphoffload.Offload())   # ZeRO-Offload
+
+
+@pytest.mark.slow   # four processes
+def test_zero_with_ring_attention_on_a_2x2_mesh_trains_as_eager_and_refuses_bad_meshes_and_silent_ranks(tmp_path):
+    run_ranks(_mesh_2x2, 4, str(tmp_path), deadline_s=500)
+
+
+def _silent_fourth_rank(rank, world, mesh):
+    """Rank 3 never calls: the others raise RankTimeoutError from the first call's check of the
+    mesh after timeout_s, nothing traced; then rank 3 answers that gather (a (2, world) int64
+    per rank), so the world group is whole again for what follows."""
+    import torch.distributed as dist
+
+    gave_up = torch.zeros(1)
+    if rank == 3:
+        for other in range(3):
+            dist.recv(gave_up, other, tag=7)
+        dist.all_gather([torch.empty(2, world, dtype=torch.int64) for _ in range(world)],
+                        torch.full((2, world), -1, dtype=torch.int64))
+        return
+    model = _llama()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    step = graphoffload.offload_compile(hf_step,
+                                        sequence_parallel=graphoffload.SequenceParallel(group=mesh["sp"], timeout_s=1),
+                                        data_parallel=graphoffload.ZeRO(stage=2, group=mesh["dp"], timeout_s=1))
+    with pytest.raises(graphoffload.RankTimeoutError, match=rf"rank {rank} of 4 waited 1 s for the other ranks"):
+        step(model, opt, _batches(2)[0])
+    assert step.trace_count == 0 and not opt.state
+    dist.send(gave_up, 3, tag=7)
+
+
+# ---------------------------------------------------------------- no processes
+
+
+def test_groups_that_are_not_a_mesh_are_refused_naming_both():
+    # 2 x 2 mesh [[0, 1], [2, 3]]: dp groups are the columns, sp groups the rows
+    dp = [[0, 2], [1, 3], [0, 2], [1, 3]]
+    sp = [[0, 1], [0, 1], [2, 3], [2, 3]]
+    check_orthogonal(dp, sp, 4)
+    check_orthogonal([[0, 1, 2, 3]] * 4, [[r] for r in range(4)], 4)   # sp of one rank each
+    with pytest.raises(graphoffload.UnsupportedError, match=r"rank 0's data-parallel group has ranks \[0, 1\] and "
+                                                            r"its sequence-parallel group ranks \[0, 1\]: they share"):
+        check_orthogonal(sp, sp, 4)
+    with pytest.raises(graphoffload.UnsupportedError, match=r"sizes 2 x 2 are not the world size 8"):
+        check_orthogonal(dp + dp, sp + sp, 8)
+    with pytest.raises(graphoffload.UnsupportedError, match=r"rank 2 is in it but names data-parallel ranks \[1, 2\]"):
+        check_orthogonal([[0, 2], [1, 2], [1, 2], [1, 3]], sp, 4)
+
+
+def test_a_device_mesh_dimension_is_a_group_and_a_2d_mesh_is_refused(one_process_group):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "sp"))
+    zero = graphoffload.ZeRO(group=mesh["dp"])
+    assert zero.world_size == 1 and zero.rank == 0 and zero.process_group() is mesh["dp"].get_group()
+    with pytest.raises(graphoffload.UnsupportedError, match=r"was given a 2-D DeviceMesh.*pass one dimension of it, "
+                                                            r"e.g. mesh\['dp'\]"):
+        graphoffload.ZeRO(group=mesh).process_group()
+
+
+
+def test_a_failed_collective_names_both_groups(one_process_group):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from graphoffload.groups import MeshRankFailed
+
+    mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "sp"))
+    failed = MeshRankFailed(graphoffload.ZeRO(group=mesh["dp"], timeout_s=3),
+                            graphoffload.SequenceParallel(group=mesh["sp"], timeout_s=4))
+    error = failed(RuntimeError("connection closed by peer"), "all_reduce, node all_reduce_1")
+    assert isinstance(error, graphoffload.RankTimeoutError)
+    message = str(error)
+    for part in ("(all_reduce, node all_reduce_1)", "data-parallel global ranks [0] (timing out after ZeRO(timeout_s=3))",
+                 "sequence-parallel ranks [0] (SequenceParallel(timeout_s=4))", "connection closed by peer",
+                 "restart the job from the last checkpoint"):
+        assert part in message, (part, message)
