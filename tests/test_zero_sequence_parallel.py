@@ -197,15 +197,16 @@ def _dcp_round_trip(rank, mesh, model, opt, path):
 K = 2   # accumulation_steps
 
 
-def _accumulates_as_eager(rank, mesh, stage):
+def _accumulates_as_eager(rank, mesh, stage, offload=None):
     """accumulation_steps=K: each rank's running sums are its partial sums over its sequence part
     of its micro-batches; the updating call reduces them over both groups, once per update, and
-    the accumulating calls run no gradient collective (their only one: the loss's, over sp)."""
+    the accumulating calls run no gradient collective (their only one: the loss's, over sp).
+    With `offload=` too (ZeRO-Offload), the updating call updates the rank's chunks on the host."""
     dp_rank = mesh["dp"].get_local_rank()
     eager = _llama().double()
     model = copy.deepcopy(eager)
     opt_e, opt = (torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1) for m in (eager, model))
-    step = graphoffload.offload_compile(hf_step, accumulation_steps=K,
+    step = graphoffload.offload_compile(hf_step, accumulation_steps=K, offload=offload,
                                         sequence_parallel=graphoffload.SequenceParallel(group=mesh["sp"]),
                                         data_parallel=graphoffload.ZeRO(stage=stage, group=mesh["dp"],
                                                                         bucket_numel=8192))
@@ -220,9 +221,11 @@ def _accumulates_as_eager(rank, mesh, stage):
                                                               c10d.all_reduce_coalesced.default))
         assert targets.count(c10d.all_reduce.default) == (1 if i % K < K - 1 else 1 + gradient_collectives)
         assert (gradient_collectives > 0) == (i % K == K - 1), (i, gradient_collectives)
+    assert (offload is not None) == any(s.host for s in step.graphs["final"].signature.inputs)   # state on the host
     for (name, p), q in zip(model.named_parameters(), eager.parameters()):
         err = ((_full(p) - q).abs().max() / q.abs().max()).item()
-        assert err <= FP64_RTOL, f"rank {rank} stage {stage} accumulating: {name} is {err:.3g} from eager"
+        assert err <= (FP64_RTOL if offload is None else RTOL), \
+            f"rank {rank} stage {stage} accumulating {offload}: {name} is {err:.3g} from eager"
 
 
 def _mesh_2x2(rank, world, path):
@@ -252,6 +255,7 @@ def _mesh_2x2(rank, world, path):
     _train_and_compare(rank, mesh, 3, "full", torch.float32)
     _accumulates_as_eager(rank, mesh, 2)
     _train_and_compare(rank, mesh, 2, "full", torch.float64, offload=graphoffload.Offload())   # ZeRO-Offload
+    _accumulates_as_eager(rank, mesh, 2, offload=graphoffload.Offload())   # ... accumulating
 
 
 @pytest.mark.slow   # four processes
