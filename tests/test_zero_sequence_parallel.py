@@ -221,7 +221,7 @@ def _accumulates_as_eager(rank, mesh, stage, offload=None):
                                                               c10d.all_reduce_coalesced.default))
         assert targets.count(c10d.all_reduce.default) == (1 if i % K < K - 1 else 1 + gradient_collectives)
         assert (gradient_collectives > 0) == (i % K == K - 1), (i, gradient_collectives)
-    assert (offload is not None) == any(s.host for s in step.graphs["final"].signature.inputs)   # state on the host
+    assert (offload is not None) == any(s.host for s in step.last.stages["final"].signature.inputs)   # state on the host
     for (name, p), q in zip(model.named_parameters(), eager.parameters()):
         err = ((_full(p) - q).abs().max() / q.abs().max()).item()
         assert err <= (FP64_RTOL if offload is None else RTOL), \
