@@ -208,8 +208,9 @@ class CompileConfig:
             counter changes (gradients are still cleared as the step says), and the call is
             counted in `step.skipped_steps`. Exact otherwise. Fused updates then wait for every
             gradient, as with global-norm clipping. Under ZeRO the loss and the norm are every
-            rank's (the flag is combined over the group), so every rank skips alike; not yet
-            with offload= there. Off by default (graphoffload/nonfinite.py).
+            rank's (the flag is combined over the group), so every rank skips alike, with
+            offload= too (the host updates read the combined flag). Off by default
+            (graphoffload/nonfinite.py).
     """
 
     subgroup_numel: int = 32 * 1024 * 1024
@@ -258,8 +259,7 @@ class CompileConfig:
                 "once per update; use Offload(accumulate_on='device') (the default)")
         not_yet = [what for what, given in (
             ("Offload(overlap_next_step=True)", self.offload.overlap_next_step),
-            ("Offload(activations='auto')", self.offload.activations == "auto"),
-            ("skip_nonfinite=True", self.skip_nonfinite)) if given]
+            ("Offload(activations='auto')", self.offload.activations == "auto")) if given]
         if not_yet:
             raise UnsupportedError(f"ZeRO data parallelism with offload= and {' and '.join(not_yet)} is not "
                                    "supported yet (each rank offloads its chunk of a step that updates every call); drop "

@@ -75,7 +75,10 @@ is made global as clipping's is (`_global_norm`); then each flag (the checks' `f
 skip flag, which the rank's own loss also sets) is replaced for everything that reads it after
 it is final by its maximum over the group, one scalar all-reduce each (`_agree_on_skipping`): an
 inf in any rank's chunk, or any rank's non-finite loss, skips the update everywhere, and the
-GradScaler's scale evolves alike on every rank. Not with `offload=` yet (refused).
+GradScaler's scale evolves alike on every rank. With `offload=` (ZeRO-Offload) nothing more is
+needed: the combined flag is what the update kernels read when `offload_optimizer` runs, so a
+CPU-path bucket copies that flag to the host with its chunks' gradients and the host update of
+this rank's chunks skips or applies as every other rank's does.
 
 What the pass cannot shard yet (other reads or writes of the gradients besides the update:
 another norm; `.grad` left set after clipping or, stage 1, with a GradScaler; with stages 2 and
@@ -628,10 +631,6 @@ def zero(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
     output = next(n for n in g.nodes if n.op == "output")
     skip_flag = _skip_flag(graph, output)
     items, clip, checks, skip_norm = _items(kernels, output, dp.stage, skip_flag)
-    if checks and ctx.config.offload is not None:
-        raise UnsupportedError(
-            f"ZeRO data parallelism with offload= and a GradScaler (its inf checks at {_line(checks[0])}) is not "
-            "supported yet: drop offload= or the GradScaler (bf16 autocast needs no loss scaling)")
     if checks and ctx.config.sequence_parallel is not None:
         raise UnsupportedError(
             f"ZeRO data parallelism with sequence_parallel= and a GradScaler (its inf checks at {_line(checks[0])}) "

@@ -7,7 +7,11 @@ training on the whole batch. The GradScaler run has a step where rank 0's micro-
 one gradient row that rank 1 owns: rank 0's own chunks stay finite, so only combining the flags
 makes it skip with rank 1 (and with eager). The skip_nonfinite run has a step whose loss is inf
 on rank 1 alone (its gradients finite): rank 0 must skip too. One rank's rewrite is also compiled
-in a single process (`AsRank`) for the graph's shape and what is refused."""
+in a single process (`AsRank`) for the graph's shape and what is refused.
+
+With `offload=` (ZeRO-Offload) the same runs update each rank's chunks on the host (or, with
+`device_updates=1`, on the device from host state): the host updates must read the flag combined
+over the group, or rank 0 would update its finite chunks on the poisoned step that eager skips."""
 
 from __future__ import annotations
 
@@ -124,13 +128,24 @@ def _same_on_every_rank(value: torch.Tensor, world: int) -> bool:
     return all(torch.equal(v, values[0]) for v in values)
 
 
-def _scaler_as_eager(rank, world, stage, step_fn=scaled_step):
+def _assert_offloaded(targets: list, offload) -> None:
+    """With `offload=`, the update ran where `device_updates` says: every bucket on the host
+    ("never"), or on the device with its state prefetched from the host (1)."""
+    if offload is None:
+        return
+    host = torch.ops.graphoffload.host_adam_.default in targets
+    prefetched = torch.ops.graphoffload.prefetch_to_device.default in targets
+    assert (host, prefetched) == ((True, False) if offload.device_updates == "never" else (False, True))
+
+
+def _scaler_as_eager(rank, world, stage, step_fn=scaled_step, offload=None):
     eager = _Net()
     model = copy.deepcopy(eager)
     opt_e = torch.optim.AdamW(eager.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
     scaler_e, scaler = (torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=2) for _ in range(2))
-    step = graphoffload.offload_compile(step_fn, data_parallel=graphoffload.ZeRO(stage=stage, timeout_s=60))
+    step = graphoffload.offload_compile(step_fn, offload=offload,
+                                        data_parallel=graphoffload.ZeRO(stage=stage, timeout_s=60))
     # 1e37 * 2**8 overflows fp32: rank 0's gradient of a.weight's last row is inf, so is the
     # average's, whose row rank 1 holds; eager's (the mean over 4 rows, 5e36 * 2**8) too
     scales, worst = [], 0.0
@@ -150,12 +165,13 @@ def _scaler_as_eager(rank, world, stage, step_fn=scaled_step):
     graph = step.last.graph
     assert graph.notes_of("zero", "nonfinite")[0].fields["checks"] >= 1
     targets = [n.target for n in graph.gm.graph.nodes]
+    _assert_offloaded(targets, offload)
     # found_inf: one scalar all-reduce (and clipping's norm one more)
     assert targets.count(c10d.all_reduce.default) == 1 + (step_fn is scaled_clipped_step)
     print(f"rank {rank} stage {stage} {step_fn.__name__}: largest relative error {worst:.3g}")
 
 
-def _accumulating_scaler_as_eager(rank, world, stage, k=2):
+def _accumulating_scaler_as_eager(rank, world, stage, k=2, offload=None):
     """accumulation_steps=k: the scaler unscales, checks and steps once a window, on the sums; a
     window in which rank 0's first micro-batch overflows a row rank 1 holds is skipped by both."""
     eager = _Net()
@@ -163,7 +179,7 @@ def _accumulating_scaler_as_eager(rank, world, stage, k=2):
     opt_e = torch.optim.AdamW(eager.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
     scaler_e, scaler = (torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=2) for _ in range(2))
-    step = graphoffload.offload_compile(scaled_step, accumulation_steps=k,
+    step = graphoffload.offload_compile(scaled_step, accumulation_steps=k, offload=offload,
                                         data_parallel=graphoffload.ZeRO(stage=stage, timeout_s=60))
     batches = _batches(world, {k: {"poison": (0, 1e37)}}, steps=3 * k)   # the second window's first
     scales, worst = [], 0.0
@@ -178,16 +194,17 @@ def _accumulating_scaler_as_eager(rank, world, stage, k=2):
         scales.append(scaler.get_scale())
         worst = max(worst, _assert_like_eager(model, eager, f"stage {stage} k={k} window {start // k}"))
     assert scales[1] == scales[0] / 2 and all(s["step"].item() == 2 for s in opt.state.values())
+    _assert_offloaded([n.target for n in step.last.graph.gm.graph.nodes], offload)
     print(f"rank {rank} stage {stage} accumulation_steps={k} GradScaler: largest relative error {worst:.3g}")
 
 
-def _skip_as_eager(rank, world, stage):
+def _skip_as_eager(rank, world, stage, offload=None):
     eager = _Net()
     model = copy.deepcopy(eager)
     opt_e = torch.optim.AdamW(eager.parameters(), lr=1e-2, weight_decay=0.1)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     step = graphoffload.offload_compile(plain_step, config=graphoffload.CompileConfig(skip_nonfinite=True),
-                                        data_parallel=graphoffload.ZeRO(stage=stage, timeout_s=60))
+                                        offload=offload, data_parallel=graphoffload.ZeRO(stage=stage, timeout_s=60))
     # the step after: rank 0's gradient of a.weight's last row is 1e20 (the loss finite), whose
     # average's row rank 1 holds; the global norm (and eager's on the whole batch) overflows fp32
     worst = 0.0
@@ -207,6 +224,7 @@ def _skip_as_eager(rank, world, stage):
         skipped = torch.tensor(step.skipped_steps)
         assert step.skipped_steps == sum(j <= i for j in bad) and _same_on_every_rank(skipped, world)
     assert all(s["step"].item() == 3 for s in opt.state.values())
+    _assert_offloaded([n.target for n in step.last.graph.gm.graph.nodes], offload)
     print(f"rank {rank} stage {stage} skip_nonfinite: largest relative error {worst:.3g}")
 
 
@@ -216,6 +234,14 @@ def _world2(rank, world):
         _skip_as_eager(rank, world, stage)
     _scaler_as_eager(rank, world, 2, scaled_clipped_step)
     _accumulating_scaler_as_eager(rank, world, 2)   # stage 3: refused (below)
+    # ZeRO-Offload: this rank's chunks updated on the host, or on the device from host state
+    host = graphoffload.Offload(device_updates="never")
+    for stage in (1, 2, 3):
+        _scaler_as_eager(rank, world, stage, offload=host)
+        _skip_as_eager(rank, world, stage, offload=host)
+    _scaler_as_eager(rank, world, 2, offload=graphoffload.Offload(device_updates=1))
+    _scaler_as_eager(rank, world, 2, scaled_clipped_step, offload=host)
+    _accumulating_scaler_as_eager(rank, world, 2, offload=host)
 
 
 @pytest.mark.slow   # two processes
@@ -275,18 +301,46 @@ def test_the_skip_flag_the_step_returns_is_combined_over_the_group(stage, one_pr
     assert norms and all(n.args[0].meta["val"].shape[0] == 2 for n in norms)
 
 
-def test_a_grad_scaler_with_zero_and_offload_is_refused_before_anything_changes(one_process_group):
-    model = _Net()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
-    step = graphoffload.offload_compile(scaled_step, offload=graphoffload.Offload(device_updates="never"),
-                                        data_parallel=AsRank(stage=2, as_rank=1, as_world=2))
-    with pytest.raises(graphoffload.UnsupportedError, match=r"offload= and a GradScaler .* not supported yet: drop "
-                                                            r"offload= or the GradScaler"):
-        step.compile(model, opt, torch.amp.GradScaler("cpu"), _micro(_batches(2, {})[0], 1))
-    assert not opt.state
-    with pytest.raises(graphoffload.UnsupportedError, match=r"offload= and skip_nonfinite=True is not supported yet"):
-        graphoffload.CompileConfig(skip_nonfinite=True, offload=graphoffload.Offload(),
-                                   data_parallel=graphoffload.ZeRO(stage=2))
+def _reached_avoiding(node: torch.fx.Node, wall: torch.fx.Node) -> set[torch.fx.Node]:
+    """`node`'s ancestors reached without passing through `wall`."""
+    seen, todo = set(), [node]
+    while todo:
+        for n in todo.pop().all_input_nodes:
+            if n not in seen and n is not wall:
+                seen.add(n)
+                todo.append(n)
+    return seen
+
+
+@pytest.mark.parametrize("stage,skip", [(1, False), (2, False), (2, True)])
+def test_with_offload_the_host_updates_read_the_flag_combined_over_the_group(stage, skip, one_process_group):
+    """ZeRO-Offload: the host update of this rank's chunks takes its `found_inf` from a host
+    copy of the combined flag (the wait of the "max" all-reduce), never of the rank's own."""
+    if skip:
+        graph, _ = _compile(stage, plain_step, skip_nonfinite=True, offload=graphoffload.Offload(device_updates="never"))
+    else:
+        model = _Net()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+        step = graphoffload.offload_compile(scaled_step, offload=graphoffload.Offload(device_updates="never"),
+                                            data_parallel=AsRank(stage=stage, as_rank=1, as_world=2))
+        graph = step.compile(model, opt, torch.amp.GradScaler("cpu"), _micro(_batches(2, {})[0], 1))
+    nodes = list(graph.gm.graph.nodes)
+    index = {n: i for i, n in enumerate(nodes)}
+    (flag,) = [n for n in nodes if n.target is c10d.all_reduce.default and n.args[1] == "max"]
+    agreed = next(iter(flag.users))
+    updates = [n for n in nodes if n.target is torch.ops.graphoffload.host_adam_.default]
+    assert updates and not any(n.target is torch.ops.aten._fused_adamw_.tensor_lr for n in nodes)
+    for update in updates:
+        host_flag = update.args[-2]   # found_inf
+        (copy,) = [n for n in nodes if n.target is torch.ops.graphoffload.copy_to_host.default
+                   and host_flag in n.args[1]]
+        source = copy.args[0][copy.args[1].index(host_flag)]
+        # the combined flag itself, or (a GradScaler's step) its sum over the devices, which
+        # reads no inf check but through the combined flag
+        checks = {n for n in nodes if n.target is torch.ops.aten._amp_foreach_non_finite_check_and_unscale_.default}
+        assert source is agreed or (agreed in _ancestors(source) and not checks & _reached_avoiding(source, agreed))
+        assert index[agreed] < index[copy] < index[update]
+    assert graph.notes_of("zero", "nonfinite")[0].fields["skip_nonfinite"] == skip
 
 
 def test_zero_3_with_accumulation_and_a_grad_scaler_and_skip_nonfinite_with_accumulation_are_refused(
