@@ -28,8 +28,10 @@ Stage 3 shards the parameters too: when the step first compiles, each parameter 
 
 A GradScaler and `skip_nonfinite=True` work with stages 1, 2 and 3: each rank checks its chunks
 of the averaged gradients, and the flag is combined over the group (its maximum, one scalar
-all-reduce), so every rank skips or applies the same update and the scale evolves alike (not
-yet: a GradScaler on stage 3 with accumulation_steps, skip_nonfinite with accumulation_steps;
+all-reduce), so every rank skips or applies the same update and the scale evolves alike; with
+`offload=` too, because that combined flag is the `found_inf` the update kernels read before
+`offload_optimizer` moves them to the host, so the host updates of each rank's chunks read it
+(not yet: a GradScaler on stage 3 with accumulation_steps, skip_nonfinite with accumulation_steps;
 both refused).
 
 `accumulation_steps=k` works with stages 1, 2 and 3: gradients are reduced once per update (the
@@ -53,8 +55,7 @@ mesh, the same on the ranks of an sp group (not a 2-D mesh DTensor with `Replica
 DCP saves and loads it on the same mesh (tests/test_zero_sequence_parallel.py). `offload=` works
 with it too, as without `sequence_parallel=`.
 
-Not yet: `offload=` together with overlap_next_step, activations="auto", a GradScaler or
-skip_nonfinite=True; running sums on the host under ZeRO (`Offload(accumulate_on="host" |
+Not yet: `offload=` together with overlap_next_step or activations="auto"; running sums on the host under ZeRO (`Offload(accumulate_on="host" |
 "auto")` with accumulation_steps: the updating call reduces the sums on the device, and host sums
 are added after that reduction would have to read them); a GradScaler or skip_nonfinite=True
 together with sequence_parallel=. Each is refused with an `UnsupportedError` that says so.
