@@ -28,9 +28,10 @@ Stage 3 shards the parameters too: when the step first compiles, each parameter 
 
 A GradScaler and `skip_nonfinite=True` work with stages 1, 2 and 3: each rank checks its chunks
 of the averaged gradients, and the flag is combined over the group (its maximum, one scalar
-all-reduce), so every rank skips or applies the same update and the scale evolves alike (not
-yet: a GradScaler on stage 3 with accumulation_steps, skip_nonfinite with accumulation_steps;
-both refused).
+all-reduce), so every rank skips or applies the same update and the scale evolves alike; with
+accumulation_steps too (the updating call checks the reduced sums; skip_nonfinite's flag is
+combined on the accumulating calls as well, so every rank counts the same calls in
+`skipped_steps`, as one process counts them).
 
 `accumulation_steps=k` works with stages 1, 2 and 3: gradients are reduced once per update (the
 `zero` pass; each rank's running sums are whole gradients on the device, also with stage 3). With

@@ -75,7 +75,10 @@ is made global as clipping's is (`_global_norm`); then each flag (the checks' `f
 skip flag, which the rank's own loss also sets) is replaced for everything that reads it after
 it is final by its maximum over the group, one scalar all-reduce each (`_agree_on_skipping`): an
 inf in any rank's chunk, or any rank's non-finite loss, skips the update everywhere, and the
-GradScaler's scale evolves alike on every rank. Not with `offload=` yet (refused).
+GradScaler's scale evolves alike on every rank. With `accumulation_steps` the updating call does
+this on the reduced sums, and an accumulating call's skip flag (its loss alone; it has no update)
+is combined the same way (`_agree_on_counting_a_micro_batch`), so every rank counts the same
+calls in `skipped_steps`. Not with `offload=` yet (refused).
 
 What the pass cannot shard yet (other reads or writes of the gradients besides the update:
 another norm; `.grad` left set after clipping or, stage 1, with a GradScaler; with stages 2 and
