@@ -257,6 +257,7 @@ class CompiledStep:
                 sharded = capture.shard_parameters(graph, self.config.data_parallel)
                 self._sharded_params.update((n, weakref.ref(p)) for n, p in sharded.items())
                 self._replaced.update((id(p), id(before[n])) for n, p in sharded.items() if p is not before[n])
+                self._refuse_stale_variants({n: before[n] for n, p in sharded.items() if p is not before[n]})
                 if any(p is not before[n] for n, p in sharded.items()):
                     # what this call's update writes now: the new parameters' rows (and their state)
                     self._before = Snapshot.take(capture.bindings)
@@ -273,6 +274,19 @@ class CompiledStep:
         if executor.host_state is not None:
             self._host_states.setdefault(owner, executor.host_state)
         return CompiledVariant(capture, graph, stages, executor, dict(ctx.timings))
+
+    def _refuse_stale_variants(self, replaced: dict[str, Tensor]) -> None:
+        """ZeRO stage 3: a variant compiled before this one must not still bind a parameter this
+        one's sharding just replaced (it would read, and write, the old whole tensor from now on,
+        silently). Every variant shards the same parameters (an accumulating one those its window's
+        update updates), so this is a library bug, reported rather than trained through."""
+        for variant in self._variants.values():
+            stale = sorted(n for n, old in replaced.items() if variant.capture.bindings.params.get(n) is old)
+            if stale:
+                raise StateError(
+                    f"internal error in {self._name}: ZeRO stage 3 sharded {', '.join(stale)} on this call, but a "
+                    "variant of the step compiled earlier holds them whole and would keep reading the replaced "
+                    "tensors; please report it with the step's code. Until then use ZeRO(stage=2) for this step")
 
     def _pass_context(self, device: torch.device, **kwargs: Any) -> PassContext:
         """What the passes read: `_pass_config`'s config and, with both `data_parallel=` and

@@ -327,9 +327,17 @@ def _swapped_scaler_state(bindings: StepBindings, traced: dict[tuple[int, str], 
     there. Eager accumulation calls them once a window, so the scale stays the same across the
     window's micro-batches, and the updating call unscales, checks and updates on the sums.
     A skipped `unscale_(opt)` or `step(opt)` is recorded in `events.grad_reads` for every
-    parameter of `opt`: on the updating call it reads their accumulated gradients on the device."""
+    parameter of `opt`: on the updating call it reads their accumulated gradients on the device.
+    A skipped `step(opt)` also counts `opt` as stepped (`events.stepped`), as the `optimizer.step()`
+    of a step without a scaler does on its accumulating call: what the window's update updates
+    (capture's `accumulation` note, `updated`) is read from it, and ZeRO stage 3 shards exactly
+    those parameters on the accumulating call (left out, they stayed whole there, bound to the
+    tensors the updating call's sharding had replaced, so the window after the first read stale
+    parameters)."""
     def skipped(*args: Any, method: str = "", **kwargs: Any) -> None:
         opt = args[0] if args else kwargs.get("optimizer")
+        if events is not None and method == "step":
+            events.stepped.update(i for i, o in enumerate(bindings.optimizers) if o is opt)
         if events is not None and leaf_names is not None and method in ("unscale_", "step") \
                 and isinstance(opt, torch.optim.Optimizer):
             line = calling_user_line()

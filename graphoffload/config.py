@@ -232,9 +232,6 @@ class CompileConfig:
             raise ValueError(f"subgroup_numel must be positive, got {self.subgroup_numel}")
         object.__setattr__(self, "disable_passes", tuple(self.disable_passes))
         if self.data_parallel is not None:
-            if self.skip_nonfinite and self.accumulation_steps > 1:
-                raise UnsupportedError("ZeRO data parallelism with skip_nonfinite=True and accumulation_steps > 1 is "
-                                       "not supported yet (not tested): drop skip_nonfinite=True or accumulation_steps")
             if self.skip_nonfinite and self.sequence_parallel is not None:
                 raise UnsupportedError("ZeRO data parallelism with sequence_parallel= and skip_nonfinite=True is not "
                                        "supported yet (not tested): drop skip_nonfinite=True, or one of "

@@ -30,9 +30,10 @@ A GradScaler and `skip_nonfinite=True` work with stages 1, 2 and 3: each rank ch
 of the averaged gradients, and the flag is combined over the group (its maximum, one scalar
 all-reduce), so every rank skips or applies the same update and the scale evolves alike; with
 `offload=` too, because that combined flag is the `found_inf` the update kernels read before
-`offload_optimizer` moves them to the host, so the host updates of each rank's chunks read it
-(not yet: a GradScaler on stage 3 with accumulation_steps, skip_nonfinite with accumulation_steps;
-both refused).
+`offload_optimizer` moves them to the host, so the host updates of each rank's chunks read it;
+with accumulation_steps too (the updating call checks the reduced sums; skip_nonfinite's flag is
+combined on the accumulating calls as well, so every rank counts the same calls in
+`skipped_steps`, as one process counts them).
 
 `accumulation_steps=k` works with stages 1, 2 and 3: gradients are reduced once per update (the
 `zero` pass; each rank's running sums are whole gradients on the device, also with stage 3). With

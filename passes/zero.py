@@ -78,7 +78,10 @@ inf in any rank's chunk, or any rank's non-finite loss, skips the update everywh
 GradScaler's scale evolves alike on every rank. With `offload=` (ZeRO-Offload) nothing more is
 needed: the combined flag is what the update kernels read when `offload_optimizer` runs, so a
 CPU-path bucket copies that flag to the host with its chunks' gradients and the host update of
-this rank's chunks skips or applies as every other rank's does.
+this rank's chunks skips or applies as every other rank's does. With `accumulation_steps` the
+updating call does this on the reduced sums, and an accumulating call's skip flag (its loss alone;
+it has no update) is combined the same way (`_agree_on_counting_a_micro_batch`), so every rank
+counts the same calls in `skipped_steps`.
 
 What the pass cannot shard yet (other reads or writes of the gradients besides the update:
 another norm; `.grad` left set after clipping or, stage 1, with a GradScaler; with stages 2 and
@@ -493,6 +496,25 @@ def _agree_on_skipping(emit: _Emitter, checks: list[fx.Node], skip_flag: fx.Node
     return [flag.name for flag in finals]
 
 
+def _agree_on_counting_a_micro_batch(graph: TrainGraph, group: str) -> TrainGraph:
+    """skip_nonfinite on an accumulating call (`accumulation_steps=k`; no update in its graph):
+    its flag is this rank's loss alone, which single-process accumulation counts in
+    `skipped_steps` (the window's update still runs unless its own call's flag is set: a
+    non-finite gradient reaches it through the running sums' norm). Replaced in the output by
+    its maximum over the group, so every rank counts the same calls."""
+    g = graph.graph
+    output = next(n for n in reversed(g.nodes) if n.op == "output")
+    flag = _skip_flag(graph, output)
+    if flag is None:
+        return graph
+    agreed = _agree_on_skipping(_Emitter(g), [], flag, group)
+    g.lint()
+    graph.note("zero", "accumulating call: skip_nonfinite's flag (this rank's loss) combined over the group (one "
+               "all-reduce max of a scalar), so every rank counts the call alike", "nonfinite",
+               checks=0, flags=tuple(agreed), skip_nonfinite=True)
+    return graph
+
+
 def _gather_parameters(emit: _Emitter, bucket: _Bucket, chunks: dict[fx.Node, fx.Node], world: int,
                        group: str) -> int:
     """All-gather the bucket's updated chunks; overwrite every (non 0-dim) parameter from them."""
@@ -616,13 +638,10 @@ def zero(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
     if dp is None:
         return graph
     window = graph.notes_of("capture", "accumulation")
-    if window and dp.stage == 3 and any(s.kind == "scaler" for s in graph.signature.inputs):
-        raise UnsupportedError(
-            "ZeRO stage 3 with accumulation_steps > 1 and a GradScaler is not supported yet (in our test its "
-            "updates after the first window differed from eager's; the cause is not found yet): use ZeRO(stage=2) "
-            "or accumulation_steps=1 with it")
-    if dp.stage == 3 and window and not window[0].fields["update"]:
-        return _accumulating_stage_3(graph, dp, window[0].fields["updated"])
+    if window and not window[0].fields["update"]:
+        if dp.stage == 3:
+            graph = _accumulating_stage_3(graph, dp, window[0].fields["updated"])
+        return _agree_on_counting_a_micro_batch(graph, dp.group_name)
     kernels = update_kernels_to_rewrite(graph, "zero", "shard")
     if not kernels:
         return graph

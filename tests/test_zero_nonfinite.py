@@ -228,12 +228,65 @@ def _skip_as_eager(rank, world, stage, offload=None):
     print(f"rank {rank} stage {stage} skip_nonfinite: largest relative error {worst:.3g}")
 
 
+def eager_skipping_window(model, optimizer, window: list[dict]) -> list[bool]:
+    """skip_nonfinite with accumulation_steps=k, eagerly, as a single-process compiled step does
+    it: each call's flag is its loss's finiteness, the updating call's also the fp32 global norm
+    of the accumulated gradients; a flagged accumulating call is counted and its gradients stay
+    in the sums, a flagged updating call skips step(). Returns each call's flag."""
+    k, flags = len(window), []
+    for j, batch in enumerate(window):
+        loss = _loss(model, batch)
+        (loss / k).backward()
+        bad = not torch.isfinite(loss)
+        if j == k - 1:
+            norms = [torch.linalg.vector_norm(p.grad, 2.0, dtype=torch.float32) for p in model.parameters()]
+            bad = bad or not torch.isfinite(torch.linalg.vector_norm(torch.stack(norms), 2.0))
+            if not bad:
+                optimizer.step()
+            optimizer.zero_grad()
+        flags.append(bool(bad))
+    return flags
+
+
+def _accumulating_skip_as_eager(rank, world, stage, k=2):
+    """skip_nonfinite with accumulation_steps=k: the second window's first call has an inf loss
+    on rank 1 alone (counted by both ranks, the window's update applied, as in one process); the
+    third window's first call overflows, on rank 0, a gradient row rank 1 holds after the
+    reduce-scatter (the loss finite): the sums carry it to the updating call, which both skip."""
+    eager = _Net()
+    model = copy.deepcopy(eager)
+    opt_e = torch.optim.AdamW(eager.parameters(), lr=1e-2, weight_decay=0.1)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    step = graphoffload.offload_compile(plain_step, accumulation_steps=k,
+                                        config=graphoffload.CompileConfig(skip_nonfinite=True),
+                                        data_parallel=graphoffload.ZeRO(stage=stage, timeout_s=60))
+    bad = {k: {"offset": (1, float("inf"))}, 2 * k: {"poison": (0, 1e21)}}
+    batches = _batches(world, bad, steps=3 * k)
+    flags, worst = [], 0.0
+    for start in range(0, len(batches), k):
+        params = [_whole(p).detach().clone() for p in model.parameters()]
+        for batch in batches[start:start + k]:
+            step(model, opt, _micro(batch, rank))
+        flags += eager_skipping_window(eager, opt_e, batches[start:start + k])
+        skipped = torch.tensor(step.skipped_steps)
+        assert step.skipped_steps == sum(flags) and _same_on_every_rank(skipped, world), (stage, start, flags)
+        if flags[-1]:   # the window's update skipped on every rank
+            assert all(torch.equal(_whole(p), q) for p, q in zip(model.parameters(), params))
+        worst = max(worst, _assert_like_eager(model, eager, f"stage {stage} skip_nonfinite k={k} window {start // k}"))
+    assert flags == [i in (k, 3 * k - 1) for i in range(3 * k)], flags
+    assert all(s["step"].item() == 2 for s in opt.state.values())
+    print(f"rank {rank} stage {stage} accumulation_steps={k} skip_nonfinite: largest relative error {worst:.3g}")
+
+
 def _world2(rank, world):
     for stage in (1, 2, 3):
         _scaler_as_eager(rank, world, stage)
         _skip_as_eager(rank, world, stage)
     _scaler_as_eager(rank, world, 2, scaled_clipped_step)
-    _accumulating_scaler_as_eager(rank, world, 2)   # stage 3: refused (below)
+    _accumulating_scaler_as_eager(rank, world, 2)
+    _accumulating_scaler_as_eager(rank, world, 3, k=3)
+    for stage in (1, 3):
+        _accumulating_skip_as_eager(rank, world, stage)
     # ZeRO-Offload: this rank's chunks updated on the host, or on the device from host state
     host = graphoffload.Offload(device_updates="never")
     for stage in (1, 2, 3):
@@ -343,16 +396,27 @@ def test_with_offload_the_host_updates_read_the_flag_combined_over_the_group(sta
     assert graph.notes_of("zero", "nonfinite")[0].fields["skip_nonfinite"] == skip
 
 
-def test_zero_3_with_accumulation_and_a_grad_scaler_and_skip_nonfinite_with_accumulation_are_refused(
+def test_accumulating_call_of_stage_3_with_a_grad_scaler_shards_the_parameters_its_update_updates(
         one_process_group):
+    """The cause of stage 3 + accumulation + a GradScaler drifting from eager after the first
+    window: `scaler.step(opt)`, a no-op on the accumulating call, did not count `opt` as stepped,
+    so that call sharded no parameter and kept reading the whole tensors the updating call had
+    replaced. Now it shards what the updating call does, and its skip flag is combined too."""
     model = _Net()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
     step = graphoffload.offload_compile(scaled_step, accumulation_steps=2,
                                         data_parallel=AsRank(stage=3, as_rank=1, as_world=2))
-    with pytest.raises(graphoffload.UnsupportedError, match=r"stage 3 with accumulation_steps > 1 and a GradScaler is "
-                                                            r"not supported yet.*use ZeRO\(stage=2\)"):
-        step.compile(model, opt, torch.amp.GradScaler("cpu"), _micro(_batches(2, {})[0], 1))
-    assert not opt.state and not any(isinstance(p, DTensor) for p in model.parameters())
-    with pytest.raises(graphoffload.UnsupportedError, match=r"skip_nonfinite=True and accumulation_steps > 1 is not "
-                                                            r"supported yet"):
-        graphoffload.CompileConfig(skip_nonfinite=True, accumulation_steps=2, data_parallel=graphoffload.ZeRO())
+    graph = step.compile(model, opt, torch.amp.GradScaler("cpu"), _micro(_batches(2, {})[0], 1))
+    assert not graph.notes_of("capture", "accumulation")[0].fields["update"]
+    assert set(graph.notes_of("zero", "params")[0].fields["sharded"]) == {"a.weight", "a.bias", "b.weight", "b.bias"}
+    assert isinstance(model.a.weight, DTensor)
+
+    skipping = graphoffload.offload_compile(plain_step, accumulation_steps=2,
+                                            config=graphoffload.CompileConfig(skip_nonfinite=True),
+                                            data_parallel=AsRank(stage=2, as_rank=1, as_world=2))
+    other = _Net()
+    graph = skipping.compile(other, torch.optim.AdamW(other.parameters()), _micro(_batches(2, {})[0], 1))
+    output = list(graph.gm.graph.nodes)[-1]
+    (flag,) = [v for spec, v in zip(graph.signature.outputs, output.args[0]) if spec.kind == "skipped"]
+    assert flag.target is c10d.wait_tensor.default and flag.args[0].args[1] == "max"
+    assert graph.notes_of("zero", "nonfinite")[0].fields["skip_nonfinite"]
