@@ -163,8 +163,10 @@ def test_explain_names_where_each_buckets_sums_live(tmp_path):
             assert "running gradient sums on the host" in step.explain()
 
 
-def scaled_step_fn(model, optimizer, scaler, x, y):
+def scaled_clipped_step_fn(model, optimizer, scaler, x, y):
     scaler.scale(torch.nn.functional.mse_loss(model(x), y)).backward()
+    scaler.unscale_(optimizer)
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)
     scaler.step(optimizer)
     scaler.update()
     optimizer.zero_grad()
@@ -179,7 +181,7 @@ def logged_norm_step_fn(model, optimizer, x, y):
     return norm
 
 
-@pytest.mark.parametrize("reader", ["GradScaler", "one gradient's norm"])
+@pytest.mark.parametrize("reader", ["GradScaler and clip_grad_norm_", "one gradient's norm"])
 def test_host_sums_refuse_a_step_that_reads_the_accumulated_gradient_on_the_device_at_the_first_call(reader):
     # the accumulating call sees .grad as None after backward, yet capture records who reads it:
     # the refusal comes before the first micro-batch runs, not on the k-th call
@@ -189,17 +191,18 @@ def test_host_sums_refuse_a_step_that_reads_the_accumulated_gradient_on_the_devi
         p.grad = torch.ones_like(p)
     opt.step()
     opt.zero_grad()
-    if reader == "GradScaler":
+    # judged on the updating variant, which the first call compiles as a probe
+    if reader == "GradScaler and clip_grad_norm_":   # host inf checks with host norms: not done yet
         scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
-        step, args = compiled("host", scaled_step_fn), (model, opt, scaler)
-    else:   # judged on the updating variant, which the first call compiles as a probe
+        step, args = compiled("host", scaled_clipped_step_fn), (model, opt, scaler)
+    else:
         step, args = compiled("host", logged_norm_step_fn), (model, opt)
     params = [p.detach().clone() for p in model.parameters()]
     state = copy.deepcopy(opt.state_dict())
     with pytest.raises(UnsupportedError, match="accumulate_on='device'") as info:
         step(*args, *batches(1)[0])
     # the user's line that reads the gradients
-    assert ("scaler.step(optimizer)" if reader == "GradScaler" else "grad.norm()") in str(info.value) and "test_accumulation_offload.py" in str(info.value)
+    assert ("scaler.unscale_(optimizer)" if reader.startswith("GradScaler") else "grad.norm()") in str(info.value) and "test_accumulation_offload.py" in str(info.value)
     assert all(torch.equal(p, b) for p, b in zip(model.parameters(), params))
     assert all(p.grad is None for p in model.parameters())
     after = opt.state_dict()
@@ -321,12 +324,13 @@ def test_auto_sums_refuse_a_budget_below_the_all_host_peak_naming_the_minimum():
 
 
 def test_auto_sums_keep_on_the_device_what_the_step_reads_there():
-    # a GradScaler's inf checks read every accumulated gradient on the device: nothing can move,
-    # so a budget below the all-device peak is refused with that reason
+    # a GradScaler's inf checks together with clip_grad_norm_ read every accumulated gradient on
+    # the device (not done on the host yet): nothing can move, so a budget below the all-device
+    # peak is refused with that reason
     model = mlp()
     opt = OPTIMIZERS["adamw"](model)
     scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
-    step = auto_step(1024, scaled_step_fn)
+    step = auto_step(1024, scaled_clipped_step_fn)
     with pytest.raises(UnsupportedError, match="reads their accumulated gradients there"):
         step(model, opt, scaler, *batches(1)[0])
 
@@ -684,4 +688,99 @@ def test_auto_sums_with_clip_grad_norm_move_under_a_budget_and_train_like_eager(
     hosted = sum(s.host for s in grad_sum_specs(step))
     assert 0 < hosted < len(grad_sum_specs(step))
     assert host_norms(step) == hosted        # the host sums' norms on the host, the others on the device
+    assert step.memory().peak <= budget
+
+
+# A GradScaler with host sums: on the updating call each host-sum gradient's inf check (and
+# unscale) runs on the host after its drain, and its flag joins the device's by their max
+# before the updates and scaler.update() read it
+
+
+def returned_loss_scaled_step_fn(model, optimizer, scaler, x, y):
+    loss = torch.nn.functional.mse_loss(model(x), y)
+    scaler.scale(loss).backward()
+    scaler.step(optimizer)
+    scaler.update()
+    optimizer.zero_grad()
+    return loss.detach()
+
+
+def overflowing_batches(windows: int, poisoned: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """`batches`, with an inf in micro-batch `poisoned`'s input: its loss and gradients are not
+    finite, so the window it belongs to must skip its update and halve the scale."""
+    out = batches(windows * K)
+    x, y = out[poisoned]
+    x = x.clone()
+    x[0, 0] = float("inf")
+    out[poisoned] = (x, y)
+    return out
+
+
+def host_checks(step) -> int:
+    update = [v for key, v in step._variants.items() if key[0] is True][0].graph
+    return [n.target for n in update.graph.nodes].count(torch.ops.graphoffload.host_unscale_.default)
+
+
+def assert_scaled_like_eager(step, windows=4, poisoned=K + 1) -> list[float]:
+    """Trains `step` and eager accumulation with a GradScaler side by side over `windows`
+    windows, window poisoned // K overflowing; returns the scale after each update."""
+    eager = mlp()
+    model = copy.deepcopy(eager)
+    opt_e, opt_c = OPTIMIZERS["adamw"](eager), OPTIMIZERS["adamw"](model)
+    scaler_e, scaler_c = (torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2) for _ in range(2))
+    scales, before = [], None
+    for i, (x, y) in enumerate(overflowing_batches(windows, poisoned)):
+        if i % K == 0:
+            before = [p.detach().clone() for p in model.parameters()]
+        loss_e = torch.nn.functional.mse_loss(eager(x), y)
+        scaler_e.scale(loss_e / K).backward()
+        if i % K == K - 1:
+            scaler_e.step(opt_e)
+            scaler_e.update()
+            opt_e.zero_grad()
+        loss = step(model, opt_c, scaler_c, x, y)
+        torch.testing.assert_close(loss, loss_e.detach(), rtol=0, atol=0, equal_nan=True)
+        if i % K == K - 1:
+            assert scaler_c.get_scale() == scaler_e.get_scale(), i
+            scales.append(scaler_c.get_scale())
+            assert_like_eager(eager, model)
+            if i // K == poisoned // K:   # the skipped update changed nothing
+                assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+    return scales
+
+
+def test_host_sums_grad_scaler_checks_on_the_host_and_skips_an_overflowing_window_like_eager():
+    step = compiled("host", returned_loss_scaled_step_fn)
+    scales = assert_scaled_like_eager(step)
+    # window 1 overflowed (the scale halves), the others grew it every second update
+    assert scales == [2.0**10, 2.0**9, 2.0**9, 2.0**10], scales
+    assert all(s.host for s in grad_sum_specs(step))
+    assert host_checks(step) == len(list(mlp().parameters()))   # every gradient's check on the host
+
+
+def test_auto_sums_with_a_grad_scaler_move_under_a_budget_and_skip_like_eager():
+    def peaks(step) -> int:
+        model = mlp()
+        opt = OPTIMIZERS["adamw"](model)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+        out = []
+        for i, (x, y) in enumerate(batches(K)):
+            step(model, opt, scaler, x, y)
+            if i >= K - 2:
+                out.append(step.memory().peak)
+        return max(out)
+
+    fn = returned_loss_scaled_step_fn
+    on_device, on_host = peaks(auto_step(None, fn)), peaks(graphoffload.offload_compile(
+        fn, accumulation_steps=K, offload=graphoffload.Offload(accumulate_on="host"),
+        config=graphoffload.CompileConfig(fuse_optimizer=graphoffload.FuseOptimizer(bucket_numel=3000))))
+    budget = (on_host + on_device) // 2
+    step = auto_step(budget, fn)
+    assert_scaled_like_eager(step, windows=3)
+    [placement] = step._sum_placements.values()
+    assert placement.pinned == frozenset()   # the GradScaler no longer pins its sums to the device
+    assert 0 < placement.chosen < len(placement.groups)
+    hosted = sum(s.host for s in grad_sum_specs(step))
+    assert 0 < hosted < len(grad_sum_specs(step))
+    assert host_checks(step) == hosted       # the host sums' checks on the host, the others on the device
     assert step.memory().peak <= budget
