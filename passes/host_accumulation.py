@@ -23,10 +23,21 @@ soon as it is final, the worker adds its sum into it (the drain) and computes it
 op the step traced (`graphoffload::host_grad_norm_`), and the norm comes back to the device
 (`prefetch_to_device`) just before the step combines the per-gradient norms into the global one;
 device sums' norms stay on the device. The clip coefficient then goes to the host with the
-update's scalars and the host update applies it (offload_optimizer's early-gradient path). What
-still cannot work is any other read of the accumulated gradient on the device (a GradScaler's inf
-checks, the step's own reads): capture records such reads even on an accumulating call (where
-`.grad` is None), so the first call refuses it, before anything runs.
+update's scalars and the host update applies it (offload_optimizer's early-gradient path).
+
+A GradScaler reads every accumulated gradient on the device the same way: its inf check
+(`_amp_foreach_non_finite_check_and_unscale_`, which also unscales in place) sets `found_inf`,
+which the updates and `scaler.update()` read. With host sums the check moves to the host
+(`HostCheck`, `lift_check`, `check_on_host`): where the device check was, `inv_scale` is copied to
+the host; after the drain the worker runs the same op on the host gradient into a host flag
+(`graphoffload::host_unscale_`); and before anything reads `found_inf`, the host flags come back
+and join the device one by their max (`combine_host_flags`, as ZeRO joins the ranks' flags), so
+an overflow in any gradient, host or device sum, skips the whole step and the scale evolves as
+eagerly. A GradScaler together with clip_grad_norm_ on host sums is not done yet (the check
+and the norm would both have to chain after the drain); it counts as a device read. What still
+cannot work is any other read of the accumulated gradient on the device (the step's own reads):
+capture records such reads even on an accumulating call (where `.grad` is None), so the first
+call (which compiles the updating variant as a probe) refuses it, before anything runs.
 
 Under ZeRO the updating call's bucket collectives read `sum + last gradient` on the device, the
 same kind of read, so `CompileConfig` refuses host sums with `data_parallel=` when the step is
@@ -104,8 +115,8 @@ def _refuse(name: str, reader: fx.Node, what: str) -> UnsupportedError:
     return UnsupportedError(
         f"Offload(accumulate_on='host') cannot keep the running gradient sum of {name} on the host: {what} "
         f"({getattr(reader.target, '__name__', reader.target)}{f', {where}' if where else ''}). Use "
-        "Offload(accumulate_on='device') or 'auto' for this step (host sums support clip_grad_norm_ only: a "
-        "GradScaler's inf checks and other reads need the accumulated gradient on the device)")
+        "Offload(accumulate_on='device') or 'auto' for this step (host sums support clip_grad_norm_ or a GradScaler, "
+        "not both together yet; other reads need the accumulated gradient on the device)")
 
 
 @dataclass
@@ -339,8 +350,8 @@ def check_on_host(g: fx.Graph, copied: fx.Node, drained: fx.Node, host: fx.Node,
 def combine_host_flags(g: fx.Graph, flag: fx.Node, host_flags: list[fx.Node], tickets: list[fx.Node],
                        device: torch.device) -> None:
     """Make the GradScaler's found_inf flag `flag` (set by the device checks) count the host
-    checks too: right after its last device check (or, with none left, before its first reader),
-    the host flags come to the device (`prefetch_to_device`, which waits for the checks' worker
+    checks too: right before its first reader after its last device check (and after the host
+    checks' nodes; the output when nothing reads it), the host flags come to the device (`prefetch_to_device`, which waits for the checks' worker
     `tickets`) and every later reader of `flag` (the update kernels' found_inf, the step-counter
     rollback, `GradScaler.update()`) reads their max with it, so an overflow in any gradient,
     on either side, skips the whole step and backs the scale off, as eagerly."""
@@ -695,7 +706,8 @@ def _decide(placement: SumPlacement, budget_text: int | str) -> None:
     if not fits:
         least = min(range(len(need)), key=need.__getitem__)
         pinned = (f"; the sums of {len(placement.pinned)} parameters stay on the device because the step reads "
-                  "their accumulated gradients there (clip_grad_norm_, a GradScaler)") if placement.pinned else ""
+                  "their accumulated gradients there (a GradScaler together with clip_grad_norm_, the step's own "
+                  "reads)") if placement.pinned else ""
         raise UnsupportedError(
             f"gpu_memory_budget {budget_text} cannot be met with accumulate_on='auto': with the running gradient "
             f"sums of {least} of {len(need) - 1} movable buckets on the host the step needs at least "

@@ -749,6 +749,7 @@ def assert_scaled_like_eager(step, windows=4, poisoned=K + 1) -> list[float]:
     return scales
 
 
+@pytest.mark.sanitizer_matrix   # the inv_scale copy, drains, host checks and the flags' fetch are ordered by the schedule
 def test_host_sums_grad_scaler_checks_on_the_host_and_skips_an_overflowing_window_like_eager():
     step = compiled("host", returned_loss_scaled_step_fn)
     scales = assert_scaled_like_eager(step)
