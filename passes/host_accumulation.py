@@ -33,9 +33,9 @@ the host; after the drain the worker runs the same op on the host gradient into 
 (`graphoffload::host_unscale_`); and before anything reads `found_inf`, the host flags come back
 and join the device one by their max (`combine_host_flags`, as ZeRO joins the ranks' flags), so
 an overflow in any gradient, host or device sum, skips the whole step and the scale evolves as
-eagerly. A GradScaler together with clip_grad_norm_ on host sums is not done yet (the check
-and the norm would both have to chain after the drain); it counts as a device read. What still
-cannot work is any other read of the accumulated gradient on the device (the step's own reads):
+eagerly. With clipping too (`scaler.unscale_` then `clip_grad_norm_`) the worker chains drain,
+check and norm per gradient, and the flag comes back with the norm (`norm_on_host`'s `along`).
+What still cannot work is any other read of the accumulated gradient on the device (the step's own reads):
 capture records such reads even on an accumulating call (where `.grad` is None), so the first
 call (which compiles the updating variant as a probe) refuses it, before anything runs.
 
@@ -115,8 +115,8 @@ def _refuse(name: str, reader: fx.Node, what: str) -> UnsupportedError:
     return UnsupportedError(
         f"Offload(accumulate_on='host') cannot keep the running gradient sum of {name} on the host: {what} "
         f"({getattr(reader.target, '__name__', reader.target)}{f', {where}' if where else ''}). Use "
-        "Offload(accumulate_on='device') or 'auto' for this step (host sums support clip_grad_norm_ or a GradScaler, "
-        "not both together yet; other reads need the accumulated gradient on the device)")
+        "Offload(accumulate_on='device') or 'auto' for this step (host sums support clip_grad_norm_ and a GradScaler; "
+        "other reads need the accumulated gradient on the device)")
 
 
 @dataclass
@@ -230,8 +230,7 @@ def _device_reads(name: str, s: fx.Node, unit: set[fx.Node]
                   ) -> tuple[list[HostNorm], list[HostCheck], list[fx.Node]]:
     """What reads the accumulated gradient of `name` (the updating call's `grad + sum`) besides
     the bucket's update `unit`: clip_grad_norm_'s norms, a GradScaler's inf checks, and every
-    other reader (clipping's scaling counts as none: the host update applies it). A gradient
-    both checked and clipped counts among the others: that form is not done on the host yet."""
+    other reader (clipping's scaling counts as none: the host update applies it)."""
     final, _ = _final_add(name, s)
     norms, checks, others = [], [], []
     for user in list(final.users):
@@ -246,15 +245,13 @@ def _device_reads(name: str, s: fx.Node, unit: set[fx.Node]
                 checks.append(how)
             elif how is None:
                 others.append(r)
-    if norms and checks:
-        others.append(checks[0].check)
     return norms, checks, others
 
 
 def read_on_device(kernels: list[UpdateKernel], names_of: list[list[str]], sums: dict[str, fx.Node]) -> frozenset[str]:
     """The parameters whose accumulated gradient the updating call reads on the device in a way
-    host sums cannot serve (anything but its update, clip_grad_norm_'s norm and scaling, or a
-    GradScaler's inf check without clipping)."""
+    host sums cannot serve (anything but its update, clip_grad_norm_'s norm and scaling, and a
+    GradScaler's inf check)."""
     out = set()
     for k, names in zip(kernels, names_of):
         unit = {k.node, *k.nodes}
@@ -285,11 +282,8 @@ def drain_host_sums(k: UpdateKernel, names: list[str], sums: dict[str, fx.Node]
         grad = final.args[0]
         found, checked, others = _device_reads(name, s, unit)
         if others:
-            what = ("a GradScaler's inf checks together with clip_grad_norm_ are not done on the host yet"
-                    if others[0].target is _INF_CHECK else
-                    "the step reads the accumulated gradient on the device besides its update, clip_grad_norm_ "
-                    "and a GradScaler")
-            raise _refuse(name, others[0], what)
+            raise _refuse(name, others[0], "the step reads the accumulated gradient on the device besides its "
+                          "update, clip_grad_norm_ and a GradScaler")
         if len(found) > 1:
             raise _refuse(name, found[1].reduction, "the step takes more than one norm of the accumulated gradient")
         if len(checked) > 1:
@@ -348,35 +342,43 @@ def check_on_host(g: fx.Graph, copied: fx.Node, drained: fx.Node, host: fx.Node,
 
 
 def combine_host_flags(g: fx.Graph, flag: fx.Node, host_flags: list[fx.Node], tickets: list[fx.Node],
-                       device: torch.device) -> None:
+                       device: torch.device, fetched_flags: list[fx.Node]) -> None:
     """Make the GradScaler's found_inf flag `flag` (set by the device checks) count the host
     checks too: right before its first reader after its last device check (and after the host
     checks' nodes; the output when nothing reads it), the host flags come to the device (`prefetch_to_device`, which waits for the checks' worker
     `tickets`) and every later reader of `flag` (the update kernels' found_inf, the step-counter
     rollback, `GradScaler.update()`) reads their max with it, so an overflow in any gradient,
-    on either side, skips the whole step and backs the scale off, as eagerly."""
+    on either side, skips the whole step and backs the scale off, as eagerly. `fetched_flags`:
+    host flags already on the device (fetched with clip_grad_norm_'s host norms, `norm_on_host`),
+    joined too."""
     order = _positions(g)
     checks = [u for u in flag.users if u.target is _INF_CHECK]
     last = max(checks, key=order.__getitem__, default=None)
     later = [u for u in flag.users if u.target is not _INF_CHECK and (last is None or order[u] > order[last])]
     first = min(later, key=order.__getitem__) if later else g.output_node()
-    if last is not None and order.get(first, len(order)) <= order[last]:
-        first = last.next
-    latest_ticket = max(tickets, key=order.__getitem__)
-    if order.get(first, len(order)) <= order[latest_ticket]:
-        first = latest_ticket.next
+    latest = max([*tickets, *fetched_flags], key=order.__getitem__)
+    if order.get(first, len(order)) <= order[latest]:
+        where = user_line_of_stack_trace(first.meta.get("stack_trace"))
+        raise UnsupportedError(
+            "Offload(accumulate_on='host') cannot check the accumulated gradients for infs on the host: the step reads "
+            f"the GradScaler's found_inf ({getattr(first.target, '__name__', first.target)}"
+            f"{f', {where}' if where else ''}) before the host checks are done. Use Offload(accumulate_on='device') "
+            "or 'auto' for this step")
     meta = {k: flag.meta[k] for k in ("stack_trace",) if k in flag.meta}
     with g.inserting_before(first):
-        fetched = g.call_function(ops.prefetch_to_device.default, (host_flags, device, tickets))
-        values = [g.call_function(operator.getitem, (fetched, i)) for i in range(len(host_flags))]
-        ticket = g.call_function(operator.getitem, (fetched, len(host_flags)))
-        waited = g.call_function(ops.wait_device.default, (ticket, values))
+        values, moved = list(fetched_flags), []
+        if host_flags:
+            fetched = g.call_function(ops.prefetch_to_device.default, (host_flags, device, tickets))
+            values += [g.call_function(operator.getitem, (fetched, i)) for i in range(len(host_flags))]
+            ticket = g.call_function(operator.getitem, (fetched, len(host_flags)))
+            waited = g.call_function(ops.wait_device.default, (ticket, values[len(fetched_flags):]))
+            moved = [fetched, *values[len(fetched_flags):], ticket, waited]
         combined = flag
         made = []
         for value in values:
             combined = g.call_function(aten.maximum.default, (combined, value))
             made.append(combined)
-    for node in (fetched, *values, ticket, waited):
+    for node in moved:
         node.meta.update(meta, phase="transfer")
     for node in made:
         node.meta.update(meta, phase="optimizer")
@@ -385,29 +387,34 @@ def combine_host_flags(g: fx.Graph, flag: fx.Node, host_flags: list[fx.Node], ti
 
 
 def norm_on_host(g: fx.Graph, norm: HostNorm, drained: fx.Node, host: fx.Node, out: fx.Node,
-                 device: torch.device, meta: dict) -> None:
+                 device: torch.device, meta: dict, along: fx.Node | None = None) -> fx.Node | None:
     """Compute `norm` (of one accumulated gradient whose sum is on the host) there: right after
     `drained` (`drain_on_host`: `host` is then the accumulated gradient, which the host update
     reads later), the worker takes its norm into the 0-d host scratch `out`; just before the step first
     reads the norm (combining the norms into the global one, after backward), the norm comes
     back to the device and replaces the device one. The chain orders every host update after
-    its drain: the update waits for the clip coefficient's copy, made from the global norm."""
+    its drain: the update waits for the clip coefficient's copy, made from the global norm.
+    `along`: a 0-d host tensor made by the chain before the norm (the host inf check's flag,
+    `drained` being then that check's ticket), fetched with the norm; returns its device value."""
     with g.inserting_after(drained):
         normed = g.call_function(ops.host_grad_norm_.default, (drained, [host], [out], norm.ord, norm.foreach))
     users = list(norm.value.users)
     first = users[0] if len(users) == 1 else min(users, key=_positions(g).__getitem__)
     with g.inserting_before(first):
-        fetched = g.call_function(ops.prefetch_to_device.default, ([out], device, [normed]))
+        fetched = g.call_function(ops.prefetch_to_device.default, ([out, *([along] if along is not None else [])],
+                                                                   device, [normed]))
         value = g.call_function(operator.getitem, (fetched, 0))
-        ticket = g.call_function(operator.getitem, (fetched, 1))
-        waited = g.call_function(ops.wait_device.default, (ticket, [value]))
+        extra = [g.call_function(operator.getitem, (fetched, 1))] if along is not None else []
+        ticket = g.call_function(operator.getitem, (fetched, 1 + len(extra)))
+        waited = g.call_function(ops.wait_device.default, (ticket, [value, *extra]))
     norm.value.replace_all_uses_with(value)
     value.meta["val"] = norm.value.meta["val"]
     for node in dict.fromkeys([norm.value, norm.reduction]):
         g.erase_node(node)
-    for node, phase in ((normed, "optimizer"), (fetched, "transfer"), (value, "transfer"),
+    for node, phase in ((normed, "optimizer"), (fetched, "transfer"), (value, "transfer"), *((e, "transfer") for e in extra),
                         (ticket, "transfer"), (waited, "transfer")):
         node.meta.update(meta, phase=phase)
+    return extra[0] if extra else None
 
 
 def _positions(g: fx.Graph) -> dict[fx.Node, int]:
@@ -706,8 +713,7 @@ def _decide(placement: SumPlacement, budget_text: int | str) -> None:
     if not fits:
         least = min(range(len(need)), key=need.__getitem__)
         pinned = (f"; the sums of {len(placement.pinned)} parameters stay on the device because the step reads "
-                  "their accumulated gradients there (a GradScaler together with clip_grad_norm_, the step's own "
-                  "reads)") if placement.pinned else ""
+                  "their accumulated gradients there (the step's own reads)") if placement.pinned else ""
         raise UnsupportedError(
             f"gpu_memory_budget {budget_text} cannot be met with accumulate_on='auto': with the running gradient "
             f"sums of {least} of {len(need) - 1} movable buckets on the host the step needs at least "

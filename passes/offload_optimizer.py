@@ -221,7 +221,7 @@ def _emit_cpu_path(g: fx.Graph, k: UpdateKernel, masters: list[fx.Node], host_gr
                    early: _EarlyGradients | None, hand_over: tuple[str, fx.Node] | None,
                    read_after: fx.Node | None, host_sums: list[tuple[str, fx.Node]],
                    norms: list[tuple[HostNorm, fx.Node]], device: torch.device,
-                   checks: list[tuple[fx.Node, fx.Node, fx.Node]]) -> list[fx.Node]:
+                   checks: list[tuple[fx.Node, fx.Node, fx.Node]]) -> list[tuple[fx.Node, fx.Node, bool]]:
     """`scaling`: "grad_scale"/"found_inf"/"grad_multiplier" -> (device, host) nodes of a
     GradScaler's tensors and of the scalar in `early`, copied with the gradients so the host
     update can unscale, skip and scale.
@@ -252,8 +252,9 @@ def _emit_cpu_path(g: fx.Graph, k: UpdateKernel, masters: list[fx.Node], host_gr
     With `checks` ((the copy of inv_scale that replaced the device inf check, the 0-d host flag,
     the host inv_scale) per gradient, with `early` and `host_sums`): likewise each gradient's
     drain runs right after its early copy and the worker checks and unscales the accumulated
-    gradient there (`host_accumulation.check_on_host`). Returns those checks' tickets, which
-    `combine_host_flags` waits for before the flag is read."""
+    gradient there (`host_accumulation.check_on_host`), before its norm when it has one. Returns,
+    per check, (its host flag, its ticket, False), or with a norm (its host flag, the flag's
+    device value fetched with the norm, True), for `combine_host_flags`."""
     parked, sum_waits, checked = [], [], []
     if early is not None:
         for i, (source, final_at, host) in enumerate(zip(early.sources, early.final_at, host_grads)):
@@ -262,11 +263,16 @@ def _emit_cpu_path(g: fx.Graph, k: UpdateKernel, masters: list[fx.Node], host_gr
             if host_sums:
                 sum_waits += wait_for_sums(g, parked[-1], host_sums[i:i + 1], [host])
             if norms or checks:
-                drained = drain_on_host(g, parked[-1], host_sums[i][1], host, meta)
-                if checks:
-                    checked.append(check_on_host(g, checks[i][0], drained, host, checks[i][1], checks[i][2], meta))
+                last = drain_on_host(g, parked[-1], host_sums[i][1], host, meta)
+                if checks:   # the check unscales in place: before the norm, as scaler.unscale_ runs before clipping
+                    last = check_on_host(g, checks[i][0], last, host, checks[i][1], checks[i][2], meta)
                 if norms:
-                    norm_on_host(g, norms[i][0], drained, host, norms[i][1], device, meta)
+                    along = norm_on_host(g, norms[i][0], last, host, norms[i][1], device, meta,
+                                         checks[i][1] if checks else None)
+                    if checks:
+                        checked.append((checks[i][1], along, True))
+                elif checks:
+                    checked.append((checks[i][1], last, False))
     with g.inserting_before(k.first_node):
         grads = [] if early is not None else k.grads
         to_host = g.call_function(ops.copy_to_host.default, (
@@ -743,7 +749,7 @@ def offload_optimizer(graph: TrainGraph, ctx: PassContext,
             anchor = anchor.prev
         return anchor
     moved_bytes = 0
-    host_checks: list[fx.Node] = []   # the host inf checks' tickets
+    host_checks: list[tuple[fx.Node, fx.Node, bool]] = []   # the host inf checks (_emit_cpu_path)
     waits_past_backward: dict[str, list[str]] = {}   # cause -> buckets whose update waits for it
     for b, k in enumerate(kernels):
         names = [specs[spec_of[p.name]].target for p in k.param_inputs()]
@@ -788,8 +794,10 @@ def offload_optimizer(graph: TrainGraph, ctx: PassContext,
             for node in early[b].scalings:
                 g.erase_node(node)
     for flag in dict.fromkeys(flag_of.values()):
-        joined = [(h, t) for (h, f), t in zip(flag_of.items(), host_checks) if f is flag]
-        combine_host_flags(g, flag, [h for h, _ in joined], [t for _, t in joined], ctx.device)
+        joined = [c for c in host_checks if flag_of[c[0]] is flag]
+        combine_host_flags(g, flag, [h for h, _, fetched in joined if not fetched],
+                           [t for _, t, fetched in joined if not fetched], ctx.device,
+                           [v for _, v, fetched in joined if fetched])
     if flag_of:
         graph.note("offload_optimizer", f"{len(flag_of)} accumulated gradients (host sums) checked for infs and "
                    "unscaled on the host after their drain; their flags come back and join the device's by their "
