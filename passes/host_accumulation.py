@@ -23,10 +23,21 @@ soon as it is final, the worker adds its sum into it (the drain) and computes it
 op the step traced (`graphoffload::host_grad_norm_`), and the norm comes back to the device
 (`prefetch_to_device`) just before the step combines the per-gradient norms into the global one;
 device sums' norms stay on the device. The clip coefficient then goes to the host with the
-update's scalars and the host update applies it (offload_optimizer's early-gradient path). What
-still cannot work is any other read of the accumulated gradient on the device (a GradScaler's inf
-checks, the step's own reads): capture records such reads even on an accumulating call (where
-`.grad` is None), so the first call refuses it, before anything runs.
+update's scalars and the host update applies it (offload_optimizer's early-gradient path).
+
+A GradScaler reads every accumulated gradient on the device the same way: its inf check
+(`_amp_foreach_non_finite_check_and_unscale_`, which also unscales in place) sets `found_inf`,
+which the updates and `scaler.update()` read. With host sums the check moves to the host
+(`HostCheck`, `lift_check`, `check_on_host`): where the device check was, `inv_scale` is copied to
+the host; after the drain the worker runs the same op on the host gradient into a host flag
+(`graphoffload::host_unscale_`); and before anything reads `found_inf`, the host flags come back
+and join the device one by their max (`combine_host_flags`, as ZeRO joins the ranks' flags), so
+an overflow in any gradient, host or device sum, skips the whole step and the scale evolves as
+eagerly. With clipping too (`scaler.unscale_` then `clip_grad_norm_`) the worker chains drain,
+check and norm per gradient, and the flag comes back with the norm (`norm_on_host`'s `along`).
+What still cannot work is any other read of the accumulated gradient on the device (the step's own reads):
+capture records such reads even on an accumulating call (where `.grad` is None), so the first
+call (which compiles the updating variant as a probe) refuses it, before anything runs.
 
 Under ZeRO the updating call's bucket collectives read `sum + last gradient` on the device, the
 same kind of read, so `CompileConfig` refuses host sums with `data_parallel=` when the step is
@@ -104,8 +115,8 @@ def _refuse(name: str, reader: fx.Node, what: str) -> UnsupportedError:
     return UnsupportedError(
         f"Offload(accumulate_on='host') cannot keep the running gradient sum of {name} on the host: {what} "
         f"({getattr(reader.target, '__name__', reader.target)}{f', {where}' if where else ''}). Use "
-        "Offload(accumulate_on='device') or 'auto' for this step (host sums support clip_grad_norm_ only: a "
-        "GradScaler's inf checks and other reads need the accumulated gradient on the device)")
+        "Offload(accumulate_on='device') or 'auto' for this step (host sums support clip_grad_norm_ and a GradScaler; "
+        "other reads need the accumulated gradient on the device)")
 
 
 @dataclass
@@ -119,12 +130,26 @@ class HostNorm:
     foreach: bool
 
 
+@dataclass
+class HostCheck:
+    """A GradScaler's inf check (and in-place unscale) of one accumulated gradient whose running
+    sum lives on the host, to be done there (`check_on_host`) instead of on the device."""
+
+    check: fx.Node       # `_amp_foreach_non_finite_check_and_unscale_([g], found_inf, inv_scale)`
+    flag: fx.Node        # its found_inf, which the device checks and every later reader share
+    inv_scale: fx.Node
+
+
 _SCALINGS = (aten.mul_.Tensor, aten._foreach_mul_.Tensor)
+_INF_CHECK = aten._amp_foreach_non_finite_check_and_unscale_.default
 
 
-def _clip_reader(node: fx.Node) -> HostNorm | str | None:
-    """How clip_grad_norm_ reads an accumulated gradient (`node` reads it): its norm (a
-    `HostNorm`), its in-place scaling by the clip coefficient ("scaling"), else None."""
+def _clip_reader(node: fx.Node) -> HostNorm | HostCheck | str | None:
+    """How clip_grad_norm_ or a GradScaler reads an accumulated gradient (`node` reads it): its
+    norm (a `HostNorm`), its in-place scaling by the clip coefficient ("scaling"), a GradScaler's
+    inf check of it alone (a `HostCheck`), else None."""
+    if node.target is _INF_CHECK and len(node.args[0]) == 1 and not node.kwargs:
+        return HostCheck(node, node.args[1], node.args[2])
     if node.target is aten.linalg_vector_norm.default and len(node.args) <= 2 and not node.kwargs:
         order = node.args[1] if len(node.args) > 1 else 2.0
         return HostNorm(node, node, float(order), False) if isinstance(order, (int, float)) else None
@@ -201,12 +226,13 @@ def accumulate_on_host(graph: TrainGraph, specs: list[InputSpec], sums: dict[str
                "buffer), synchronize() (a checkpoint, a recompile) for all", "sums_handed_over", sums=len(sums))
 
 
-def _device_reads(name: str, s: fx.Node, unit: set[fx.Node]) -> tuple[list[HostNorm], list[fx.Node]]:
+def _device_reads(name: str, s: fx.Node, unit: set[fx.Node]
+                  ) -> tuple[list[HostNorm], list[HostCheck], list[fx.Node]]:
     """What reads the accumulated gradient of `name` (the updating call's `grad + sum`) besides
-    the bucket's update `unit`: clip_grad_norm_'s norms, and every other reader (its scaling
-    counts as neither: the host update applies it)."""
+    the bucket's update `unit`: clip_grad_norm_'s norms, a GradScaler's inf checks, and every
+    other reader (clipping's scaling counts as none: the host update applies it)."""
     final, _ = _final_add(name, s)
-    norms, others = [], []
+    norms, checks, others = [], [], []
     for user in list(final.users):
         readers = list(user.users) if user.target is aten.detach.default else [user]
         for r in readers:
@@ -215,20 +241,23 @@ def _device_reads(name: str, s: fx.Node, unit: set[fx.Node]) -> tuple[list[HostN
             how = _clip_reader(r)
             if isinstance(how, HostNorm):
                 norms.append(how)
+            elif isinstance(how, HostCheck):
+                checks.append(how)
             elif how is None:
                 others.append(r)
-    return norms, others
+    return norms, checks, others
 
 
 def read_on_device(kernels: list[UpdateKernel], names_of: list[list[str]], sums: dict[str, fx.Node]) -> frozenset[str]:
     """The parameters whose accumulated gradient the updating call reads on the device in a way
-    host sums cannot serve (anything but its update and clip_grad_norm_'s norm and scaling)."""
+    host sums cannot serve (anything but its update, clip_grad_norm_'s norm and scaling, and a
+    GradScaler's inf check)."""
     out = set()
     for k, names in zip(kernels, names_of):
         unit = {k.node, *k.nodes}
         for name in names:
             try:
-                if name in sums and _device_reads(name, sums[name], unit)[1]:
+                if name in sums and _device_reads(name, sums[name], unit)[2]:
                     out.add(name)
             except UnsupportedError:
                 out.add(name)
@@ -236,26 +265,31 @@ def read_on_device(kernels: list[UpdateKernel], names_of: list[list[str]], sums:
 
 
 def drain_host_sums(k: UpdateKernel, names: list[str], sums: dict[str, fx.Node]
-                    ) -> tuple[list[tuple[str, fx.Node]], list[HostNorm]]:
+                    ) -> tuple[list[tuple[str, fx.Node]], list[HostNorm], list[HostCheck]]:
     """The updating call, for one bucket: drop the device adds `g + sum` that made its gradients
     final (and the zeroing of the sums after the update); returns the bucket's sums, in the
     order of its gradients with their parameters' names, for `host_accumulate_(..., drain=True)`
     after their copy (which waits for the adds an accumulating call handed over: `wait_for_sums`),
     and clip_grad_norm_'s norms of its gradients (one per gradient, or none), which the caller
-    must move to the host (`norm_on_host`): they read the micro-batch's gradient from here on."""
+    must move to the host (`norm_on_host`): they read the micro-batch's gradient from here on;
+    likewise a GradScaler's inf checks of them (one per gradient, or none), to be done on the host
+    (`check_on_host`) and erased from the device by the caller."""
     unit = {k.node, *k.nodes}
-    out, norms = [], []
+    out, norms, checks = [], [], []
     for name in names:
         s = sums[name]
         final, zeros = _final_add(name, s)
         grad = final.args[0]
-        found, others = _device_reads(name, s, unit)
+        found, checked, others = _device_reads(name, s, unit)
         if others:
             raise _refuse(name, others[0], "the step reads the accumulated gradient on the device besides its "
-                          "update and clip_grad_norm_")
+                          "update, clip_grad_norm_ and a GradScaler")
         if len(found) > 1:
             raise _refuse(name, found[1].reduction, "the step takes more than one norm of the accumulated gradient")
+        if len(checked) > 1:
+            raise _refuse(name, checked[1].check, "the step checks the accumulated gradient for infs twice")
         norms += found
+        checks += checked
         final.replace_all_uses_with(grad)
         for user in grad.users:   # the detached final gradient now aliases the micro-batch's gradient
             if user.target is aten.detach.default:
@@ -267,69 +301,124 @@ def drain_host_sums(k: UpdateKernel, names: list[str], sums: dict[str, fx.Node]
     if norms and len(norms) != len(names):
         raise _refuse(names[0], norms[0].reduction, "the step takes the norm of some but not all of the "
                       "gradients updated together in one bucket (clip_grad_norm_ takes every one's)")
-    return out, norms
+    if checks and len(checks) != len(names):
+        raise _refuse(names[0], checks[0].check, "a GradScaler checks some but not all of the gradients updated "
+                      "together in one bucket")
+    return out, norms, checks
 
 
-def norm_on_host(g: fx.Graph, norm: HostNorm, copied: fx.Node, sum_: fx.Node, host: fx.Node, out: fx.Node,
-                 device: torch.device, meta: dict) -> None:
-    """Compute `norm` (of one accumulated gradient whose sum is on the host) there: right after
-    `copied` (the copy of the micro-batch's gradient into `host`), the worker adds the running
-    sum `sum_` into it (the drain: `host` is then the accumulated gradient, which the host update
-    reads later) and takes its norm into the 0-d host scratch `out`; just before the step first
-    reads the norm (combining the norms into the global one, after backward), the norm comes
-    back to the device and replaces the device one. The chain orders every host update after
-    its drain: the update waits for the clip coefficient's copy, made from the global norm."""
+def drain_on_host(g: fx.Graph, copied: fx.Node, sum_: fx.Node, host: fx.Node, meta: dict) -> fx.Node:
+    """Right after `copied` (the copy of the micro-batch's gradient into `host`), the worker adds
+    the running sum `sum_` into it and zeroes the sum (the drain): `host` is then the accumulated
+    gradient, which the host norm, the host inf check and the host update read later."""
     with g.inserting_after(copied):
         drained = g.call_function(ops.host_accumulate_.default, (copied, [sum_], [host], True))
+    drained.meta.update(meta, phase="optimizer")
+    return drained
+
+
+def lift_check(g: fx.Graph, check: HostCheck, inv_scale: fx.Node, meta: dict) -> fx.Node:
+    """Take the GradScaler's inf check `check` of one accumulated gradient (host sum) off the
+    device: where it was (its inv_scale is made by then) copy inv_scale to the 0-d host scratch
+    `inv_scale` instead, and erase it. Returns the copy, after which `check_on_host` goes."""
+    with g.inserting_before(check.check):
+        copied = g.call_function(ops.copy_to_host.default, ([check.inv_scale], [inv_scale]))
+    copied.meta.update(meta, phase="transfer")
+    g.erase_node(check.check)
+    return copied
+
+
+def check_on_host(g: fx.Graph, copied: fx.Node, drained: fx.Node, host: fx.Node, flag: fx.Node,
+                  inv_scale: fx.Node, meta: dict) -> fx.Node:
+    """The worker, after the drain `drained` and the copy of inv_scale `copied` (`lift_check`),
+    checks and unscales the accumulated host gradient `host` into the 0-d host flag `flag`
+    (`graphoffload::host_unscale_`, the device check's op on the host). Returns its ticket,
+    which `combine_host_flags` waits for."""
+    order = _positions(g)
+    with g.inserting_after(max(copied, drained, key=order.__getitem__)):
+        checked = g.call_function(ops.host_unscale_.default, (drained, copied, [host], [flag], inv_scale))
+    checked.meta.update(meta, phase="optimizer")
+    return checked
+
+
+def combine_host_flags(g: fx.Graph, flag: fx.Node, host_flags: list[fx.Node], tickets: list[fx.Node],
+                       device: torch.device, fetched_flags: list[fx.Node]) -> None:
+    """Make the GradScaler's found_inf flag `flag` (set by the device checks) count the host
+    checks too: right before its first reader after its last device check (and after the host
+    checks' nodes; the output when nothing reads it), the host flags come to the device (`prefetch_to_device`, which waits for the checks' worker
+    `tickets`) and every later reader of `flag` (the update kernels' found_inf, the step-counter
+    rollback, `GradScaler.update()`) reads their max with it, so an overflow in any gradient,
+    on either side, skips the whole step and backs the scale off, as eagerly. `fetched_flags`:
+    host flags already on the device (fetched with clip_grad_norm_'s host norms, `norm_on_host`),
+    joined too."""
+    order = _positions(g)
+    checks = [u for u in flag.users if u.target is _INF_CHECK]
+    last = max(checks, key=order.__getitem__, default=None)
+    later = [u for u in flag.users if u.target is not _INF_CHECK and (last is None or order[u] > order[last])]
+    first = min(later, key=order.__getitem__) if later else g.output_node()
+    latest = max([*tickets, *fetched_flags], key=order.__getitem__)
+    if order.get(first, len(order)) <= order[latest]:
+        where = user_line_of_stack_trace(first.meta.get("stack_trace"))
+        raise UnsupportedError(
+            "Offload(accumulate_on='host') cannot check the accumulated gradients for infs on the host: the step reads "
+            f"the GradScaler's found_inf ({getattr(first.target, '__name__', first.target)}"
+            f"{f', {where}' if where else ''}) before the host checks are done. Use Offload(accumulate_on='device') "
+            "or 'auto' for this step")
+    meta = {k: flag.meta[k] for k in ("stack_trace",) if k in flag.meta}
+    with g.inserting_before(first):
+        values, moved = list(fetched_flags), []
+        if host_flags:
+            fetched = g.call_function(ops.prefetch_to_device.default, (host_flags, device, tickets))
+            values += [g.call_function(operator.getitem, (fetched, i)) for i in range(len(host_flags))]
+            ticket = g.call_function(operator.getitem, (fetched, len(host_flags)))
+            waited = g.call_function(ops.wait_device.default, (ticket, values[len(fetched_flags):]))
+            moved = [fetched, *values[len(fetched_flags):], ticket, waited]
+        combined = flag
+        made = []
+        for value in values:
+            combined = g.call_function(aten.maximum.default, (combined, value))
+            made.append(combined)
+    for node in moved:
+        node.meta.update(meta, phase="transfer")
+    for node in made:
+        node.meta.update(meta, phase="optimizer")
+    for user in later:
+        user.replace_input_with(flag, combined)
+
+
+def norm_on_host(g: fx.Graph, norm: HostNorm, drained: fx.Node, host: fx.Node, out: fx.Node,
+                 device: torch.device, meta: dict, along: fx.Node | None = None) -> fx.Node | None:
+    """Compute `norm` (of one accumulated gradient whose sum is on the host) there: right after
+    `drained` (`drain_on_host`: `host` is then the accumulated gradient, which the host update
+    reads later), the worker takes its norm into the 0-d host scratch `out`; just before the step first
+    reads the norm (combining the norms into the global one, after backward), the norm comes
+    back to the device and replaces the device one. The chain orders every host update after
+    its drain: the update waits for the clip coefficient's copy, made from the global norm.
+    `along`: a 0-d host tensor made by the chain before the norm (the host inf check's flag,
+    `drained` being then that check's ticket), fetched with the norm; returns its device value."""
     with g.inserting_after(drained):
         normed = g.call_function(ops.host_grad_norm_.default, (drained, [host], [out], norm.ord, norm.foreach))
     users = list(norm.value.users)
     first = users[0] if len(users) == 1 else min(users, key=_positions(g).__getitem__)
     with g.inserting_before(first):
-        fetched = g.call_function(ops.prefetch_to_device.default, ([out], device, [normed]))
+        fetched = g.call_function(ops.prefetch_to_device.default, ([out, *([along] if along is not None else [])],
+                                                                   device, [normed]))
         value = g.call_function(operator.getitem, (fetched, 0))
-        ticket = g.call_function(operator.getitem, (fetched, 1))
-        waited = g.call_function(ops.wait_device.default, (ticket, [value]))
+        extra = [g.call_function(operator.getitem, (fetched, 1))] if along is not None else []
+        ticket = g.call_function(operator.getitem, (fetched, 1 + len(extra)))
+        waited = g.call_function(ops.wait_device.default, (ticket, [value, *extra]))
     norm.value.replace_all_uses_with(value)
     value.meta["val"] = norm.value.meta["val"]
     for node in dict.fromkeys([norm.value, norm.reduction]):
         g.erase_node(node)
-    for node, phase in ((drained, "optimizer"), (normed, "optimizer"), (fetched, "transfer"), (value, "transfer"),
+    for node, phase in ((normed, "optimizer"), (fetched, "transfer"), (value, "transfer"), *((e, "transfer") for e in extra),
                         (ticket, "transfer"), (waited, "transfer")):
         node.meta.update(meta, phase=phase)
+    return extra[0] if extra else None
 
 
 def _positions(g: fx.Graph) -> dict[fx.Node, int]:
     return {n: i for i, n in enumerate(g.nodes)}
-
-
-def grad_reads(graph: TrainGraph, scaler_only: bool = False) -> tuple[frozenset[str], str]:
-    """The parameters whose gradients the step's own code reads after backward (capture's
-    `grad_reads` note: clip_grad_norm_, a GradScaler's unscale_/step), and where, as a phrase.
-    An accumulating variant sees `.grad` as None there, so it reads this instead of the graph.
-    `scaler_only`: only when the reader is a GradScaler (which host sums cannot serve; a plain
-    `.grad` read is clip_grad_norm_, which they can, or a read the updating call refuses)."""
-    notes = graph.notes_of("capture", "grad_reads")
-    if not notes or (scaler_only and not notes[0].fields["reader"].startswith("GradScaler")):
-        return frozenset(), ""
-    fields = notes[0].fields
-    where = user_line_of_stack_trace(fields["source"]) or (fields["source"] or "").splitlines()[0]
-    return frozenset(fields["params"]), f"{fields['reader']}{f', {where}' if where else ''}"
-
-
-def refuse_host_sums_read_on_device(graph: TrainGraph, sums: dict[str, fx.Node]) -> None:
-    """Before anything runs: a step whose GradScaler reads the accumulated gradient on the device
-    after backward cannot keep those sums on the host (its updating call would need them there).
-    Other reads (clip_grad_norm_, served from the host; anything else, refused) are judged on the
-    updating variant's graph, which the step compiles as a probe on the first call."""
-    read, where = grad_reads(graph, scaler_only=True)
-    if read & set(sums):
-        raise UnsupportedError(
-            f"Offload(accumulate_on='host') cannot keep the running gradient sums on the host: the step reads the "
-            f"gradients of {len(read & set(sums))} parameters after backward ({where}), which on the updating call "
-            "are the accumulated gradients, read on the device (a GradScaler's inf checks; clip_grad_norm_ alone "
-            "works with host sums). Use Offload(accumulate_on='device'), or 'auto', which keeps those sums on "
-            "the device")
 
 
 @dataclass
@@ -390,7 +479,7 @@ def place_sums(graph: TrainGraph, ctx: PassContext, update: bool, sums: list[str
         placement.host = frozenset()
         return placement.host
     if update:
-        placement.pinned = grad_reads(graph, scaler_only=True)[0] | device_reads()
+        placement.pinned = device_reads()
         placement.groups = groups(placement.pinned)
     elif placement.groups is None:
         raise UnsupportedError("Offload(accumulate_on='auto'): the accumulating variant was planned before the "
@@ -624,7 +713,7 @@ def _decide(placement: SumPlacement, budget_text: int | str) -> None:
     if not fits:
         least = min(range(len(need)), key=need.__getitem__)
         pinned = (f"; the sums of {len(placement.pinned)} parameters stay on the device because the step reads "
-                  "their accumulated gradients there (clip_grad_norm_, a GradScaler)") if placement.pinned else ""
+                  "their accumulated gradients there (the step's own reads)") if placement.pinned else ""
         raise UnsupportedError(
             f"gpu_memory_budget {budget_text} cannot be met with accumulate_on='auto': with the running gradient "
             f"sums of {least} of {len(need) - 1} movable buckets on the host the step needs at least "

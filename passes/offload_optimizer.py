@@ -62,9 +62,9 @@ from graphoffload.passes.offload_cost_model import collective_bytes, group_sizes
 from graphoffload.passes.offload_planner import SWEEPS, BucketCost, Prediction, StepCosts, StepModel, plan, predict
 from graphoffload.passes.offload_plan_cache import load_plan, plan_key, plan_path, store_plan
 from graphoffload.ops.host_transfer import assign_streams
-from graphoffload.passes.host_accumulation import (HostNorm, accumulate_on_host, candidate_groups, drain_host_sums,
+from graphoffload.passes.host_accumulation import (HostNorm, accumulate_on_host, candidate_groups, check_on_host,
+                                                   combine_host_flags, drain_host_sums, drain_on_host, lift_check,
                                                    move_sums_to_host, norm_on_host, place_sums, read_on_device,
-                                                   refuse_host_sums_read_on_device,
                                                    wait_for_sums)
 from graphoffload.passes.update_kernels import UpdateKernel, find_update_kernels, update_kernels_to_rewrite
 
@@ -157,8 +157,10 @@ def _scaling_operands(node: fx.Node, storage: int, storages: StorageMap) -> tupl
     return None
 
 
-def _find_early_gradients(storages: StorageMap, k: UpdateKernel, end: int) -> _EarlyGradients | None:
-    """`end`: the position of the last backward node."""
+def _find_early_gradients(storages: StorageMap, k: UpdateKernel, end: int, keep: bool = False
+                          ) -> _EarlyGradients | None:
+    """`end`: the position of the last backward node. `keep`: copy the gradients as they are
+    final even when that is the end of backward (host inf checks must run before the update)."""
     if storages.position[k.first_node] <= end:
         return None   # the update runs inside backward: its one copy right before it is early enough
     unit = {k.node, *k.nodes}
@@ -185,7 +187,7 @@ def _find_early_gradients(storages: StorageMap, k: UpdateKernel, end: int) -> _E
             return None
         found.sources.append(source)
         found.final_at.append(final_at.node)
-    if found.multiplier is None and min(storages.position[n] for n in found.final_at) >= end:
+    if not keep and found.multiplier is None and min(storages.position[n] for n in found.final_at) >= end:
         return None   # all final at the end of backward: the bucket's one copy before its update is as early
     return found
 
@@ -218,7 +220,8 @@ def _emit_cpu_path(g: fx.Graph, k: UpdateKernel, masters: list[fx.Node], host_gr
                    staging: list[fx.Node], scaling: dict[str, tuple[fx.Node, fx.Node]], meta: dict,
                    early: _EarlyGradients | None, hand_over: tuple[str, fx.Node] | None,
                    read_after: fx.Node | None, host_sums: list[tuple[str, fx.Node]],
-                   norms: list[tuple[HostNorm, fx.Node]], device: torch.device) -> None:
+                   norms: list[tuple[HostNorm, fx.Node]], device: torch.device,
+                   checks: list[tuple[fx.Node, fx.Node, fx.Node]]) -> list[tuple[fx.Node, fx.Node, bool]]:
     """`scaling`: "grad_scale"/"found_inf"/"grad_multiplier" -> (device, host) nodes of a
     GradScaler's tensors and of the scalar in `early`, copied with the gradients so the host
     update can unscale, skip and scale.
@@ -244,16 +247,32 @@ def _emit_cpu_path(g: fx.Graph, k: UpdateKernel, masters: list[fx.Node], host_gr
     With `norms` ((clip_grad_norm_'s norm, its 0-d host scratch) per gradient, with `early` and
     `host_sums`): each gradient's drain runs right after its early copy, and its norm is taken on
     the host from the accumulated gradient and brought back for the global norm
-    (`host_accumulation.norm_on_host`); the update then finds its gradients drained."""
-    parked, sum_waits = [], []
+    (`host_accumulation.norm_on_host`); the update then finds its gradients drained.
+
+    With `checks` ((the copy of inv_scale that replaced the device inf check, the 0-d host flag,
+    the host inv_scale) per gradient, with `early` and `host_sums`): likewise each gradient's
+    drain runs right after its early copy and the worker checks and unscales the accumulated
+    gradient there (`host_accumulation.check_on_host`), before its norm when it has one. Returns,
+    per check, (its host flag, its ticket, False), or with a norm (its host flag, the flag's
+    device value fetched with the norm, True), for `combine_host_flags`."""
+    parked, sum_waits, checked = [], [], []
     if early is not None:
         for i, (source, final_at, host) in enumerate(zip(early.sources, early.final_at, host_grads)):
             with g.inserting_after(final_at):
                 parked.append(g.call_function(ops.copy_to_host.default, ([source], [host])))
             if host_sums:
                 sum_waits += wait_for_sums(g, parked[-1], host_sums[i:i + 1], [host])
-            if norms:
-                norm_on_host(g, norms[i][0], parked[-1], host_sums[i][1], host, norms[i][1], device, meta)
+            if norms or checks:
+                last = drain_on_host(g, parked[-1], host_sums[i][1], host, meta)
+                if checks:   # the check unscales in place: before the norm, as scaler.unscale_ runs before clipping
+                    last = check_on_host(g, checks[i][0], last, host, checks[i][1], checks[i][2], meta)
+                if norms:
+                    along = norm_on_host(g, norms[i][0], last, host, norms[i][1], device, meta,
+                                         checks[i][1] if checks else None)
+                    if checks:
+                        checked.append((checks[i][1], along, True))
+                elif checks:
+                    checked.append((checks[i][1], last, False))
     with g.inserting_before(k.first_node):
         grads = [] if early is not None else k.grads
         to_host = g.call_function(ops.copy_to_host.default, (
@@ -262,7 +281,8 @@ def _emit_cpu_path(g: fx.Graph, k: UpdateKernel, masters: list[fx.Node], host_gr
         if host_sums and early is None:
             sum_waits += wait_for_sums(g, to_host, host_sums, host_grads)
         summed = [g.call_function(ops.host_accumulate_.default, (to_host, [s for _, s in host_sums], host_grads,
-                                                                 True))] if host_sums and not norms else []
+                                                                 True))] if host_sums and not norms and not checks \
+            else []
         update = k.emit_host_update(g, summed[0] if summed else to_host, masters, host_grads, _host_lr,
                                     tuple(scaling[key][1] if key in scaling else None
                                           for key in ("grad_scale", "found_inf", "grad_multiplier")))
@@ -278,6 +298,7 @@ def _emit_cpu_path(g: fx.Graph, k: UpdateKernel, masters: list[fx.Node], host_gr
                 waits.append(g.call_function(ops.wait_handed_over.default, (k.params, key)))
     _tag([*sum_waits, *parked, to_host, to_device, *waits], meta, "transfer")
     _tag([*summed, update], meta, "optimizer")
+    return checked
 
 
 def _emit_device_path(g: fx.Graph, k: UpdateKernel, masters: list[fx.Node], prefetch_after: fx.Node,
@@ -660,7 +681,6 @@ def offload_optimizer(graph: TrainGraph, ctx: PassContext,
         _note_grad_sums(graph, host_sums, device_sums, {}, ctx)
         if not host_sums:
             return _activations_of_accumulating_call(graph, ctx)
-        refuse_host_sums_read_on_device(graph, host_sums)   # before anything runs, not on the k-th call
         accumulate_on_host(graph, specs, host_sums)   # its gradients go to the host sums
         assign_streams(graph.graph)
         graph = graph.with_signature(inputs=tuple(specs))
@@ -672,19 +692,42 @@ def offload_optimizer(graph: TrainGraph, ctx: PassContext,
     g = graph.graph
     names_of = [[specs[spec_of[p.name]].target for p in k.param_inputs()] for k in kernels]
     bucket_params = {str(k.node.meta.get("bucket", b)): names for b, (k, names) in enumerate(zip(kernels, names_of))}
-    drained = [drain_host_sums(k, names, host_sums) if host_sums.keys() & set(names) else ([], [])
+    drained = [drain_host_sums(k, names, host_sums) if host_sums.keys() & set(names) else ([], [], [])
                for k, names in zip(kernels, names_of)]
     sums_of, norms_of = [d[0] for d in drained], [d[1] for d in drained]
+    # a GradScaler's inf checks of host-sum gradients leave the device (done on the host after
+    # each drain); the copy of inv_scale to the host takes each one's place, before the analysis below
+    lifted: list[list[tuple[fx.Node, fx.Node, fx.Node]]] = []
+    flag_of: dict[fx.Node, fx.Node] = {}   # host flag -> the device flag it joins
+    for b, d in enumerate(drained):
+        lifted.append([])
+        for name, check in zip(names_of[b], d[2]):
+            scalar = {}
+            for what, like in (("found_inf", check.flag), ("inv_scale", check.inv_scale)):
+                scalar[what] = graph.add_host_input(specs, InputSpec(
+                    "host_scratch", placeholder_name(f"h_{what}_check", name), (name, f"{what}_check"), True, True),
+                    torch.Size([]), like.meta["val"].dtype, name)
+            meta = {"param": (name,), **{key: check.check.meta[key] for key in ("stack_trace",)
+                                         if key in check.check.meta}}
+            lifted[-1].append((lift_check(g, check, scalar["inv_scale"], meta), scalar["found_inf"],
+                               scalar["inv_scale"]))
+            flag_of[scalar["found_inf"]] = check.flag
     state_bytes = sum(st.meta["val"].numel() * st.meta["val"].element_size()
                       for k in kernels for st in k.state_placeholders())
     storages = StorageMap(g)
     backward = [storages.position[nd] for nd in g.nodes if nd.meta.get("phase") == "backward"]
-    early = [_find_early_gradients(storages, k, max(backward)) if backward else None for k in kernels]
+    early = [_find_early_gradients(storages, k, max(backward), keep=bool(lifted[b])) if backward else None
+             for b, k in enumerate(kernels)]
     planned = [nd.name for nd in g.nodes if nd.op != "output"]   # what the schedule's node times index
     paths, prefetch_at, costs = _choose_paths(graph, kernels, ctx, state_bytes, early, [bool(s) for s in sums_of],
                                               assignment)
     early = [found if path == "cpu" else None for found, path in zip(early, paths)]
     for b, norms in enumerate(norms_of):
+        if lifted[b] and early[b] is None:
+            raise UnsupportedError(
+                f"Offload(accumulate_on='host') cannot check {names_of[b][0]}'s accumulated gradient for infs on the "
+                "host: that needs its bucket's gradients final inside backward and nothing else reading them (the "
+                "step returns or keeps a gradient). Use Offload(accumulate_on='device') or 'auto' for this step")
         if norms and early[b] is None:
             where = user_line_of_stack_trace(norms[0].reduction.meta.get("stack_trace"))
             raise UnsupportedError(
@@ -706,6 +749,7 @@ def offload_optimizer(graph: TrainGraph, ctx: PassContext,
             anchor = anchor.prev
         return anchor
     moved_bytes = 0
+    host_checks: list[tuple[fx.Node, fx.Node, bool]] = []   # the host inf checks (_emit_cpu_path)
     waits_past_backward: dict[str, list[str]] = {}   # cause -> buckets whose update waits for it
     for b, k in enumerate(kernels):
         names = [specs[spec_of[p.name]].target for p in k.param_inputs()]
@@ -737,9 +781,10 @@ def offload_optimizer(graph: TrainGraph, ctx: PassContext,
             norms = [(norm, graph.add_host_input(specs, InputSpec(
                 "host_scratch", placeholder_name("h_norm", name), (name, "norm"), True, True), torch.Size([]),
                 norm.value.meta["val"].dtype, name)) for name, norm in zip(names, norms_of[b])]
-            _emit_cpu_path(g, k, masters, host_grads, staging, scaling, meta, early[b],
-                           (f"bucket {b}", _first_reader(k, position)) if offload.overlap_next_step else None,
-                           read_after[b], sums_of[b], norms, ctx.device)
+            host_checks += _emit_cpu_path(
+                g, k, masters, host_grads, staging, scaling, meta, early[b],
+                (f"bucket {b}", _first_reader(k, position)) if offload.overlap_next_step else None,
+                read_after[b], sums_of[b], norms, ctx.device, lifted[b])
         else:
             _emit_device_path(g, k, masters, prefetch_anchor(prefetch_at[b]), ctx.device, meta,
                               carry=offload.overlap_next_step)
@@ -748,6 +793,15 @@ def offload_optimizer(graph: TrainGraph, ctx: PassContext,
             waits_past_backward.setdefault(causes[b], []).append(str(k.node.meta.get("bucket", b)))
             for node in early[b].scalings:
                 g.erase_node(node)
+    for flag in dict.fromkeys(flag_of.values()):
+        joined = [c for c in host_checks if flag_of[c[0]] is flag]
+        combine_host_flags(g, flag, [h for h, _, fetched in joined if not fetched],
+                           [t for _, t, fetched in joined if not fetched], ctx.device,
+                           [v for _, v, fetched in joined if fetched])
+    if flag_of:
+        graph.note("offload_optimizer", f"{len(flag_of)} accumulated gradients (host sums) checked for infs and "
+                   "unscaled on the host after their drain; their flags come back and join the device's by their "
+                   "max before anything reads found_inf", "host_inf_checks", checks=len(flag_of))
     if host_sums or device_sums:
         _note_grad_sums(graph, host_sums, device_sums, bucket_params, ctx)
     read_in_step = [b for b, path in enumerate(paths) if path == "cpu" and read_after[b] is not None]

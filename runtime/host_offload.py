@@ -504,6 +504,22 @@ def host_grad_norm_(after: Tensor, grads: list[Tensor], out: list[Tensor], ord: 
     return active_runtime().run_on_host(after, work, "norm")
 
 
+@host_transfer.host_unscale_.register_kernel(None)
+def host_unscale_(after: Tensor, scale_after: Tensor, grads: list[Tensor], found_inf: list[Tensor],
+                  inv_scale: Tensor) -> Tensor:
+    runtime = active_runtime()
+    scale_copied = runtime.redeem(scale_after)
+
+    def work():
+        event = scale_copied.result()   # the copy of inv_scale (a copy stream's event, or None on CPU)
+        if event is not None:
+            event.synchronize()
+        # the op the step's GradScaler traced, on the host copies: the same check, the same product
+        found_inf[0].zero_()
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf[0], inv_scale)
+    return runtime.run_on_host(after, work, "unscale")
+
+
 @host_transfer.copy_to_device.register_kernel(None)
 def copy_to_device(after: Tensor, master: list[Tensor], staging: list[Tensor], params: list[Tensor]) -> Tensor:
     return active_runtime().copy_to_device(after, master, staging, params)

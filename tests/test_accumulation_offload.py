@@ -163,13 +163,6 @@ def test_explain_names_where_each_buckets_sums_live(tmp_path):
             assert "running gradient sums on the host" in step.explain()
 
 
-def scaled_step_fn(model, optimizer, scaler, x, y):
-    scaler.scale(torch.nn.functional.mse_loss(model(x), y)).backward()
-    scaler.step(optimizer)
-    scaler.update()
-    optimizer.zero_grad()
-
-
 def logged_norm_step_fn(model, optimizer, x, y):
     torch.nn.functional.mse_loss(model(x), y).backward()
     grad = model[0].weight.grad   # None on an accumulating call
@@ -179,8 +172,7 @@ def logged_norm_step_fn(model, optimizer, x, y):
     return norm
 
 
-@pytest.mark.parametrize("reader", ["GradScaler", "one gradient's norm"])
-def test_host_sums_refuse_a_step_that_reads_the_accumulated_gradient_on_the_device_at_the_first_call(reader):
+def test_host_sums_refuse_a_step_that_reads_the_accumulated_gradient_on_the_device_at_the_first_call():
     # the accumulating call sees .grad as None after backward, yet capture records who reads it:
     # the refusal comes before the first micro-batch runs, not on the k-th call
     model = mlp()
@@ -189,17 +181,14 @@ def test_host_sums_refuse_a_step_that_reads_the_accumulated_gradient_on_the_devi
         p.grad = torch.ones_like(p)
     opt.step()
     opt.zero_grad()
-    if reader == "GradScaler":
-        scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
-        step, args = compiled("host", scaled_step_fn), (model, opt, scaler)
-    else:   # judged on the updating variant, which the first call compiles as a probe
-        step, args = compiled("host", logged_norm_step_fn), (model, opt)
+    # judged on the updating variant, which the first call compiles as a probe
+    step, args = compiled("host", logged_norm_step_fn), (model, opt)
     params = [p.detach().clone() for p in model.parameters()]
     state = copy.deepcopy(opt.state_dict())
     with pytest.raises(UnsupportedError, match="accumulate_on='device'") as info:
         step(*args, *batches(1)[0])
     # the user's line that reads the gradients
-    assert ("scaler.step(optimizer)" if reader == "GradScaler" else "grad.norm()") in str(info.value) and "test_accumulation_offload.py" in str(info.value)
+    assert "grad.norm()" in str(info.value) and "test_accumulation_offload.py" in str(info.value)
     assert all(torch.equal(p, b) for p, b in zip(model.parameters(), params))
     assert all(p.grad is None for p in model.parameters())
     after = opt.state_dict()
@@ -320,15 +309,23 @@ def test_auto_sums_refuse_a_budget_below_the_all_host_peak_naming_the_minimum():
     assert placement.fields["moved"] == placement.fields["movable"]
 
 
+def summed_grad_step_fn(model, optimizer, x, y):
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    grad = model[0].weight.grad   # None on an accumulating call
+    total = grad.sum() if grad is not None else torch.zeros(())
+    optimizer.step()
+    optimizer.zero_grad()
+    return total
+
+
 def test_auto_sums_keep_on_the_device_what_the_step_reads_there():
-    # a GradScaler's inf checks read every accumulated gradient on the device: nothing can move,
-    # so a budget below the all-device peak is refused with that reason
+    # the step's own sum of one gradient reads that accumulated gradient on the device: its
+    # sum cannot move, so a budget below the least peak is refused with that reason
     model = mlp()
     opt = OPTIMIZERS["adamw"](model)
-    scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
-    step = auto_step(1024, scaled_step_fn)
+    step = auto_step(1024, summed_grad_step_fn)
     with pytest.raises(UnsupportedError, match="reads their accumulated gradients there"):
-        step(model, opt, scaler, *batches(1)[0])
+        step(model, opt, *batches(1)[0])
 
 
 def trial_compile_peaks(step) -> dict[bool, tuple[int, ...]]:
@@ -684,4 +681,121 @@ def test_auto_sums_with_clip_grad_norm_move_under_a_budget_and_train_like_eager(
     hosted = sum(s.host for s in grad_sum_specs(step))
     assert 0 < hosted < len(grad_sum_specs(step))
     assert host_norms(step) == hosted        # the host sums' norms on the host, the others on the device
+    assert step.memory().peak <= budget
+
+
+# A GradScaler with host sums: on the updating call each host-sum gradient's inf check (and
+# unscale) runs on the host after its drain, and its flag joins the device's by their max
+# before the updates and scaler.update() read it
+
+
+def returned_loss_scaled_step_fn(model, optimizer, scaler, x, y):
+    loss = torch.nn.functional.mse_loss(model(x), y)
+    scaler.scale(loss).backward()
+    scaler.step(optimizer)
+    scaler.update()
+    optimizer.zero_grad()
+    return loss.detach()
+
+
+MAX_NORM = 0.1
+
+
+def scaled_clipped_step_fn(model, optimizer, scaler, x, y):
+    loss = torch.nn.functional.mse_loss(model(x), y)
+    scaler.scale(loss).backward()
+    scaler.unscale_(optimizer)
+    torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+    scaler.step(optimizer)
+    scaler.update()
+    optimizer.zero_grad()
+    return loss.detach()
+
+
+def overflowing_batches(windows: int, poisoned: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """`batches`, with an inf in micro-batch `poisoned`'s input: its loss and gradients are not
+    finite, so the window it belongs to must skip its update and halve the scale."""
+    out = batches(windows * K)
+    x, y = out[poisoned]
+    x = x.clone()
+    x[0, 0] = float("inf")
+    out[poisoned] = (x, y)
+    return out
+
+
+def host_checks(step) -> int:
+    update = [v for key, v in step._variants.items() if key[0] is True][0].graph
+    return [n.target for n in update.graph.nodes].count(torch.ops.graphoffload.host_unscale_.default)
+
+
+def assert_scaled_like_eager(step, windows=4, poisoned=K + 1, clip=False) -> list[float]:
+    """Trains `step` and eager accumulation with a GradScaler side by side over `windows`
+    windows, window poisoned // K overflowing; `clip`: unscale_ then clip_grad_norm_ before the
+    step (scaled_clipped_step_fn). Returns the scale after each update."""
+    eager = mlp()
+    model = copy.deepcopy(eager)
+    opt_e, opt_c = OPTIMIZERS["adamw"](eager), OPTIMIZERS["adamw"](model)
+    scaler_e, scaler_c = (torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2) for _ in range(2))
+    scales, before = [], None
+    for i, (x, y) in enumerate(overflowing_batches(windows, poisoned)):
+        if i % K == 0:
+            before = [p.detach().clone() for p in model.parameters()]
+        loss_e = torch.nn.functional.mse_loss(eager(x), y)
+        scaler_e.scale(loss_e / K).backward()
+        if i % K == K - 1:
+            if clip:
+                scaler_e.unscale_(opt_e)
+                torch.nn.utils.clip_grad_norm_(eager.parameters(), MAX_NORM)
+            scaler_e.step(opt_e)
+            scaler_e.update()
+            opt_e.zero_grad()
+        loss = step(model, opt_c, scaler_c, x, y)
+        torch.testing.assert_close(loss, loss_e.detach(), rtol=1e-5, atol=1e-7, equal_nan=True)
+        if i % K == K - 1:
+            assert scaler_c.get_scale() == scaler_e.get_scale(), i
+            scales.append(scaler_c.get_scale())
+            assert_like_eager(eager, model)
+            if i // K == poisoned // K:   # the skipped update changed nothing
+                assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+    return scales
+
+
+@pytest.mark.sanitizer_matrix   # the inv_scale copy, drains, host checks and the flags' fetch are ordered by the schedule
+@pytest.mark.parametrize("clip", [False, True], ids=["scaled", "unscale-clip"])
+def test_host_sums_grad_scaler_checks_on_the_host_and_skips_an_overflowing_window_like_eager(clip):
+    step = compiled("host", scaled_clipped_step_fn if clip else returned_loss_scaled_step_fn)
+    scales = assert_scaled_like_eager(step, clip=clip)
+    # window 1 overflowed (the scale halves), the others grew it every second update
+    assert scales == [2.0**10, 2.0**9, 2.0**9, 2.0**10], scales
+    assert all(s.host for s in grad_sum_specs(step))
+    params = len(list(mlp().parameters()))
+    assert host_checks(step) == params                           # every gradient's check on the host
+    assert host_norms(step) == (params if clip else 0)           # and, clipping, its norm after it
+
+
+def test_auto_sums_with_a_grad_scaler_move_under_a_budget_and_skip_like_eager():
+    def peaks(step) -> int:
+        model = mlp()
+        opt = OPTIMIZERS["adamw"](model)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+        out = []
+        for i, (x, y) in enumerate(batches(K)):
+            step(model, opt, scaler, x, y)
+            if i >= K - 2:
+                out.append(step.memory().peak)
+        return max(out)
+
+    fn = scaled_clipped_step_fn   # host checks and norms beside device ones
+    on_device, on_host = peaks(auto_step(None, fn)), peaks(graphoffload.offload_compile(
+        fn, accumulation_steps=K, offload=graphoffload.Offload(accumulate_on="host"),
+        config=graphoffload.CompileConfig(fuse_optimizer=graphoffload.FuseOptimizer(bucket_numel=3000))))
+    budget = (on_host + on_device) // 2
+    step = auto_step(budget, fn)
+    assert_scaled_like_eager(step, windows=3, clip=True)
+    [placement] = step._sum_placements.values()
+    assert placement.pinned == frozenset()   # the GradScaler no longer pins its sums to the device
+    assert 0 < placement.chosen < len(placement.groups)
+    hosted = sum(s.host for s in grad_sum_specs(step))
+    assert 0 < hosted < len(grad_sum_specs(step))
+    assert host_checks(step) == host_norms(step) == hosted   # the host sums' checks and norms on the host
     assert step.memory().peak <= budget

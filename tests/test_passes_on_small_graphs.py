@@ -284,6 +284,7 @@ def test_every_host_op_value_rule_gives_what_dispatching_the_op_gives():
         ops.host_sgd_.default: (ticket, host, host, [], lr, 0.0, 0.0, 0.0, False, False, True),
         ops.host_accumulate_.default: (ticket, host, host, False),
         ops.host_grad_norm_.default: (ticket, host, [lr, lr], 2.0, False),
+        ops.host_unscale_.default: (ticket, ticket, host, [lr], lr),
         ops.copy_to_device.default: (ticket, host, host, dev),
         ops.prefetch_to_device.default: (dev, torch.device("cpu"), [ticket]),
         ops.wait_host.default: (ticket, host),

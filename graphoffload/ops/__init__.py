@@ -13,7 +13,7 @@ registers the real one with `register_kernel` when it is imported.
     rng.py                rng_state, swap_rng_state (a recompute replays its random draws)
     host_transfer.py      copy_to_host, prefetch_to_device, copy_to_device, wait_host,
                           carry_host_write, wait_device, hand_over, wait_handed_over,
-                          host_adam_, host_sgd_, host_accumulate_, host_grad_norm_;
+                          host_adam_, host_sgd_, host_accumulate_, host_grad_norm_, host_unscale_;
                           `VALUE_RULES`: each op's node value from its inputs' (its fake
                           kernel, called without dispatch)
     ring_attention.py     ring_attention, ring_attention_backward, and the sequence layouts

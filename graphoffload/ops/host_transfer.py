@@ -144,6 +144,24 @@ def _host_grad_norm_fake(after, grads, out, ord, foreach):
     return _ticket_fake()
 
 
+@torch.library.custom_op("graphoffload::host_unscale_", mutates_args=("grads", "found_inf"))
+def host_unscale_(after: Tensor, scale_after: Tensor, grads: list[Tensor], found_inf: list[Tensor],
+                  inv_scale: Tensor) -> Tensor:
+    """A GradScaler's inf check and unscale of gradients kept on the host (the accumulated
+    gradients of `Offload(accumulate_on="host")`), on the worker, once `after` (the drain that
+    made them whole) and `scale_after` (the copy that landed `inv_scale` on the host) are done:
+    `found_inf[0]` is zeroed, then `torch._amp_foreach_non_finite_check_and_unscale_(grads,
+    found_inf[0], inv_scale)`, the op the step traced, sets it to 1 on a non-finite element and
+    multiplies the gradients by `inv_scale` in place; returns a ticket (`prefetch_to_device`
+    brings the flag back, to be combined with the device checks' flag by its max)."""
+    raise _no_kernel("graphoffload::host_unscale_")
+
+
+@host_unscale_.register_fake
+def _host_unscale_fake(after, scale_after, grads, found_inf, inv_scale):
+    return _ticket_fake()
+
+
 @torch.library.custom_op("graphoffload::copy_to_device", mutates_args=("staging",))
 def copy_to_device(after: Tensor, master: list[Tensor], staging: list[Tensor], params: list[Tensor]) -> Tensor:
     """Once `after` is done, copy host master weights (through low-precision staging buffers
@@ -235,6 +253,7 @@ VALUE_RULES = MappingProxyType({
     torch.ops.graphoffload.host_sgd_.default: _host_sgd_fake,
     torch.ops.graphoffload.host_accumulate_.default: _host_accumulate_fake,
     torch.ops.graphoffload.host_grad_norm_.default: _host_grad_norm_fake,
+    torch.ops.graphoffload.host_unscale_.default: _host_unscale_fake,
     torch.ops.graphoffload.copy_to_device.default: _copy_to_device_fake,
     torch.ops.graphoffload.prefetch_to_device.default: _prefetch_to_device_fake,
     **{op.default: _returns_nothing for op in (torch.ops.graphoffload.wait_host, torch.ops.graphoffload.carry_host_write,
