@@ -521,3 +521,57 @@ def test_no_slower_than_checkpointing_every_block_wherever_that_fits(depth, nois
         predicted = step.train_graph.schedule.step_seconds
         assert predicted <= policy_s, (fraction, predicted, policy_s)
         assert step.memory().peak <= budget
+
+
+# the H100 calibration of benchmarks/calibrations/h100-research-notes.json with an eighth of its
+# matmul rate: on the benchmark GPT scaled down 8x in width and tokens (below) every time in the
+# step (matmuls, elementwise ops, transfers, CPU updates) shrinks alike, by 64x, so its plans are
+# the 4-layer benchmark GPT's in small
+H100_EIGHTH = dataclasses.replace(FAST_COMPUTE, device_flops=780e12 / 8, device_bytes_per_s=3e12)
+
+
+def _bench_gpt_step(model, optimizer, batch):
+    loss = model(batch, labels=batch)
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss
+
+
+def test_no_slower_than_checkpointing_on_the_benchmark_gpt_scaled_down():
+    """The case benchmarks/RESULTS.md recorded on the 4-layer benchmark GPT at 11 GiB, in small
+    (d_model 256, 2 heads of 128, vocab 4000, 12 x 256 tokens, bf16, on the meta device as
+    benchmarks/checkpointing.py compiles it, budget 11/64 GiB): the bucket plan predicted fastest
+    (made on the greedy's activations) runs slower than predicted once the activations are
+    planned anew on it, and the every-block candidate's prefetches sit inside a block's replay,
+    which a run from the graph before the replays cannot name. Each candidate predicted faster
+    than the best run so far is now run, and a prefetch inside a replay is tried before it and
+    after it, so the step is predicted no slower than checkpointing every block (it was 2.1%
+    slower) and fits the budget."""
+    from gpt import GPTConfig
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=4000, seq_len=256, n_layer=4, n_head=2, d_model=256)).to(
+        device="meta", dtype=torch.bfloat16)
+    batch = torch.empty((12, 256), dtype=torch.long, device="meta")
+
+    def compiled(cls, **offload):
+        model.__class__ = cls
+        step = graphoffload.offload_compile(_bench_gpt_step, offload=Offload(
+            calibration=H100_EIGHTH, plan_cache=False, replan_after=0, **offload))
+        step.compile(model, torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1), batch)
+        return step
+
+    checkpointed = compiled(_CheckpointedGPT)   # benchmarks/checkpointing.py's, the same forward
+    budget = int(11 / 64 * 2**30)
+    step = compiled(GPT, gpu_memory_budget=budget, activations="auto")
+    assert checkpointed.memory().peak <= budget < _activations(step)["keep_peak_bytes"]
+    predicted, policy_s = step.train_graph.schedule.step_seconds, checkpointed.train_graph.schedule.step_seconds
+    assert predicted <= policy_s, (predicted, policy_s)
+    assert step.memory().peak <= budget
+    replanned = step.train_graph.notes_of("offload_optimizer", "state_replanned")[0].fields
+    # the cause, reproduced: the candidate predicted fastest did not run as predicted, so more
+    # than one run was needed (a second candidate, or its prefetches after the replay)
+    fastest = min(replanned["candidate_steps"].values())
+    assert replanned["runs"] >= 2 and predicted > fastest, replanned
+    assert replanned["step_seconds"] == predicted
