@@ -144,6 +144,27 @@ _SCALINGS = (aten.mul_.Tensor, aten._foreach_mul_.Tensor)
 _INF_CHECK = aten._amp_foreach_non_finite_check_and_unscale_.default
 
 
+def _order(norm: fx.Node) -> float | None:
+    """The order of `linalg_vector_norm(x[, ord])`, when it is a number."""
+    order = norm.args[1] if len(norm.args) > 1 else 2.0
+    return float(order) if isinstance(order, (int, float)) else None
+
+
+def _global_norm_part(value: fx.Node, order: float) -> bool:
+    """Whether the norm `value` of one gradient is read only as clip_grad_norm_ reads it: stacked
+    with the others' norms into the global norm `linalg_vector_norm(stack(norms), ord)` of the
+    same order. Only such a norm can come from the host, where the step reads nothing but the
+    global norm; the step's own norm of a gradient (`p.grad.norm()`, logged or returned) is a
+    read of the accumulated gradient on the device like any other."""
+    users = list(value.users)
+    if len(users) != 1 or users[0].target is not aten.stack.default or users[0].kwargs \
+            or (len(users[0].args) > 1 and users[0].args[1] != 0):
+        return False
+    reduced = list(users[0].users)
+    return (len(reduced) == 1 and reduced[0].target is aten.linalg_vector_norm.default and len(reduced[0].args) <= 2
+            and not reduced[0].kwargs and _order(reduced[0]) == order)
+
+
 def _clip_reader(node: fx.Node) -> HostNorm | HostCheck | str | None:
     """How clip_grad_norm_ or a GradScaler reads an accumulated gradient (`node` reads it): its
     norm (a `HostNorm`), its in-place scaling by the clip coefficient ("scaling"), a GradScaler's
@@ -151,12 +172,13 @@ def _clip_reader(node: fx.Node) -> HostNorm | HostCheck | str | None:
     if node.target is _INF_CHECK and len(node.args[0]) == 1 and not node.kwargs:
         return HostCheck(node, node.args[1], node.args[2])
     if node.target is aten.linalg_vector_norm.default and len(node.args) <= 2 and not node.kwargs:
-        order = node.args[1] if len(node.args) > 1 else 2.0
-        return HostNorm(node, node, float(order), False) if isinstance(order, (int, float)) else None
+        order = _order(node)
+        return HostNorm(node, node, order, False) if order is not None and _global_norm_part(node, order) else None
     if node.target is aten._foreach_norm.Scalar and len(node.args[0]) == 1 and not node.kwargs \
             and isinstance(node.args[1], (int, float)):
         items = list(node.users)
-        if len(items) == 1 and items[0].target is operator.getitem and items[0].args[1] == 0:
+        if len(items) == 1 and items[0].target is operator.getitem and items[0].args[1] == 0 \
+                and _global_norm_part(items[0], float(node.args[1])):
             return HostNorm(node, items[0], float(node.args[1]), True)
         return None
     if node.target in _SCALINGS:
@@ -248,19 +270,53 @@ def _device_reads(name: str, s: fx.Node, unit: set[fx.Node]
     return norms, checks, others
 
 
+def _host_reads(names: list[str], sums: dict[str, fx.Node], unit: set[fx.Node]
+                ) -> tuple[list[HostNorm], list[HostCheck]]:
+    """The reads of one bucket's accumulated gradients (parameters `names`, update `unit`) that
+    the host must serve when its sums move there: clip_grad_norm_'s norms (one per gradient,
+    or none) and a GradScaler's inf checks (likewise). Raises the refusal, naming the user's
+    line, for any read it cannot serve; `read_on_device` pins exactly those buckets' sums."""
+    norms, checks = [], []
+    for name in names:
+        found, checked, others = _device_reads(name, sums[name], unit)
+        if others:
+            raise _refuse(name, others[0], "the step reads the accumulated gradient on the device besides its "
+                          "update, clip_grad_norm_ and a GradScaler")
+        if len(found) > 1:
+            raise _refuse(name, found[1].reduction, "the step takes more than one norm of the accumulated gradient")
+        if len(checked) > 1:
+            raise _refuse(name, checked[1].check, "the step checks the accumulated gradient for infs twice")
+        norms += found
+        checks += checked
+    if norms and len(norms) != len(names):
+        raise _refuse(names[0], norms[0].reduction, "the step takes the norm of some but not all of the "
+                      "gradients updated together in one bucket (clip_grad_norm_ takes every one's)")
+    if checks and len(checks) != len(names):
+        raise _refuse(names[0], checks[0].check, "a GradScaler checks some but not all of the gradients updated "
+                      "together in one bucket")
+    return norms, checks
+
+
 def read_on_device(kernels: list[UpdateKernel], names_of: list[list[str]], sums: dict[str, fx.Node]) -> frozenset[str]:
     """The parameters whose accumulated gradient the updating call reads on the device in a way
     host sums cannot serve (anything but its update, clip_grad_norm_'s norm and scaling, and a
-    GradScaler's inf check)."""
+    GradScaler's inf check): those with such a read of their own, and every one of a bucket
+    whose reads together the host cannot serve (`_host_reads`: a norm of some but not all)."""
     out = set()
     for k, names in zip(kernels, names_of):
         unit = {k.node, *k.nodes}
+        names = [name for name in names if name in sums]
         for name in names:
             try:
-                if name in sums and _device_reads(name, sums[name], unit)[2]:
+                if _device_reads(name, sums[name], unit)[2]:
                     out.add(name)
             except UnsupportedError:
                 out.add(name)
+        if not out & set(names):
+            try:
+                _host_reads(names, sums, unit)
+            except UnsupportedError:
+                out.update(names)
     return frozenset(out)
 
 
@@ -275,21 +331,12 @@ def drain_host_sums(k: UpdateKernel, names: list[str], sums: dict[str, fx.Node]
     likewise a GradScaler's inf checks of them (one per gradient, or none), to be done on the host
     (`check_on_host`) and erased from the device by the caller."""
     unit = {k.node, *k.nodes}
-    out, norms, checks = [], [], []
+    norms, checks = _host_reads(names, sums, unit)   # refuses before anything changes
+    out = []
     for name in names:
         s = sums[name]
         final, zeros = _final_add(name, s)
         grad = final.args[0]
-        found, checked, others = _device_reads(name, s, unit)
-        if others:
-            raise _refuse(name, others[0], "the step reads the accumulated gradient on the device besides its "
-                          "update, clip_grad_norm_ and a GradScaler")
-        if len(found) > 1:
-            raise _refuse(name, found[1].reduction, "the step takes more than one norm of the accumulated gradient")
-        if len(checked) > 1:
-            raise _refuse(name, checked[1].check, "the step checks the accumulated gradient for infs twice")
-        norms += found
-        checks += checked
         final.replace_all_uses_with(grad)
         for user in grad.users:   # the detached final gradient now aliases the micro-batch's gradient
             if user.target is aten.detach.default:
@@ -298,12 +345,6 @@ def drain_host_sums(k: UpdateKernel, names: list[str], sums: dict[str, fx.Node]
         for node in [final, *zeros]:
             node.graph.erase_node(node)
         out.append((name, s))
-    if norms and len(norms) != len(names):
-        raise _refuse(names[0], norms[0].reduction, "the step takes the norm of some but not all of the "
-                      "gradients updated together in one bucket (clip_grad_norm_ takes every one's)")
-    if checks and len(checks) != len(names):
-        raise _refuse(names[0], checks[0].check, "a GradScaler checks some but not all of the gradients updated "
-                      "together in one bucket")
     return out, norms, checks
 
 

@@ -328,6 +328,63 @@ def test_auto_sums_keep_on_the_device_what_the_step_reads_there():
         step(model, opt, *batches(1)[0])
 
 
+def own_norm_step_fn(clip: bool):
+    """The step's own norm of one accumulated gradient (returned, as one logs it), with or
+    without clip_grad_norm_'s norms of every gradient beside it."""
+    def own_norm_step(model, optimizer, x, y):
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        grad = model[0].weight.grad   # None on an accumulating call
+        norm = torch.linalg.vector_norm(grad) if grad is not None else torch.zeros(())
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)
+        optimizer.step()
+        optimizer.zero_grad()
+        return norm
+    return own_norm_step
+
+
+@pytest.mark.parametrize("clip", [False, True], ids=["own-norm", "own-norm-and-clip"])
+def test_auto_sums_keep_on_the_device_a_norm_the_step_takes_of_one_gradient(clip):
+    # a step's own norm of one gradient is no part of clip_grad_norm_'s global norm: it pins
+    # that gradient's sum (and its bucket) to the device, while a budget moves the other buckets
+    # to the host (it was taken for a clipping norm and the step refused "some but not all")
+    fn = own_norm_step_fn(clip)
+    budget = (max(variant_peaks("host", step_fn)) + max(variant_peaks("device", fn))) // 2
+    eager = mlp()
+    model = copy.deepcopy(eager)
+    opt_e, opt_c = OPTIMIZERS["adamw"](eager), OPTIMIZERS["adamw"](model)
+    step = auto_step(budget, fn)
+    for i, (x, y) in enumerate(batches(2 * K)):
+        (torch.nn.functional.mse_loss(eager(x), y) / K).backward()
+        norm = step(model, opt_c, x, y)
+        if i % K == K - 1:
+            torch.testing.assert_close(norm, torch.linalg.vector_norm(eager[0].weight.grad), rtol=1e-6, atol=0)
+            if clip:
+                torch.nn.utils.clip_grad_norm_(eager.parameters(), 0.1)
+            opt_e.step()
+            opt_e.zero_grad()
+            assert_like_eager(eager, model)
+        assert step.memory().peak <= budget
+    [placement] = step._sum_placements.values()
+    assert placement.pinned == frozenset({"0.weight"})
+    assert all("0.weight" not in names for _, names in placement.groups)   # its bucket never moves
+    assert placement.chosen > 0                                             # other buckets moved
+    where = {s.target: s.host for s in grad_sum_specs(step)}
+    assert not where["0.weight"] and not where["0.bias"] and any(where.values())
+    if clip:   # the moved sums' clipping norms on the host, the pinned bucket's on the device
+        assert host_norms(step) == sum(where.values())
+
+
+def test_host_sums_refuse_a_norm_the_step_takes_of_one_gradient_naming_its_line():
+    step = compiled("host", own_norm_step_fn(clip=True))
+    model = mlp()
+    with pytest.raises(UnsupportedError, match="0.weight on the host: the step reads the accumulated gradient on "
+                       "the device besides its update") as info:
+        step(model, OPTIMIZERS["adamw"](model), *batches(1)[0])
+    assert "torch.linalg.vector_norm(grad)" in str(info.value) and "test_accumulation_offload.py" in str(info.value)
+    assert step.micro_step == 0
+
+
 def trial_compile_peaks(step) -> dict[bool, tuple[int, ...]]:
     """The exact method, per variant: one trial compile of offload_optimizer per number m of
     buckets whose sums move to the host (the oracle of the modelled peaks the step used)."""
