@@ -232,10 +232,6 @@ class CompileConfig:
             raise ValueError(f"subgroup_numel must be positive, got {self.subgroup_numel}")
         object.__setattr__(self, "disable_passes", tuple(self.disable_passes))
         if self.data_parallel is not None:
-            if self.skip_nonfinite and self.sequence_parallel is not None:
-                raise UnsupportedError("ZeRO data parallelism with sequence_parallel= and skip_nonfinite=True is not "
-                                       "supported yet (not tested): drop skip_nonfinite=True, or one of "
-                                       "data_parallel= and sequence_parallel=")
             if self.offload is not None:   # stages 1, 2 and 3 alike, with sequence_parallel= too
                 self._check_zero_offload()
 

@@ -54,12 +54,13 @@ mesh's ranks; stages 2-3: the reduce-scatter over dp, then this rank's part all-
 groups once per update. The state is sharded over dp alone: `Shard(0)` DTensors over a 1-D dp
 mesh, the same on the ranks of an sp group (not a 2-D mesh DTensor with `Replicate()` over sp);
 DCP saves and loads it on the same mesh (tests/test_zero_sequence_parallel.py). `offload=` works
-with it too, as without `sequence_parallel=`.
+with it too, as without `sequence_parallel=`, and so do a GradScaler and skip_nonfinite=True: their
+flags, combined over the dp group alone, agree over sp too (the checks read chunks reduced over
+both groups; the loss is ring attention's mean over the sp group's tokens).
 
 Not yet: `offload=` together with overlap_next_step or activations="auto"; running sums on the host under ZeRO (`Offload(accumulate_on="host" |
 "auto")` with accumulation_steps: the updating call reduces the sums on the device, and host sums
-are added after that reduction would have to read them); a GradScaler or skip_nonfinite=True
-together with sequence_parallel=. Each is refused with an `UnsupportedError` that says so.
+are added after that reduction would have to read them). Each is refused with an `UnsupportedError` that says so.
 """
 
 from __future__ import annotations

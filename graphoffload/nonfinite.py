@@ -30,10 +30,12 @@ def backward_roots(args: tuple, kwargs: dict, key: str) -> list[Tensor]:
 
 def nonfinite_flag(losses: Sequence[Tensor], grads: Sequence[Tensor], device: torch.device) -> Tensor:
     """A float32 scalar on `device`: 1 when a loss has a non-finite element or the global 2-norm
-    of `grads` (computed in fp32, as `clip_grad_norm_` does) is not finite, else 0."""
+    of `grads` (computed in fp32, as `clip_grad_norm_` does; an fp64 gradient's in fp64, which
+    `vector_norm` cannot narrow) is not finite, else 0."""
     bad = torch.zeros((), dtype=torch.bool, device=device)
     if grads:
-        norms = [torch.linalg.vector_norm(g, 2.0, dtype=torch.float32).to(device) for g in grads]
+        norms = [torch.linalg.vector_norm(g, 2.0, dtype=torch.promote_types(g.dtype, torch.float32)).to(device)
+                 for g in grads]
         bad = bad | ~torch.isfinite(torch.linalg.vector_norm(torch.stack(norms), 2.0))
     for loss in losses:
         bad = bad | ~torch.isfinite(loss.detach()).all().to(device)

@@ -81,7 +81,10 @@ CPU-path bucket copies that flag to the host with its chunks' gradients and the 
 this rank's chunks skips or applies as every other rank's does. With `accumulation_steps` the
 updating call does this on the reduced sums, and an accumulating call's skip flag (its loss alone;
 it has no update) is combined the same way (`_agree_on_counting_a_micro_batch`), so every rank
-counts the same calls in `skipped_steps`.
+counts the same calls in `skipped_steps`. With `sequence_parallel=` combining over the data-parallel
+group is enough: the chunks are reduced over both groups before the checks read them, so the
+ranks of a sequence-parallel group check the same values, and their loss (ring attention's mean
+over the sp group's tokens, all-reduced before anything reads it) is the same too.
 
 What the pass cannot shard yet (other reads or writes of the gradients besides the update:
 another norm; `.grad` left set after clipping or, stage 1, with a GradScaler; with stages 2 and
@@ -650,11 +653,6 @@ def zero(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
     output = next(n for n in g.nodes if n.op == "output")
     skip_flag = _skip_flag(graph, output)
     items, clip, checks, skip_norm = _items(kernels, output, dp.stage, skip_flag)
-    if checks and ctx.config.sequence_parallel is not None:
-        raise UnsupportedError(
-            f"ZeRO data parallelism with sequence_parallel= and a GradScaler (its inf checks at {_line(checks[0])}) "
-            "is not supported yet (not tested): drop the GradScaler (bf16 autocast needs no loss scaling), or one of "
-            "data_parallel= and sequence_parallel=")
     sp_group = _sequence_parallel_group(graph, ctx, items)
     position = {n: i for i, n in enumerate(g.nodes)}
     sharded = _stage_3_params(items, position, world, rank) if dp.stage == 3 else []

@@ -6,7 +6,9 @@ of one micro-batch (passed whole, or as their `sp.shard` of it), the two dp grou
 optimizer state (stage 2: the gradients, stage 3: the parameters too). Every rank's loss is its
 micro-batch's and its parameters equal eager training of a tiny Llama on the two micro-batches
 together (stage 1 with clip_grad_norm_); the gradient collectives per bucket are counted by
-group; a DCP checkpoint of the stage 2 run loads back on the same mesh. Groups that are not the two
+group; a DCP checkpoint of the stage 2 run loads back on the same mesh. A GradScaler whose overflow
+comes from one sp rank's part of a gradient row another dp rank holds, and skip_nonfinite=True
+with one dp rank's loss inf, skip the step on all four ranks as eager does. Groups that are not the two
 dimensions of one mesh are refused before anything is traced (on 4 ranks, and as a pure check
 without processes), and so is a first call that one rank never makes (`RankTimeoutError`)."""
 
@@ -228,6 +230,113 @@ def _accumulates_as_eager(rank, mesh, stage, offload=None):
             f"rank {rank} stage {stage} accumulating {offload}: {name} is {err:.3g} from eager"
 
 
+POISONED = 1   # the step whose batch is not finite
+TOKEN = 63      # embedding row 63: in dp rank 1's chunk (rows 32..63 of 64)
+
+
+def _poisoned_step(model, batch):
+    """Llama's loss plus `offset` (an inf offset makes the loss inf, the gradients finite), its
+    token embeddings' gradient multiplied by 1 + `poison` (their values unchanged): a poisoned
+    position holding TOKEN overflows embedding row TOKEN's gradient alone, in dp rank 1's chunk."""
+    emb = model.get_input_embeddings()(batch["input_ids"])
+    emb = emb + batch["poison"][..., None] * (emb - emb.detach())
+    return model(inputs_embeds=emb, labels=batch["labels"]).loss + batch["offset"].mean()
+
+
+def scaled_step(model, optimizer, scaler, batch):
+    loss = _poisoned_step(model, batch)
+    scaler.scale(loss).backward()
+    scaler.step(optimizer)
+    scaler.update()
+    optimizer.zero_grad()
+    return loss
+
+
+def eager_skipping_step(model, optimizer, batch) -> bool:
+    """skip_nonfinite eagerly: no step() when the loss or the global gradient norm is not finite."""
+    loss = _poisoned_step(model, batch)
+    loss.backward()
+    norms = [torch.linalg.vector_norm(p.grad, 2.0) for p in model.parameters()]
+    skipped = not (torch.isfinite(loss) and torch.isfinite(torch.linalg.vector_norm(torch.stack(norms), 2.0)))
+    if not skipped:
+        optimizer.step()
+    optimizer.zero_grad()
+    return skipped
+
+
+def plain_step(model, optimizer, batch):
+    loss = _poisoned_step(model, batch)
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss
+
+
+def _poisoned_batches(key: str, value: float) -> list[dict]:
+    """STEPS + 1 whole batches of 2 dp micro-batches; at step POISONED, dp rank 0's first row gets
+    `value` in `key`: "poison" at sequence position 0 (sp rank 0's part; its token set to TOKEN),
+    "offset" for the row (the loss of dp rank 0's micro-batch, on both its sp ranks)."""
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for i in range(STEPS + 1):
+        x = torch.randint(0, TOKEN, (4, 16), generator=g)   # TOKEN only where poisoned
+        batch = {"input_ids": x, "labels": x, "offset": torch.zeros(4, dtype=torch.float64),
+                 "poison": torch.zeros(4, 16, dtype=torch.float64)}
+        if i == POISONED:
+            if key == "poison":
+                x[0, 0] = TOKEN
+                batch["poison"][0, 0] = value
+            else:
+                batch["offset"][0] = value
+        out.append(batch)
+    return out
+
+
+def _skips_as_eager(rank, mesh, stage, scaler: bool):
+    """A GradScaler (an overflow in dp rank 0's, sp rank 0's part of the gradient of a row dp rank 1
+    holds) or skip_nonfinite=True (dp rank 0's loss inf): every rank skips the poisoned step as
+    single-process eager on the whole batch does, fp64, with the same scale; the flags are
+    combined over dp alone (one scalar all-reduce each), the sp ranks agreeing already."""
+    dp_rank = mesh["dp"].get_local_rank()
+    eager = _llama().double()
+    model = copy.deepcopy(eager)
+    opt_e, opt = (torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1) for m in (eager, model))
+    sp = graphoffload.SequenceParallel(group=mesh["sp"], timeout_s=60)
+    zero = graphoffload.ZeRO(stage=stage, group=mesh["dp"], bucket_numel=8192, timeout_s=60)
+    if scaler:
+        scalers = [torch.amp.GradScaler("cpu", init_scale=2.0**16, growth_interval=1) for _ in range(2)]
+        step = graphoffload.offload_compile(scaled_step, sequence_parallel=sp, data_parallel=zero)
+        batches = _poisoned_batches("poison", 1e308)   # * 2**16 overflows fp64
+    else:
+        step = graphoffload.offload_compile(plain_step, sequence_parallel=sp, data_parallel=zero,
+                                            config=graphoffload.CompileConfig(skip_nonfinite=True))
+        batches = _poisoned_batches("offset", float("inf"))
+    scales = []
+    for i, batch in enumerate(batches):
+        before = _full(model.model.embed_tokens.weight).clone()
+        mine = {k: v[2 * dp_rank:2 * dp_rank + 2] for k, v in batch.items()}
+        if scaler:
+            scaled_step(eager, opt_e, scalers[0], batch)
+            step(model, opt, scalers[1], mine)
+            assert scalers[1].get_scale() == scalers[0].get_scale(), (rank, i, scalers[1].get_scale())
+            scales.append(scalers[1].get_scale())
+        else:
+            skipped = eager_skipping_step(eager, opt_e, batch)
+            step(model, opt, mine)
+            assert skipped == (i == POISONED) and step.skipped_steps == int(i >= POISONED), (rank, i)
+        if i == POISONED:
+            assert torch.equal(_full(model.model.embed_tokens.weight), before), rank   # skipped everywhere
+        for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+            err = ((_full(p) - q).abs().max() / q.abs().max()).item()
+            assert err <= FP64_RTOL, f"rank {rank} stage {stage} scaler={scaler} step {i}: {name} is {err:.3g}"
+    if scaler:   # grown on each clean step (growth_interval=1), backed off on the poisoned one
+        assert scales == [2.0**17, 2.0**16, 2.0**17], scales
+    assert all(s["step"].item() == STEPS for s in opt.state.values())   # STEPS + 1 calls, one skipped
+    final = step.last.stages["final"]
+    (nonfinite,) = final.notes_of("zero", "nonfinite")
+    assert (nonfinite.fields["checks"] >= 1) == scaler and nonfinite.fields["skip_nonfinite"] == (not scaler)
+
+
 def _mesh_2x2(rank, world, path):
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -256,6 +365,8 @@ def _mesh_2x2(rank, world, path):
     _accumulates_as_eager(rank, mesh, 2)
     _train_and_compare(rank, mesh, 2, "full", torch.float64, offload=graphoffload.Offload())   # ZeRO-Offload
     _accumulates_as_eager(rank, mesh, 2, offload=graphoffload.Offload())   # ... accumulating
+    _skips_as_eager(rank, mesh, 2, scaler=True)    # a GradScaler
+    _skips_as_eager(rank, mesh, 2, scaler=False)   # skip_nonfinite=True
 
 
 @pytest.mark.slow   # four processes
