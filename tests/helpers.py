@@ -39,6 +39,14 @@ def hf_llama(seed: int = 0):
     return transformers.LlamaForCausalLM(cfg)
 
 
+def nonfinite_eagerly(loss: torch.Tensor, model: torch.nn.Module) -> bool:
+    """skip_nonfinite's flag, eagerly, as graphoffload/nonfinite.py sets it after backward: the
+    loss, or the L2 norm of the gradients' L2 norms (each taken in at least fp32), not finite."""
+    norms = [torch.linalg.vector_norm(p.grad, 2.0, dtype=torch.promote_types(p.grad.dtype, torch.float32))
+             for p in model.parameters() if p.grad is not None]
+    return not (torch.isfinite(loss).all() and torch.isfinite(torch.linalg.vector_norm(torch.stack(norms), 2.0)))
+
+
 def run_steps(step_fn: Callable, model, opt, batches: Sequence[dict], scheduler=None) -> list[torch.Tensor]:
     """Train on `batches`, stepping `scheduler` (if any) between steps as a user would; returns
     the detached losses."""

@@ -8,7 +8,7 @@ import copy
 
 import pytest
 import torch
-from helpers import assert_training_matches, tiny_gpt, token_batches
+from helpers import assert_training_matches, nonfinite_eagerly, tiny_gpt, token_batches
 
 import graphoffload
 from graphoffload import CompileConfig, FuseOptimizer, Offload
@@ -30,10 +30,7 @@ def eager_skipping_step(model, optimizer, batch):
     loss = model(batch["input_ids"], labels=batch["labels"]) * batch["scale"]
     loss = loss + (batch["z"] * model.head.weight[:2]).abs().sqrt().sum() * 1e-3
     loss.backward()
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g, 2.0, dtype=torch.float32)
-                                                 for g in grads]), 2.0)
-    skipped = not (torch.isfinite(loss).all() and torch.isfinite(norm))
+    skipped = nonfinite_eagerly(loss, model)
     if not skipped:
         optimizer.step()
     optimizer.zero_grad()

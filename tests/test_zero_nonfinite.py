@@ -22,7 +22,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from ring_dist import run_ranks
-from test_zero import AsRank, _whole
+from helpers import nonfinite_eagerly
+from test_zero import AsRank, _Uneven, _whole
 from test_zero_stage3 import _ancestors
 
 import graphoffload
@@ -30,20 +31,6 @@ import graphoffload
 c10d = torch.ops._c10d_functional
 RTOL = 2e-5
 POISONED = 2   # the (first) step whose batch is not finite
-
-
-class _Net(torch.nn.Module):
-    """Dims 0 of 5 and 3 rows (chunks of 3 and 2, 2 and 1 rows on 2 ranks) and a 0-dim parameter."""
-
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.a = torch.nn.Linear(6, 5)
-        self.b = torch.nn.Linear(5, 3)
-        self.scale = torch.nn.Parameter(torch.tensor(1.5))
-
-    def forward(self, x, y):
-        return ((self.b(torch.tanh(self.a(x))) * self.scale - y) ** 2).mean()
 
 
 def _loss(model, batch):
@@ -86,8 +73,7 @@ def eager_skipping_step(model, optimizer, batch) -> bool:
     global gradient norm is not finite. Returns whether it skipped."""
     loss = _loss(model, batch)
     loss.backward()
-    norms = [torch.linalg.vector_norm(p.grad, 2.0, dtype=torch.float32) for p in model.parameters()]
-    skipped = not (torch.isfinite(loss) and torch.isfinite(torch.linalg.vector_norm(torch.stack(norms), 2.0)))
+    skipped = nonfinite_eagerly(loss, model)
     if not skipped:
         optimizer.step()
     optimizer.zero_grad()
@@ -139,7 +125,7 @@ def _assert_offloaded(targets: list, offload) -> None:
 
 
 def _scaler_as_eager(rank, world, stage, step_fn=scaled_step, offload=None):
-    eager = _Net()
+    eager = _Uneven()
     model = copy.deepcopy(eager)
     opt_e = torch.optim.AdamW(eager.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
@@ -174,7 +160,7 @@ def _scaler_as_eager(rank, world, stage, step_fn=scaled_step, offload=None):
 def _accumulating_scaler_as_eager(rank, world, stage, k=2, offload=None):
     """accumulation_steps=k: the scaler unscales, checks and steps once a window, on the sums; a
     window in which rank 0's first micro-batch overflows a row rank 1 holds is skipped by both."""
-    eager = _Net()
+    eager = _Uneven()
     model = copy.deepcopy(eager)
     opt_e = torch.optim.AdamW(eager.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
@@ -199,7 +185,7 @@ def _accumulating_scaler_as_eager(rank, world, stage, k=2, offload=None):
 
 
 def _skip_as_eager(rank, world, stage, offload=None):
-    eager = _Net()
+    eager = _Uneven()
     model = copy.deepcopy(eager)
     opt_e = torch.optim.AdamW(eager.parameters(), lr=1e-2, weight_decay=0.1)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
@@ -239,8 +225,7 @@ def eager_skipping_window(model, optimizer, window: list[dict]) -> list[bool]:
         (loss / k).backward()
         bad = not torch.isfinite(loss)
         if j == k - 1:
-            norms = [torch.linalg.vector_norm(p.grad, 2.0, dtype=torch.float32) for p in model.parameters()]
-            bad = bad or not torch.isfinite(torch.linalg.vector_norm(torch.stack(norms), 2.0))
+            bad = nonfinite_eagerly(loss, model)   # the loss, or the accumulated gradients' norm
             if not bad:
                 optimizer.step()
             optimizer.zero_grad()
@@ -253,7 +238,7 @@ def _accumulating_skip_as_eager(rank, world, stage, k=2):
     on rank 1 alone (counted by both ranks, the window's update applied, as in one process); the
     third window's first call overflows, on rank 0, a gradient row rank 1 holds after the
     reduce-scatter (the loss finite): the sums carry it to the updating call, which both skip."""
-    eager = _Net()
+    eager = _Uneven()
     model = copy.deepcopy(eager)
     opt_e = torch.optim.AdamW(eager.parameters(), lr=1e-2, weight_decay=0.1)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
@@ -306,7 +291,7 @@ def test_grad_scaler_and_skip_nonfinite_decide_over_the_group_world2():
 
 
 def _compile(stage, step_fn, *extra, rank=1, **config):
-    model = _Net()
+    model = _Uneven()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
     step = graphoffload.offload_compile(step_fn, data_parallel=AsRank(stage=stage, as_rank=rank, as_world=2),
                                         config=graphoffload.CompileConfig(**config))
@@ -372,7 +357,7 @@ def test_with_offload_the_host_updates_read_the_flag_combined_over_the_group(sta
     if skip:
         graph, _ = _compile(stage, plain_step, skip_nonfinite=True, offload=graphoffload.Offload(device_updates="never"))
     else:
-        model = _Net()
+        model = _Uneven()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
         step = graphoffload.offload_compile(scaled_step, offload=graphoffload.Offload(device_updates="never"),
                                             data_parallel=AsRank(stage=stage, as_rank=1, as_world=2))
@@ -402,7 +387,7 @@ def test_accumulating_call_of_stage_3_with_a_grad_scaler_shards_the_parameters_i
     window: `scaler.step(opt)`, a no-op on the accumulating call, did not count `opt` as stepped,
     so that call sharded no parameter and kept reading the whole tensors the updating call had
     replaced. Now it shards what the updating call does, and its skip flag is combined too."""
-    model = _Net()
+    model = _Uneven()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
     step = graphoffload.offload_compile(scaled_step, accumulation_steps=2,
                                         data_parallel=AsRank(stage=3, as_rank=1, as_world=2))
@@ -414,7 +399,7 @@ def test_accumulating_call_of_stage_3_with_a_grad_scaler_shards_the_parameters_i
     skipping = graphoffload.offload_compile(plain_step, accumulation_steps=2,
                                             config=graphoffload.CompileConfig(skip_nonfinite=True),
                                             data_parallel=AsRank(stage=2, as_rank=1, as_world=2))
-    other = _Net()
+    other = _Uneven()
     graph = skipping.compile(other, torch.optim.AdamW(other.parameters()), _micro(_batches(2, {})[0], 1))
     output = list(graph.gm.graph.nodes)[-1]
     (flag,) = [v for spec, v in zip(graph.signature.outputs, output.args[0]) if spec.kind == "skipped"]

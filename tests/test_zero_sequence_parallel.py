@@ -20,6 +20,7 @@ import pytest
 import torch
 from torch.distributed.tensor import DTensor, Shard
 from ring_dist import run_ranks
+from helpers import nonfinite_eagerly
 from steps import hf_step
 
 import graphoffload
@@ -256,8 +257,7 @@ def eager_skipping_step(model, optimizer, batch) -> bool:
     """skip_nonfinite eagerly: no step() when the loss or the global gradient norm is not finite."""
     loss = _poisoned_step(model, batch)
     loss.backward()
-    norms = [torch.linalg.vector_norm(p.grad, 2.0) for p in model.parameters()]
-    skipped = not (torch.isfinite(loss) and torch.isfinite(torch.linalg.vector_norm(torch.stack(norms), 2.0)))
+    skipped = nonfinite_eagerly(loss, model)
     if not skipped:
         optimizer.step()
     optimizer.zero_grad()
