@@ -53,6 +53,15 @@ def _done(value: object) -> Future:
     return fut
 
 
+def _landed(fut: Future) -> object:
+    """A task's result once what it started has landed: the event a copy stream recorded (the
+    result of a device copy) is waited for on the host; None (nothing on a stream) passes."""
+    event = fut.result()
+    if event is not None:
+        event.synchronize()
+    return event
+
+
 class OffloadRuntime:
     """Streams, the CPU worker and in-flight tickets of one compiled step."""
 
@@ -189,20 +198,14 @@ class OffloadRuntime:
             fut.exception()   # everything lands before any error is raised
         for key, fut in carried.items():
             self._handed_over_result(key, fut)
-        for fut in writes:
-            event = fut.result()
-            if event is not None:
-                event.synchronize()
+        self._wait_host_writes(writes)
 
     def _handed_over_result(self, key: str, fut: Future) -> object:
         """The result of a handed-over task, waiting for it; an upload's error as it is, a
         running sum's add's as a `StateError` that says what it leaves behind."""
         param = param_of_grad_sum_key(key)
         if param is None:
-            event = fut.result()
-            if event is not None:
-                event.synchronize()
-            return event
+            return _landed(fut)
         try:
             return fut.result()
         except Exception as exc:
@@ -263,9 +266,7 @@ class OffloadRuntime:
 
     def _wait_host_writes(self, writes: list[Future]) -> None:
         for fut in writes:
-            event = fut.result()
-            if event is not None:
-                event.synchronize()
+            _landed(fut)
 
     def run_on_host(self, after: Tensor, work, name: str = "update") -> Tensor:
         dependency = self.redeem(after)
@@ -275,9 +276,7 @@ class OffloadRuntime:
 
         def task():
             self._wait_host_writes(writes)
-            event = dependency.result()
-            if event is not None:
-                event.synchronize()
+            _landed(dependency)
             start = time.perf_counter()
             result = work()
             self._span("cpu", name, start)   # the measured timeline's span on the CPU track
@@ -355,9 +354,7 @@ class OffloadRuntime:
         return out + [self.issue(_done(event))]
 
     def wait_host(self, ticket: Tensor) -> None:
-        event = self.redeem(ticket).result()
-        if event is not None:
-            event.synchronize()
+        _landed(self.redeem(ticket))
 
     def carry_host_write(self, ticket: Tensor, host: list[Tensor]) -> None:
         fut = self.redeem(ticket)
@@ -511,9 +508,7 @@ def host_unscale_(after: Tensor, scale_after: Tensor, grads: list[Tensor], found
     scale_copied = runtime.redeem(scale_after)
 
     def work():
-        event = scale_copied.result()   # the copy of inv_scale (a copy stream's event, or None on CPU)
-        if event is not None:
-            event.synchronize()
+        _landed(scale_copied)   # the copy of inv_scale
         # the op the step's GradScaler traced, on the host copies: the same check, the same product
         found_inf[0].zero_()
         torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf[0], inv_scale)
