@@ -274,16 +274,25 @@ def _skip_norm(terms: dict[fx.Node, _Item]) -> _Clip | None:
     stacked, normed again), in `_Clip`'s form, so that `_global_norm` makes its total global."""
     if not terms:
         return None
+    total = _stacked_total(terms)
+    if total is None:
+        raise UnsupportedError(
+            f"ZeRO data parallelism: skip_nonfinite's gradient norm at {_line(next(iter(terms)))} is not one L2 "
+            "norm of the per-gradient norms (gradients on several devices?); ZeRO makes it global from each "
+            "rank's chunks and supports that form only for now: drop skip_nonfinite=True")
+    return _Clip(terms, total, [])
+
+
+def _stacked_total(terms: dict[fx.Node, _Item]) -> fx.Node | None:
+    """The norm of the per-gradient norms `terms` as clip_grad_norm_ and skip_nonfinite trace it:
+    one `stack` of exactly them, read by one `linalg_vector_norm` alone; None for another form."""
     stacks = {u for t in terms for u in t.users}
     stack = next(iter(stacks)) if len(stacks) == 1 else None
     totals = list(stack.users) if stack is not None else []
     if stack is None or stack.target is not aten.stack.default or set(stack.args[0]) != set(terms) \
             or len(totals) != 1 or totals[0].target is not aten.linalg_vector_norm.default:
-        raise UnsupportedError(
-            f"ZeRO data parallelism: skip_nonfinite's gradient norm at {_line(next(iter(terms)))} is not one L2 "
-            "norm of the per-gradient norms (gradients on several devices?); ZeRO makes it global from each "
-            "rank's chunks and supports that form only for now: drop skip_nonfinite=True")
-    return _Clip(terms, totals[0], [])
+        return None
+    return totals[0]
 
 
 @dataclass
@@ -331,11 +340,8 @@ def _clipping(items: list[_Item], readers: set[fx.Node], output: fx.Node, stage:
                 "step is not supported yet")
     if not terms and not scales:
         return None
-    stacks = {u for t in terms for u in t.users}
-    stack = next(iter(stacks)) if len(stacks) == 1 else None
-    totals = list(stack.users) if stack is not None else []
-    if (stack is None or stack.target is not aten.stack.default or set(stack.args[0]) != set(terms)
-            or len(totals) != 1 or not _l2(totals[0]) or totals[0].target is not aten.linalg_vector_norm.default):
+    total = _stacked_total(terms)
+    if total is None or not _l2(total):
         where = next(iter(terms or scales))
         raise UnsupportedError(
             f"ZeRO data parallelism: the gradients are normed or scaled at {_line(where)} in a way other than "
@@ -348,7 +354,7 @@ def _clipping(items: list[_Item], readers: set[fx.Node], output: fx.Node, stage:
             f"ZeRO stage {stage} with clip_grad_norm_ and .grad left set after the step is not supported yet (the "
             "update clips this rank's chunks only, so .grad would hold unclipped rows): call optimizer.zero_grad() "
             "at the end of the step")
-    return _Clip(terms, totals[0], list(scales))
+    return _Clip(terms, total, list(scales))
 
 
 def _line(node: fx.Node) -> str:
