@@ -5,6 +5,7 @@ whole run a deadline, so a dead or stuck rank fails the test instead of hanging 
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import gc
 import os
 import tempfile
@@ -18,6 +19,9 @@ import torch.multiprocessing as mp
 
 def _entry(rank: int, fn, world: int, store: str, args: tuple) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    # a rank that crashes in native code (gloo has, rarely) prints every thread's Python stack
+    # to the test's stderr instead of only an exit signal
+    faulthandler.enable(all_threads=True)
     import torch
 
     torch.set_num_threads(1)
