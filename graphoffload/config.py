@@ -92,7 +92,10 @@ class Offload:
             before the model's forward or `state_dict()`/`load_state_dict()` of the model, the
             optimizer or the step run; anything else that reads or writes parameters or
             `optimizer.state` between calls (another compiled step on the same model too) must
-            call `step.synchronize()` first. Off by default.
+            call `step.synchronize()` first (under ZeRO stage 3 that includes `full_tensor()` of a
+            parameter). Under ZeRO stages 1-2 a CPU-path bucket's upload is waited for in the same
+            call, before the all-gather that reads this rank's rows; only device-path write-backs
+            land after the call. Off by default.
         plan_cache: keep each offload plan on disk beside the calibration
             (`$XDG_CACHE_HOME/graphoffload/plans/`), keyed by everything the planner reads (the
             step's predicted costs, the calibration, the budget), so a restarted job with the
@@ -237,8 +240,9 @@ class CompileConfig:
 
     def _check_zero_offload(self) -> None:
         """ZeRO with offload= (ZeRO-Offload, stages 1, 2 and 3) covers each rank's chunk of a step
-        that updates every call or every k-th (`accumulation_steps`, running sums on the device);
-        what it does not cover yet is refused here, before anything is traced.
+        that updates every call or every k-th (`accumulation_steps`, running sums on the device),
+        `activations="auto"` and `overlap_next_step` included; what it does not cover yet is
+        refused here, before anything is traced.
 
         Running sums on the host (`accumulate_on="host"`/`"auto"`) are not done under ZeRO: the
         updating call reduces the sums over the group on the device (the `zero` pass's bucket
@@ -250,10 +254,3 @@ class CompileConfig:
                 f"Offload(accumulate_on={self.offload.accumulate_on!r}) is not supported yet: under ZeRO the "
                 "running gradient sums stay on the device, where the updating call reduces them over the group "
                 "once per update; use Offload(accumulate_on='device') (the default)")
-        not_yet = [what for what, given in (
-            ("Offload(overlap_next_step=True)", self.offload.overlap_next_step),
-            ("Offload(activations='auto')", self.offload.activations == "auto")) if given]
-        if not_yet:
-            raise UnsupportedError(f"ZeRO data parallelism with offload= and {' and '.join(not_yet)} is not "
-                                   "supported yet (each rank offloads its chunk of a step that updates every call); drop "
-                                   f"{' and '.join(not_yet)}, or offload=")
