@@ -9,7 +9,11 @@ same GPT without, both with optimizer state offloaded (the planner's hybrid sche
 
 `--activation-budgets` adds the plain GPT compiled with `Offload(activations="auto")` under each
 budget: the planner keeps, recomputes or offloads each saved activation to fit it (a budget it
-cannot meet is reported with the least peak it reached).
+cannot meet is reported with the least peak it reached). Each such row is compiled twice, by two
+step objects, as a job and its restart would (`compile_cpu_s`, then `reused_compile_cpu_s`): the
+plan cache (in a fresh directory, so the first compile plans) lets the second re-apply the
+stored activation and bucket plans instead of searching; `reused` says whether it did, and the
+row records that the second compile predicted the same step and peak.
 
 Everything is compiled on the meta device (no memory, no GPU): the peak is the liveness analysis
 of the final graph (`step.memory().peak`), the step time the planner's prediction under the
@@ -24,6 +28,7 @@ so activations and gradients are bf16 as under autocast; the loss still takes it
 from __future__ import annotations
 
 import argparse
+import tempfile
 import json
 import os
 import sys
@@ -76,30 +81,59 @@ def predict_rows(args) -> list[dict]:
                      "compile_cpu_s": time.process_time() - cpu,
                      "params": sum(p.numel() for p in model.parameters())})
     model.__class__ = GPT
-    for gib in args.activation_budgets:   # the plain GPT, its activations planned under a budget
-        opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
-        step = graphoffload.offload_compile(autocast_train_step, offload=graphoffload.Offload(
+    saved_cache = os.environ.get("XDG_CACHE_HOME")
+    try:
+        os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="graphoffload-checkpointing-")   # plans cold
+        for gib in args.activation_budgets:   # the plain GPT, its activations planned under a budget
+            rows.append(_activation_row(model, batch, cal, gib, rows[0]["params"]))
+    finally:
+        if saved_cache is None:
+            os.environ.pop("XDG_CACHE_HOME", None)
+        else:
+            os.environ["XDG_CACHE_HOME"] = saved_cache
+    return rows
+
+
+def _activation_row(model, batch, cal, gib: float, params: int) -> dict:
+    """The plain GPT with Offload(activations="auto") under `gib`, compiled, then compiled again by
+    a fresh step object (a restarted job: the plan cache's entry reused)."""
+    import graphoffload
+
+    def make():
+        return graphoffload.offload_compile(autocast_train_step, offload=graphoffload.Offload(
             device_updates="auto", calibration=cal, replan_after=0, gpu_memory_budget=int(gib * 2**30),
             activations="auto"))
-        start, cpu = time.perf_counter(), time.process_time()
-        row = {"mode": f"activations='auto', {gib:g} GiB budget", "params": rows[0]["params"]}
-        try:
-            graph = step.compile(model, opt, batch)
-        except graphoffload.UnsupportedError as err:
-            least = int(str(err).split("(")[1].split(" bytes")[0].replace(",", ""))
-            rows.append({**row, "status": "over budget", "peak_GiB": least / 2**30, "error": str(err),
-                         "compile_s": time.perf_counter() - start, "compile_cpu_s": time.process_time() - cpu})
-            continue
-        chosen = graph.notes_of("offload_optimizer", "activations")[0].fields
-        # which activation plan was kept, and which one the buckets were planned again on
-        replanned = graph.notes_of("offload_optimizer", "state_replanned")
-        rows.append({**row, "status": "predicted", "predicted_s": graph.schedule.step_seconds,
-                     "peak_GiB": step.memory().peak / 2**30, "captured_peak_GiB": step.memory("captured").peak / 2**30,
-                     "recomputed_nodes": sum("recompute" in n.meta for n in graph.graph.nodes),
-                     "recomputed": chosen["recompute"], "offloaded": chosen["offload"], "plan": chosen["strategy"],
-                     "buckets_planned_on": replanned[0].fields["made_on"] if replanned else "-",
-                     "compile_s": time.perf_counter() - start, "compile_cpu_s": time.process_time() - cpu})
-    return rows
+
+    def optimizer():
+        return torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+
+    step, opt = make(), optimizer()
+    start, cpu = time.perf_counter(), time.process_time()
+    row = {"mode": f"activations='auto', {gib:g} GiB budget", "params": params}
+    try:
+        graph = step.compile(model, opt, batch)
+    except graphoffload.UnsupportedError as err:
+        least = int(str(err).split("(")[1].split(" bytes")[0].replace(",", ""))
+        return {**row, "status": "over budget", "peak_GiB": least / 2**30, "error": str(err),
+                "compile_s": time.perf_counter() - start, "compile_cpu_s": time.process_time() - cpu}
+    compile_s, compile_cpu_s = time.perf_counter() - start, time.process_time() - cpu
+    again = make()
+    cpu = time.process_time()
+    reused = again.compile(model, optimizer(), batch)
+    reused_cpu_s = time.process_time() - cpu
+    chosen = graph.notes_of("offload_optimizer", "activations")[0].fields
+    # which activation plan was kept, and which one the buckets were planned again on
+    replanned = graph.notes_of("offload_optimizer", "state_replanned")
+    return {**row, "status": "predicted", "predicted_s": graph.schedule.step_seconds,
+            "peak_GiB": step.memory().peak / 2**30, "captured_peak_GiB": step.memory("captured").peak / 2**30,
+            "recomputed_nodes": sum("recompute" in n.meta for n in graph.graph.nodes),
+            "recomputed": chosen["recompute"], "offloaded": chosen["offload"], "plan": chosen["strategy"],
+            "buckets_planned_on": replanned[0].fields["made_on"] if replanned else "-",
+            "compile_s": compile_s, "compile_cpu_s": compile_cpu_s,
+            "reused": bool(reused.notes_of("offload_optimizer", "activations_reused")),
+            "reused_compile_cpu_s": reused_cpu_s,
+            "reused_same_prediction": (reused.schedule.step_seconds == graph.schedule.step_seconds
+                                       and again.memory().peak == step.memory().peak)}
 
 
 def main() -> None:
@@ -123,7 +157,8 @@ def main() -> None:
     print(f"GPT {rows[0]['params'] / 1e9:.2f}B params, batch {args.batch}x{args.seq}: predictions under "
           f"{args.predict} (meta device, {args.dtype} parameters and activations)")
     print_table(rows, ["mode", "status", "predicted_s", "peak_GiB", "captured_peak_GiB", "recomputed_nodes",
-                       "recomputed", "offloaded", "plan", "buckets_planned_on", "compile_s", "compile_cpu_s"])
+                       "recomputed", "offloaded", "plan", "buckets_planned_on", "compile_s", "compile_cpu_s",
+                       "reused", "reused_compile_cpu_s", "reused_same_prediction"])
     suffix = "" if args.dtype == "float32" else f"_{args.dtype}"
     out = args.out or os.path.join(os.path.dirname(__file__), "results",
                                    f"checkpointing_predicted_b{args.batch}{suffix}.json")

@@ -42,7 +42,9 @@ the minimum the step needs, when the budget cannot be met.
 
 from __future__ import annotations
 
+import logging
 import operator
+import sys
 from dataclasses import dataclass
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -52,7 +54,7 @@ from torch import fx
 
 from graphoffload.aliasing import StorageMap
 from graphoffload.diagnostics import user_line_of_stack_trace
-from graphoffload.errors import UnsupportedError
+from graphoffload.errors import PassError, UnsupportedError
 from graphoffload.graph import InputSpec, TrainGraph, fake_mode_of, fill_missing_meta, placeholder_name, tensor_vals
 from graphoffload.memory import analyze_memory, format_bytes
 from graphoffload.calibration import Calibration
@@ -60,7 +62,12 @@ from graphoffload.passes.offload_activations import (ActivationPlan, largest_sav
                                                      plan_activations, retimed_costs)
 from graphoffload.passes.offload_cost_model import collective_bytes, group_sizes, node_seconds
 from graphoffload.passes.offload_planner import SWEEPS, BucketCost, Prediction, StepCosts, StepModel, plan, predict
-from graphoffload.passes.offload_plan_cache import load_plan, plan_key, plan_path, store_plan
+from graphoffload.passes.offload_plan_cache import (activation_key, load_activations, load_plan, plan_key, plan_path,
+                                                    store_activations, store_plan)
+from graphoffload import aliasing, memory
+from graphoffload.passes import (host_accumulation, offload_activation_edits, offload_activations, offload_cost_model,
+                                 offload_planner, update_kernels)
+from graphoffload.passes.offload_activation_edits import EditsMismatch, NotRecordable
 from graphoffload.ops.host_transfer import assign_streams
 from graphoffload.passes.host_accumulation import (HostNorm, accumulate_on_host, candidate_groups, check_on_host,
                                                    combine_host_flags, drain_host_sums, drain_on_host, lift_check,
@@ -74,6 +81,7 @@ if TYPE_CHECKING:
 aten = torch.ops.aten
 ops = torch.ops.graphoffload
 MASTER_DTYPE = torch.float32
+log = logging.getLogger("graphoffload")
 
 
 # CUDA libraries allocate workspaces through the caching allocator (cuBLAS and cuBLASLt: up to
@@ -545,23 +553,38 @@ def _trial(graph: TrainGraph, ctx: PassContext) -> tuple[TrainGraph, dict[str, i
     return out, unseen_device_bytes(out.graph, ctx.device)
 
 
-def _plan_activations(graph: TrainGraph, ctx: PassContext, planned: list[str],
-                      costs: StepCosts | None = None) -> tuple[TrainGraph, ActivationPlan | None]:
+def _plan_activations(graph: TrainGraph, ctx: PassContext, planned: list[str], costs: StepCosts | None = None,
+                      edits: dict | None = None, record: bool = False
+                      ) -> tuple[TrainGraph, ActivationPlan | None, dict | None]:
     """With Offload(activations="auto"): keep, recompute or offload the saved activations until
     the predicted peak fits the budget (offload_activations.py), on the state plan's timeline
     when there is one (`planned`: the names its node times are indexed by; `costs`: what it was
-    planned from, re-simulated with the activation plan's recompute in it)."""
+    planned from, re-simulated with the activation plan's recompute in it). `edits`: a plan's
+    recorded edits (the on-disk cache's), re-applied instead of planning (then no
+    ActivationPlan); `record`: also return what the planner changed (offload_activation_edits),
+    None where it cannot be written down."""
     offload = ctx.config.offload
     if offload.activations != "auto":
-        return graph, None
-    unseen = unseen_device_bytes(graph.graph, ctx.device)
-    if ctx.device.type == "cuda":   # an activation's copy out may hold its block a while too
-        unseen["copy_held"] = max(unseen["copy_held"], largest_saved_bytes(graph))
+        return graph, None, None
     cal = _calibration(ctx)
-    activations = plan_activations(graph, _planning_budget(ctx, sum(unseen.values())), cal, ctx.device,
-                                   graph.schedule, planned, costs)
-    graph = activations.graph
-    if graph.schedule is not None and activations.choices:
+    recorded = activations = None
+    if edits is not None:
+        graph = offload_activation_edits.apply(graph, edits, "offload_optimizer")
+        placed = edits["placed"]
+    else:
+        unseen = unseen_device_bytes(graph.graph, ctx.device)
+        if ctx.device.type == "cuda":   # an activation's copy out may hold its block a while too
+            unseen["copy_held"] = max(unseen["copy_held"], largest_saved_bytes(graph))
+        before = offload_activation_edits.snapshot(graph) if record else None
+        activations = plan_activations(graph, _planning_budget(ctx, sum(unseen.values())), cal, ctx.device,
+                                       graph.schedule, planned, costs)
+        graph, placed = activations.graph, bool(activations.choices)
+        if before is not None:
+            try:
+                recorded = {**offload_activation_edits.record(before, graph), "placed": placed}
+            except NotRecordable as exc:
+                log.info("the activation plan is not cached: %s", exc)
+    if graph.schedule is not None and placed:
         graph.schedule, added = place_on_schedule(graph, graph.schedule, planned, cal, costs)
         graph.note("offload_optimizer", "activations on the schedule: "
                    f"{added['link_seconds'] * 1e3:.3g} ms of copies in the links' gaps beside the state's "
@@ -569,7 +592,7 @@ def _plan_activations(graph: TrainGraph, ctx: PassContext, planned: list[str],
                    f"{added['recompute_seconds'] * 1e3:.3g} ms recomputing; predicted step "
                    f"{graph.schedule.step_seconds * 1e3:.3g} ms", "activations_on_schedule",
                    step_seconds=graph.schedule.step_seconds, **added)
-    return graph, activations
+    return graph, activations, recorded
 
 
 def _check_budget(graph: TrainGraph, ctx: PassContext, device_peak: int, activations: ActivationPlan | None) -> None:
@@ -598,14 +621,15 @@ def _check_budget(graph: TrainGraph, ctx: PassContext, device_peak: int, activat
 def _activations_of_accumulating_call(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
     """A call that only adds into the running sums holds a micro-batch's activations too: with
     activations="auto" they are planned under the same budget as in the updating call."""
-    graph, activations = _plan_activations(graph, ctx, [])
+    graph, activations, _ = _plan_activations(graph, ctx, [])
     if activations is not None:
         _check_budget(graph, ctx, analyze_memory(graph).peak, activations)
     return graph
 
 
 def _replan_with_activations(fresh: Callable[[], TrainGraph], graph: TrainGraph, ctx: PassContext, planned: list[str],
-                             costs: StepCosts, activations: ActivationPlan) -> TrainGraph | None:
+                             costs: StepCosts, activations: ActivationPlan, record: bool = False
+                             ) -> tuple[TrainGraph, _Decisions | None] | None:
     """The bucket plan is made before the activations are planned, against the memory and
     compute of the step with every activation kept; a checkpointed model's bucket plan is made
     with its recompute in it (which can favour the CPU path: replays fill compute time that
@@ -619,7 +643,8 @@ def _replan_with_activations(fresh: Callable[[], TrainGraph], graph: TrainGraph,
     next while that one is predicted faster than the fastest run so far: a run's activation
     plans are made anew on its prefetches' memory, and the greedy's can differ from the one
     its candidate was made on (only a run, not the prediction, says what the step is). The
-    fastest run that fits is kept if faster than the first plan; None: the first."""
+    fastest run that fits is kept if faster than the first plan, with what it decided (`record`);
+    None: the first."""
     cal = _calibration(ctx)
     made_plans: list[tuple[Prediction, list[str], str]] = []
     for candidate in (activations, *activations.others):
@@ -631,6 +656,7 @@ def _replan_with_activations(fresh: Callable[[], TrainGraph], graph: TrainGraph,
     made_plans.sort(key=lambda m: m[0].step_seconds)
     index = {name: i for i, name in enumerate(planned)}
     kept: TrainGraph | None = None
+    kept_decisions: _Decisions | None = None
     tried = runs = 0
     for chosen, names, strategy in made_plans:
         bar = graph.schedule.step_seconds if kept is None else kept.schedule.step_seconds
@@ -645,11 +671,11 @@ def _replan_with_activations(fresh: Callable[[], TrainGraph], graph: TrainGraph,
         for prefetch in _prefetch_points(chosen.prefetch_node, names, index):
             runs += 1
             try:
-                other = offload_optimizer(fresh(), ctx, (chosen.assignment, prefetch))
+                other, decisions = _run(fresh(), ctx, (chosen.assignment, prefetch), record=record)
             except UnsupportedError:
                 continue   # its activations could not fit the budget
             if other.schedule.step_seconds < bar:
-                bar, kept, kept_on = other.schedule.step_seconds, other, (chosen, strategy)
+                bar, kept, kept_on, kept_decisions = other.schedule.step_seconds, other, (chosen, strategy), decisions
             if other.schedule.step_seconds <= chosen.step_seconds:
                 break   # ran as predicted (or faster)
     if kept is None:
@@ -666,7 +692,7 @@ def _replan_with_activations(fresh: Callable[[], TrainGraph], graph: TrainGraph,
               first_device_buckets=graph.schedule.assignment.count("device"), made_on=strategy,
               candidates=len(made_plans), tried=tried, runs=runs,
               candidate_steps={s: made.step_seconds for made, _, s in made_plans})
-    return kept
+    return kept, kept_decisions
 
 
 def _prefetch_points(prefetch_node: dict[int, int], names: list[str], index: dict[str, int]) -> list[dict[int, int]]:
@@ -691,14 +717,99 @@ def _prefetch_points(prefetch_node: dict[int, int], names: list[str], index: dic
     return [early] if late == early else [early, late]
 
 
+@dataclass(frozen=True)
+class _Decisions:
+    """What a run of the pass decided that a restarted job can make again without searching:
+    the buckets' paths and device-path prefetch points it was given (None: the first run's,
+    planned as it plans them, from the bucket plan cache) and the activation planner's edits
+    (offload_activation_edits.record; None: not recordable)."""
+
+    assignment: tuple[tuple[str, ...], dict[int, int]] | None
+    edits: dict | None
+
+
+# the code the activation planning runs: a change to any of it is another key in the plan cache
+_PLANNING_CODE = (sys.modules[__name__], offload_activations, offload_planner, offload_cost_model,
+                  offload_activation_edits, host_accumulation, update_kernels, memory, aliasing)
+
+
+def _activation_cache_key(graph: TrainGraph, ctx: PassContext) -> str | None:
+    """The on-disk key of this step's activation plan, or None where none is kept: plan_cache
+    off, re-plans from measured node times (no restart measures the same times), running
+    gradient sums (their placement compiles trial variants of the pass)."""
+    offload = ctx.config.offload
+    if (not offload.plan_cache or ctx.measured_node_seconds is not None
+            or any(s.kind == "grad_sum" for s in graph.signature.inputs)):
+        return None
+    return activation_key(offload_activation_edits.structure(graph), _calibration(ctx),
+                          f"{offload!r} on {ctx.device}", _PLANNING_CODE)
+
+
+def _peak_of(graph: TrainGraph) -> int:
+    return graph.notes_of("offload_optimizer", "offloaded")[-1].fields["device_peak_bytes"]
+
+
+def _with_cached_activations(graph: TrainGraph, ctx: PassContext, key: str) -> TrainGraph:
+    """The pass with Offload(activations="auto") and the plan cache: a stored plan's decisions
+    re-applied to the step, when they give the stored predicted peak and step; else planned
+    (both from a copy of the step as it came, so the two name their nodes alike) and stored."""
+    fresh = graph.deferred_copy()
+    stored = load_activations(key)
+    path = plan_path(key, "activations")
+    if stored is not None:
+        why = None
+        try:
+            assignment = stored["assignment"]
+            if assignment is not None:
+                assignment = (tuple(assignment[0]), {int(b): int(i) for b, i in assignment[1].items()})
+            reused, _ = _run(fresh(), ctx, assignment, edits=stored["edits"])
+            peak = _peak_of(reused)
+            step = reused.schedule.step_seconds if reused.schedule is not None else None
+            if (peak, step) != (stored["peak_bytes"], stored["step_seconds"]):
+                why = (f"re-applied, it predicts a peak of {peak:,} bytes and a step of {step} s, not the stored "
+                       f"{stored['peak_bytes']:,} and {stored['step_seconds']}")
+        except (EditsMismatch, UnsupportedError, PassError, KeyError, IndexError, TypeError, ValueError,
+                AttributeError) as exc:
+            why = f"it does not fit this step ({type(exc).__name__}: {exc})"
+        if why is None:
+            reused.note("offload_optimizer", f"activation plan and bucket plan reused from the on-disk plan cache "
+                        f"({path}): the search skipped; predicted peak {format_bytes(peak)}, step "
+                        + (f"{step * 1e3:.4g} ms" if step is not None else "not predicted") + ", as stored",
+                        "activations_reused", path=path, peak_bytes=peak, step_seconds=step)
+            return reused
+        log.warning("not reusing the cached activation plan %s: %s; planning again", path, why)
+    out, decisions = _run(fresh(), ctx, record=True)
+    if decisions is not None and decisions.edits is not None:
+        assignment = decisions.assignment
+        store_activations(key, {
+            "assignment": None if assignment is None else [list(assignment[0]),
+                                                           {str(b): i for b, i in assignment[1].items()}],
+            "edits": decisions.edits, "peak_bytes": _peak_of(out),
+            "step_seconds": out.schedule.step_seconds if out.schedule is not None else None})
+    return out
+
+
 def offload_optimizer(graph: TrainGraph, ctx: PassContext,
                       assignment: tuple[tuple[str, ...], dict[int, int]] | None = None) -> TrainGraph:
     """`assignment`: the buckets' paths and device-path prefetch points, chosen already
-    (_replan_with_activations)."""
+    (_replan_with_activations). With Offload(activations="auto") and the plan cache, a restarted
+    job's compile re-applies the plan kept on disk (_with_cached_activations)."""
+    if assignment is None and ctx.config.offload.activations == "auto":
+        key = _activation_cache_key(graph, ctx)
+        if key is not None:
+            return _with_cached_activations(graph, ctx, key)
+    return _run(graph, ctx, assignment)[0]
+
+
+def _run(graph: TrainGraph, ctx: PassContext, assignment: tuple[tuple[str, ...], dict[int, int]] | None = None,
+         edits: dict | None = None, record: bool = False) -> tuple[TrainGraph, _Decisions | None]:
+    """The pass, and (`record`) what the run that made its graph decided; `edits`: the
+    activation planner's recorded edits, re-applied instead of planning (no re-plan then)."""
     offload = ctx.config.offload
     # the step as it came, before anything below edits it in place: what a second bucket plan,
     # made with the activation plan in the step, starts from
-    fresh = graph.deferred_copy() if offload.activations == "auto" and assignment is None else None
+    fresh = (graph.deferred_copy() if offload.activations == "auto" and assignment is None and edits is None
+             else None)
     kernels = find_update_kernels(graph.graph)
     host_sums: dict[str, fx.Node] = {}
     specs = list(graph.signature.inputs)
@@ -710,22 +821,22 @@ def offload_optimizer(graph: TrainGraph, ctx: PassContext,
         kernels, names_of, pinned), _trial, lambda: read_on_device(kernels, names_of, device_sums)) \
         if device_sums else frozenset()
     if on_host is None:   # a probe of the other variant before the placement is decided: its graph is dropped
-        return graph
+        return graph, None
     if on_host:
         host_sums = move_sums_to_host(graph, specs, on_host)
         device_sums = {name: s for name, s in device_sums.items() if name not in host_sums}
     if not kernels and (host_sums or device_sums):   # an accumulating call
         _note_grad_sums(graph, host_sums, device_sums, {}, ctx)
         if not host_sums:
-            return _activations_of_accumulating_call(graph, ctx)
+            return _activations_of_accumulating_call(graph, ctx), None
         accumulate_on_host(graph, specs, host_sums)   # its gradients go to the host sums
         assign_streams(graph.graph)
         graph = graph.with_signature(inputs=tuple(specs))
         fill_missing_meta(graph, "offload_optimizer")
-        return _activations_of_accumulating_call(graph, ctx)
+        return _activations_of_accumulating_call(graph, ctx), None
     kernels = update_kernels_to_rewrite(graph, "offload_optimizer", "offload")
     if not kernels:
-        return graph
+        return graph, None
     g = graph.graph
     names_of = [[specs[spec_of[p.name]].target for p in k.param_inputs()] for k in kernels]
     bucket_params = {str(k.node.meta.get("bucket", b)): names for b, (k, names) in enumerate(zip(kernels, names_of))}
@@ -865,7 +976,7 @@ def offload_optimizer(graph: TrainGraph, ctx: PassContext,
     assign_streams(g)   # node.meta["stream"]: which copy stream each transfer runs on
     graph = graph.with_signature(inputs=tuple(specs))
     fill_missing_meta(graph, "offload_optimizer")   # the prefetched buffers' sizes count below
-    graph, activations = _plan_activations(graph, ctx, planned, costs)
+    graph, activations, recorded = _plan_activations(graph, ctx, planned, costs, edits, record)
     device_peak = analyze_memory(graph).peak
     graph.note("offload_optimizer", f"{len(kernels)} update buckets offloaded: {format_bytes(moved_bytes)} of "
                f"master weights and optimizer state in host memory; predicted device peak "
@@ -873,5 +984,7 @@ def offload_optimizer(graph: TrainGraph, ctx: PassContext,
                device_peak_bytes=device_peak)
     _check_budget(graph, ctx, device_peak, activations)
     if fresh is not None and costs is not None and activations is not None and (activations.choices or activations.others):
-        return _replan_with_activations(fresh, graph, ctx, planned, costs, activations) or graph
-    return graph
+        replanned = _replan_with_activations(fresh, graph, ctx, planned, costs, activations, record)
+        if replanned is not None:
+            return replanned
+    return graph, _Decisions(assignment, recorded) if record else None

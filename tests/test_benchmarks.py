@@ -57,6 +57,8 @@ def test_checkpointing_benchmark_plans_activations_under_budgets(tmp_path):
     plain, _, fits, cannot = result["rows"]
     assert fits["status"] == "predicted" and fits["peak_GiB"] <= 0.02 < plain["peak_GiB"]
     assert fits["recomputed"] + fits["offloaded"] > 0
+    # compiled again by a fresh step object, as a restarted job: the stored plan re-applied, same prediction
+    assert fits["reused"] and fits["reused_same_prediction"] and fits["reused_compile_cpu_s"] > 0
     assert cannot["status"] == "over budget" and cannot["peak_GiB"] > 0.001 and "needs at least" in cannot["error"]
 
 

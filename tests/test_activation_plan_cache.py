@@ -1,0 +1,169 @@
+"""`Offload(activations="auto")` plans kept on disk: a restarted job (a fresh step object, the same
+model) re-applies the stored activation plan and the bucket plan made on it instead of searching,
+and gets the same final graph, node by node, and the same training; another budget, calibration
+or model is another key and is planned; an unreadable file, or one whose decisions no longer give
+the stored prediction, is ignored and planned again."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+
+import pytest
+import torch
+from helpers import assert_training_matches, run_steps, tiny_gpt
+from steps import token_batches, train_step
+from test_activation_plan import FAST_COMPUTE, _batches, _model
+from test_checkpointing import adamw, mlp_step
+
+import graphoffload
+from graphoffload import Offload
+from graphoffload.errors import PassError
+
+
+def _no_search(monkeypatch):
+    """Make any activation search fail loudly: a reused plan must not run one."""
+    from graphoffload.passes import offload_optimizer as offload_pass
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("planned the activations again although the plan was cached")
+    monkeypatch.setattr(offload_pass, "plan_activations", refuse)
+
+
+def _compile(model, batch, step_fn=mlp_step, **offload):
+    step = graphoffload.offload_compile(step_fn, offload=Offload(**{"activations": "auto", **offload}))
+    model = copy.deepcopy(model)
+    step.compile(model, adamw(model), batch)
+    return step
+
+
+def _nodes(step) -> list[tuple]:
+    """The final graph node by node: what it runs, on what, and what it makes."""
+    def val(v):
+        return (tuple(v.shape), v.dtype, v.stride(), str(v.device)) if isinstance(v, torch.Tensor) else type(v)
+    return [(n.name, n.op, str(n.target), str(n.args), str(n.kwargs), val(n.meta.get("val")), n.meta.get("phase"),
+             n.meta.get("recompute"), n.meta.get("stream")) for n in step.train_graph.graph.nodes]
+
+
+def _reused(step) -> list:
+    return step.train_graph.notes_of("offload_optimizer", "activations_reused")
+
+
+def _entries(tmp_path) -> list:
+    return sorted((tmp_path / "graphoffload" / "plans").glob("activations-*.json"))
+
+
+def _train(step, model, batches, step_fn):
+    model = copy.deepcopy(model)
+    opt = adamw(model)
+    torch.manual_seed(5)
+    return model, opt, run_steps(step or step_fn, model, opt, batches)
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    return tmp_path
+
+
+def _mlp_budget() -> int:
+    """0.7x the MLP's keep-everything peak: under FAST_COMPUTE its plan recomputes some saved
+    activations and offloads others."""
+    plain = _compile(_model(), _batches(1)[0], calibration=FAST_COMPUTE, device_updates="never", activations="keep")
+    return int(0.7 * plain.train_graph.notes_of("offload_optimizer", "offloaded")[0].fields["device_peak_bytes"])
+
+
+def test_a_restarted_job_reuses_the_activation_plan(cache, monkeypatch):
+    """The MLP with dropout at 0.7x its keep-everything peak: the second compile re-applies the
+    stored recomputes and offloads (no search), its graph is the first's node by node, and both
+    train bit-identical to eager, dropout's replayed masks included."""
+    model, batches = _model(), _batches()
+    options = dict(calibration=FAST_COMPUTE, device_updates="never", gpu_memory_budget=_mlp_budget())
+    first = _compile(model, batches[0], **options)
+    assert not _reused(first) and len(_entries(cache)) == 1
+    choices = first.train_graph.notes_of("offload_optimizer", "activations")[0].fields
+    assert choices["recompute"] and choices["offload"]   # both kinds of edit are re-applied
+    with monkeypatch.context() as m:
+        _no_search(m)
+        second = _compile(model, batches[0], **options)
+    (note,) = _reused(second)
+    assert note.fields["path"] == str(_entries(cache)[0])
+    assert _nodes(second) == _nodes(first)
+    assert second.train_graph.schedule is None and note.fields["peak_bytes"] == second.memory().peak
+    assert second.train_graph.signature == first.train_graph.signature
+    eager = _train(None, model, batches, mlp_step)
+    for step in (first, second):
+        assert_training_matches(*eager, *_train(step, model, batches, mlp_step), exact=True, offloaded=True)
+
+
+def test_the_bucket_plan_made_on_the_activations_is_reused_too(cache, monkeypatch):
+    """The tiny GPT under the bucket planner (a calibration given): what is stored is the kept
+    run's bucket paths and prefetch points with its activation edits, and the reused compile
+    predicts the same step and peak and trains as the first did."""
+    model, batches = tiny_gpt(dropout=0.1, seq_len=32), token_batches(2, seq=32, batch=4)
+    plain = _compile(model, batches[0], train_step, calibration=FAST_COMPUTE, activations="keep")
+    budget = int(0.6 * plain.memory().peak)
+    first = _compile(model, batches[0], train_step, calibration=FAST_COMPUTE, gpu_memory_budget=budget)
+    (entry,) = _entries(cache)
+    stored = json.loads(entry.read_text())["decisions"]
+    replanned = first.train_graph.notes_of("offload_optimizer", "state_replanned")
+    assert replanned and stored["assignment"] is not None   # a re-planned run, not the first, was kept
+    with monkeypatch.context() as m:
+        _no_search(m)
+        second = _compile(model, batches[0], train_step, calibration=FAST_COMPUTE, gpu_memory_budget=budget)
+    assert _reused(second) and _nodes(second) == _nodes(first)
+    a, b = first.train_graph.schedule, second.train_graph.schedule
+    assert b.step_seconds == a.step_seconds == stored["step_seconds"] and b.assignment == a.assignment
+    assert second.memory().peak == first.memory().peak <= budget
+    runs = [_train(s, model, batches, train_step) for s in (first, second)]
+    assert_training_matches(*runs[0], *runs[1], exact=True, offloaded=True)
+
+
+def test_another_budget_calibration_or_model_is_planned(cache, monkeypatch):
+    model, batch = _model(), _batches(1)[0]
+    budget = _mlp_budget()
+    options = dict(calibration=FAST_COMPUTE, device_updates="never", gpu_memory_budget=budget)
+    _compile(model, batch, **options)
+    _no_search(monkeypatch)
+    _compile(model, batch, **options)   # the same: reused
+    for changed, other in ((dict(options, gpu_memory_budget=budget - 4096), model),
+                           (dict(options, calibration=dataclasses.replace(FAST_COMPUTE, device_flops=1e12)), model),
+                           (options, _wider())):
+        with pytest.raises(PassError, match="planned the activations again"):
+            _compile(other, batch, **changed)
+
+
+def _wider():
+    from test_checkpointing import Mlp
+
+    torch.manual_seed(0)
+    return Mlp(width=32, depth=4, dropout=0.2, checkpointed=False)
+
+
+def test_an_unreadable_or_stale_entry_is_planned_again(cache, caplog):
+    model, batch = _model(), _batches(1)[0]
+    options = dict(calibration=FAST_COMPUTE, device_updates="never", gpu_memory_budget=_mlp_budget())
+    first = _compile(model, batch, **options)
+    (entry,) = _entries(cache)
+    good = entry.read_text()
+    entry.write_text(good[: len(good) // 2])   # a torn write from another tool
+    again = _compile(model, batch, **options)
+    assert not _reused(again) and _nodes(again) == _nodes(first) and "unreadable" in caplog.text
+    assert entry.read_text() == good   # planned and stored again
+    data = json.loads(good)
+    data["decisions"]["peak_bytes"] += 1   # decisions that no longer give the stored prediction
+    entry.write_text(json.dumps(data))
+    caplog.clear()
+    again = _compile(model, batch, **options)
+    assert not _reused(again) and _nodes(again) == _nodes(first)
+    assert "not reusing the cached activation plan" in caplog.text and "predicts a peak" in caplog.text
+    data = json.loads(good)
+    data["decisions"]["edits"]["order"].insert(1, "a_node_this_graph_lacks")   # edits that do not fit
+    entry.write_text(json.dumps(data))
+    caplog.clear()
+    again = _compile(model, batch, **options)
+    assert not _reused(again) and _nodes(again) == _nodes(first) and "does not fit" in caplog.text
+    assert _reused(_compile(model, batch, **options))   # stored afresh each time
+    _compile(model, batch, **dict(options, plan_cache=False))   # plan_cache=False neither reads nor writes
+    assert len(_entries(cache)) == 1
