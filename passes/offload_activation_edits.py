@@ -19,7 +19,7 @@ trusts it. `structure` is the text of a graph the key of such a plan is made fro
 
 from __future__ import annotations
 
-import importlib
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, fields as dataclass_fields
 from typing import Any
@@ -52,14 +52,23 @@ def _val(val: Any) -> list | None:
 def _callable_name(target: Callable) -> str:
     """`module.qualname` of a plain function (operator.getitem), which `_resolve` gives back."""
     name = f"{target.__module__}:{target.__qualname__}"
-    if _resolve_callable(name) is not target:
+    try:
+        named = _resolve_callable(name)
+    except (EditsMismatch, AttributeError):
+        named = None
+    if named is not target:
         raise _Unencodable(f"cannot name the target {target!r}")
     return name
 
 
 def _resolve_callable(name: str) -> Any:
+    """The function `_callable_name` named, from a module this process has already imported: a
+    cache file never makes it import anything (the module of every target a graph holds was
+    imported when the graph was made)."""
     module, _, qualname = name.partition(":")
-    found: Any = importlib.import_module(module)
+    found: Any = sys.modules.get(module)
+    if found is None:
+        raise EditsMismatch(f"the edits name {name}, whose module is not imported in this process")
     for part in qualname.split("."):
         found = getattr(found, part)
     return found
