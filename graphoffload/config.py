@@ -128,8 +128,10 @@ class Offload:
             compiled variants fit `gpu_memory_budget`, and move to the host (buckets in backward
             order) until they fit; all on the device without a budget; sums the step reads after
             backward stay on the device. Ignored without `accumulation_steps`. Under ZeRO
-            (`data_parallel=`) only "device" is supported: the updating call reduces the sums
-            over the group on the device; "host" and "auto" are refused when the step is made.
+            (`data_parallel=`) "device" sums are each rank's whole partial sums, reduced over the
+            group once per update; "host" sums are this rank's chunks: every call reduce-scatters
+            its gradients and adds this rank's chunk into the host sum (no sums on the device, a
+            collective per micro-batch); "auto" is refused when the step is made.
     """
 
     gpu_memory_budget: int | str | None = None

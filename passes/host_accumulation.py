@@ -39,10 +39,11 @@ What still cannot work is any other read of the accumulated gradient on the devi
 capture records such reads even on an accumulating call (where `.grad` is None), so the first
 call (which compiles the updating variant as a probe) refuses it, before anything runs.
 
-Under ZeRO the updating call's bucket collectives read `sum + last gradient` on the device, the
-same kind of read, so `CompileConfig` refuses host sums with `data_parallel=` when the step is
-made (DeepSpeed's form, a reduce-scatter per micro-batch into host sums of the rank's chunks, is
-not done).
+Under ZeRO the `zero` pass has already reduce-scattered every micro-batch's gradients, so the
+adds and drains here see this rank's chunks, and the sums are chunk-shaped (DeepSpeed
+ZeRO-Offload's form; passes/zero.py). `accumulate_on="auto"` is refused under ZeRO by
+`CompileConfig`: a bucket's placement there would change its collectives too, which the
+placement's model below does not cover.
 
 `Offload(accumulate_on="auto")` chooses per bucket (`SumPlacement`): sums stay on the device
 while the predicted peaks of both compiled variants fit `gpu_memory_budget`; otherwise buckets

@@ -38,6 +38,19 @@ full-size local partial sums, with no collective at all. On the updating call th
 update reads is the sum plus the last micro-batch's gradient, so the bucket collectives above
 reduce the whole window's sums, once per update, not once per micro-batch.
 
+With `offload=` and `Offload(accumulate_on="host")` (DeepSpeed ZeRO-Offload's form) the sums are
+this rank's chunks in host memory instead, so the device holds no running sum at all, which is
+the point for a model whose sums do not fit beside it: every call, accumulating or updating,
+reduce-scatters each bucket right after its last gradient (stage 1 too: only this rank's chunk is
+needed). An accumulating call adds this rank's chunk of each average into its running sum, made
+the chunk's shape here (`_accumulating_host_sums`); an updating call's bucket collectives reduce
+the last micro-batch's gradient alone (capture's device add `gradient + sum` dropped,
+`_lift_host_sums`) and the update reads `chunk + sum`, which `offload_optimizer` turns into a copy
+of the chunk to the host and an add of the sum there, as for host sums without ZeRO
+(passes/host_accumulation.py): clipping's norms and a GradScaler's checks of the accumulated
+chunks move to the host with it. The cost is a reduce-scatter per micro-batch, k per window,
+where device sums reduce once per update.
+
 Stage 3 keeps the sums the same way, whole on every rank (what FSDP2 does under `no_sync`),
 rather than sharded (reduce-scattering every micro-batch's gradients and adding this rank's
 chunk into a running sum of its rows, as DeepSpeed's ZeRO-3 does). Why: the gradients then cross
@@ -47,7 +60,7 @@ elements, a window moves about 2kP gathered + P reduce-scattered, where sharded 
 already have plus stage 3's gathers: nothing new to get wrong in the reduction. The
 cost is memory: a whole gradient set per rank for the window, where sharded sums would hold 1/N
 of it (stage 3 still saves (N-1)/N of the parameters; `README.md` has the measured peaks).
-Sharded sums are not done yet. An accumulating call has no update in its graph, so the
+Sharded sums on the device are not done; with `offload=`, host sums are sharded (below). An accumulating call has no update in its graph, so the
 parameters it shards come from capture's `accumulation` note (`updated`: those the window's
 update updates), the same ones the updating call shards; it gathers them for forward and for
 backward exactly as the updating call does (`_accumulating_stage_3`).
