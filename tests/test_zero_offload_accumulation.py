@@ -24,6 +24,7 @@ ZeRO before anything is traced."""
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -31,7 +32,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from ring_dist import run_ranks
 from graphoffload.data_parallel import shard_rows
-from steps import clipped_step, train_step
+from steps import clipped_step, train_step, zero_first_step
 from test_zero_accumulation import K, WINDOWS, _collectives, _expected, _gpt, _optimizer, _windows
 from test_zero_offload import FAST_DEVICE, FUSE, _host_numel, _state_bytes
 
@@ -255,3 +256,47 @@ def test_host_sums_under_zero_with_sequence_parallel_are_refused_before_tracing(
         graphoffload.offload_compile(train_step, accumulation_steps=2, offload=Offload(accumulate_on="host"),
                                      data_parallel=graphoffload.ZeRO(stage=2),
                                      sequence_parallel=graphoffload.SequenceParallel())
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_host_sums_accumulating_graph_reduce_scatters_into_chunk_sums(stage, one_process_group):
+    """One rank's (rank 1 of 2) accumulating call with host sums, compiled in one process
+    (`AsRank`): one reduce-scatter per bucket (stage 1 too), and each running sum an fp32 host
+    input of this rank's chunk that the CPU worker adds the chunk into; nothing reduced whole."""
+    from test_zero import AsRank
+
+    model = _gpt()
+    step = graphoffload.offload_compile(train_step, accumulation_steps=K, offload=HOST,
+                                        config=graphoffload.CompileConfig(fuse_optimizer=FUSE),
+                                        data_parallel=AsRank(stage=stage, bucket_numel=4096, as_rank=1, as_world=2))
+    graph = step.compile(model, _optimizer("adamw", model), _mine(_windows(2)[0][0], 1, 2))
+    note = graph.notes_of("zero", "host_sums")[0].fields
+    assert not note["update"] and note["buckets"] > 1
+    targets = [n.target for n in graph.graph.nodes]
+    assert targets.count(c10d.reduce_scatter_tensor.default) == note["buckets"]
+    assert c10d.all_reduce_coalesced.default not in targets and c10d.all_reduce.default not in targets
+    assert targets.count(torch.ops.graphoffload.host_accumulate_.default) == note["sums"] == \
+        sum(1 for _ in model.parameters())
+    shapes = {n: _chunk_shape(p, 1, 2) for n, p in model.named_parameters()}
+    placeholders = graph.placeholders()
+    for spec in (s for s in graph.signature.inputs if s.kind == "grad_sum"):
+        val = placeholders[spec.name].meta["val"]
+        assert spec.host and (val.device.type, val.dtype, tuple(val.shape)) == ("cpu", torch.float32,
+                                                                                shapes[spec.target])
+    assert note["sum_numel"] == sum(math.prod(s) for s in shapes.values())
+
+
+def test_host_sums_under_zero_refuse_a_gradient_left_set(one_process_group):
+    """Stage 1 leaves `.grad` set otherwise (the average); with host sums the window's gradient is
+    this rank's chunk on the host, so a step that keeps `.grad` is refused when compiled."""
+    from test_zero import AsRank
+
+    model = _gpt()
+    opt = _optimizer("adamw", model)
+    step = graphoffload.offload_compile(zero_first_step, accumulation_steps=K, offload=HOST,
+                                        data_parallel=AsRank(stage=1, as_rank=0, as_world=2))
+    # at the window's last micro-batch (a checkpoint's), so the updating variant is compiled
+    step.load_state_dict({"optimizers": [opt.state_dict()],
+                          "accumulation": {"steps": K, "micro_step": K - 1, "grad_sums": {}}}, optimizers=[opt])
+    with pytest.raises(graphoffload.UnsupportedError, match=r"accumulate_on='host'.*leaves .*\.grad set.*zero_grad"):
+        step.compile(model, opt, _mine(_windows(2)[0][0], 0, 2))
