@@ -32,11 +32,26 @@ divided by the ranks: gloo has no average); the loss the step returns stays the 
 Collectives are emitted in bucket order at positions every rank's graph shares, so all ranks
 issue them in the same order.
 
-With `accumulation_steps=k` the pass has nothing to do on the accumulating calls of stages 1
-and 2 (their graphs hold no update): each rank adds its own gradients into its running sums,
+With `accumulation_steps=k` and device sums the pass has nothing to do on the accumulating calls
+of stages 1 and 2 (their graphs hold no update): each rank adds its own gradients into its running sums,
 full-size local partial sums, with no collective at all. On the updating call the gradient the
 update reads is the sum plus the last micro-batch's gradient, so the bucket collectives above
 reduce the whole window's sums, once per update, not once per micro-batch.
+
+Stage 3 keeps device sums the same way, whole on every rank (what FSDP2 does under `no_sync`),
+rather than sharded (reduce-scattering every micro-batch's gradients and adding this rank's
+chunk into a running sum of its rows, as DeepSpeed's ZeRO-3 does). Why: the gradients then cross
+the group once per update, as issue 18 asks and as stages 1 and 2 do (with P the parameters'
+elements, a window moves about 2kP gathered + P reduce-scattered, where sharded sums move 3kP:
+1.2x as much at k = 2, towards 1.5x for large k), and both calls stay the programs stages 1-2
+already have plus stage 3's gathers: nothing new to get wrong in the reduction. The
+cost is memory: a whole gradient set per rank for the window, where sharded sums would hold 1/N
+of it (stage 3 still saves (N-1)/N of the parameters; `README.md` has the measured peaks).
+Sharded sums on the device are not done; with `offload=`, host sums are sharded (below). An
+accumulating call has no update in its graph, so the parameters it shards come from capture's
+`accumulation` note (`updated`: those the window's update updates), the same ones the updating
+call shards; it gathers them for forward and for backward exactly as the updating call does
+(`_accumulating_stage_3`).
 
 With `offload=` and `Offload(accumulate_on="host")` (DeepSpeed ZeRO-Offload's form) the sums are
 this rank's chunks in host memory instead, so the device holds no running sum at all, which is
@@ -50,20 +65,6 @@ of the chunk to the host and an add of the sum there, as for host sums without Z
 (passes/host_accumulation.py): clipping's norms and a GradScaler's checks of the accumulated
 chunks move to the host with it. The cost is a reduce-scatter per micro-batch, k per window,
 where device sums reduce once per update.
-
-Stage 3 keeps the sums the same way, whole on every rank (what FSDP2 does under `no_sync`),
-rather than sharded (reduce-scattering every micro-batch's gradients and adding this rank's
-chunk into a running sum of its rows, as DeepSpeed's ZeRO-3 does). Why: the gradients then cross
-the group once per update, as issue 18 asks and as stages 1 and 2 do (with P the parameters'
-elements, a window moves about 2kP gathered + P reduce-scattered, where sharded sums move 3kP:
-1.2x as much at k = 2, towards 1.5x for large k), and both calls stay the programs stages 1-2
-already have plus stage 3's gathers: nothing new to get wrong in the reduction. The
-cost is memory: a whole gradient set per rank for the window, where sharded sums would hold 1/N
-of it (stage 3 still saves (N-1)/N of the parameters; `README.md` has the measured peaks).
-Sharded sums on the device are not done; with `offload=`, host sums are sharded (below). An accumulating call has no update in its graph, so the
-parameters it shards come from capture's `accumulation` note (`updated`: those the window's
-update updates), the same ones the updating call shards; it gathers them for forward and for
-backward exactly as the updating call does (`_accumulating_stage_3`).
 
 **Clipping** (`clip_grad_norm_`, L2, in its per-tensor or foreach form): the step's norms of the
 gradients are pointed at this rank's chunks of the averages (on stage 1 too, which holds every
@@ -689,7 +690,7 @@ def _accumulating_host_sums(graph: TrainGraph, dp: Any, items: list[_Item],
 def _lift_host_sums(graph: TrainGraph) -> dict[str, fx.Node]:
     """The updating call with host sums: drop each device add `grad + sum` that made a gradient
     final (capture's hook), so the bucket collectives reduce the last micro-batch's gradient alone;
-    `_reduce` adds this rank's chunk of the sum back after the reduction. Returns name -> sum."""
+    `zero` adds this rank's chunk of the sum to its chunk after the reduction. Returns name -> sum."""
     placeholders = graph.placeholders()
     sums = {}
     for spec in graph.signature.inputs:
