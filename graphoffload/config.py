@@ -260,8 +260,8 @@ class CompileConfig:
                 "or 'device' (the default: one reduction per update)")
         if self.accumulation_steps > 1 and self.offload.accumulate_on == "host" and self.sequence_parallel is not None:
             raise UnsupportedError(
-                f"ZeRO data parallelism with sequence_parallel=, offload=, accumulation_steps={self.accumulation_steps} "
-                "and Offload(accumulate_on='host') is not supported yet (each micro-batch's gradients would have to be "
+                "ZeRO data parallelism with sequence_parallel=, offload=, "
+                f"accumulation_steps={self.accumulation_steps} and Offload(accumulate_on='host') is not supported yet (each micro-batch's gradients would have to be "
                 "reduced over both mesh dimensions before their chunks reach the host sums); use "
                 "Offload(accumulate_on='device'), or drop sequence_parallel=")
         not_yet = [what for what, given in (

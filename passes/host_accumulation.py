@@ -116,7 +116,8 @@ def _refuse(name: str, reader: fx.Node, what: str) -> UnsupportedError:
     return UnsupportedError(
         f"Offload(accumulate_on='host') cannot keep the running gradient sum of {name} on the host: {what} "
         f"({getattr(reader.target, '__name__', reader.target)}{f', {where}' if where else ''}). Use "
-        "Offload(accumulate_on='device') or 'auto' for this step (host sums support clip_grad_norm_ and a GradScaler; "
+        "Offload(accumulate_on='device') or, without ZeRO, 'auto' for this step (host sums support clip_grad_norm_ "
+        "and a GradScaler; "
         "other reads need the accumulated gradient on the device)")
 
 
@@ -405,7 +406,7 @@ def combine_host_flags(g: fx.Graph, flag: fx.Node, host_flags: list[fx.Node], ti
             "Offload(accumulate_on='host') cannot check the accumulated gradients for infs on the host: the step reads "
             f"the GradScaler's found_inf ({getattr(first.target, '__name__', first.target)}"
             f"{f', {where}' if where else ''}) before the host checks are done. Use Offload(accumulate_on='device') "
-            "or 'auto' for this step")
+            "or, without ZeRO, 'auto' for this step")
     meta = {k: flag.meta[k] for k in ("stack_trace",) if k in flag.meta}
     with g.inserting_before(first):
         values, moved = list(fetched_flags), []

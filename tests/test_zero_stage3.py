@@ -353,8 +353,9 @@ def test_stage_3_with_accumulation_and_offload_places_the_sums_on_the_device_or_
     for where in ("device", "host"):
         graphoffload.CompileConfig(data_parallel=graphoffload.ZeRO(stage=3), accumulation_steps=2,
                                    offload=graphoffload.Offload(accumulate_on=where))
-    with pytest.raises(graphoffload.UnsupportedError, match=r"ZeRO data parallelism with offload=, accumulation_steps=2 "
-                                                            r"and Offload\(accumulate_on='auto'\) is not supported yet"):
+    with pytest.raises(graphoffload.UnsupportedError,
+                       match=r"ZeRO data parallelism with offload=, accumulation_steps=2 and Offload\(accumulate_on='auto'\) "
+                             r"is not supported yet"):
         graphoffload.CompileConfig(data_parallel=graphoffload.ZeRO(stage=3), accumulation_steps=2,
                                    offload=graphoffload.Offload(accumulate_on="auto"))
 
