@@ -135,6 +135,10 @@ def _sums_are_host_chunks(step, model, rank, world):
     where = graph.notes_of("offload_optimizer", "grad_sums")[0].fields
     assert (where["where"], where["host_sums"], where["device_sums"], where["device_bytes"]) == \
         ("host", len(shapes), 0, 0), where
+    # and the buffers the step holds between calls (its runtime state): fp32 chunks, where device
+    # sums would be whole fp64 gradients
+    held = step._grad_sums._sums
+    assert {n: (tuple(t.shape), t.dtype) for n, t in held.items()} == {n: (s, torch.float32) for n, s in shapes.items()}
 
 
 def _host_share(rank, world, step, model, opt, eager, against_one: bool) -> tuple[float, float] | None:
