@@ -29,6 +29,14 @@ timed steps began: what a step allocates and frees (gradients, activations, coll
     python benchmarks/zero.py                      # CPU, gloo, N = 1, 2, 4
     python benchmarks/zero.py --smoke              # tiny, N = 1, 2 (seconds)
     python benchmarks/zero.py --device cuda        # NCCL, one GPU a rank, N up to the GPUs present
+    python benchmarks/zero.py --modes zero2_offload --worlds 2 --accumulation-steps 2 --accumulate-on host
+
+With ``--accumulation-steps k`` every call is one micro-batch (the update every k-th); the
+``*_offload`` modes keep the running gradient sums where ``--accumulate-on`` says: ``device`` (each
+rank's whole partial sums, reduced once per update) or ``host`` (each rank's fp32 chunks, every
+micro-batch reduce-scattered first). ``step_ms`` is then the median over accumulating and updating
+calls, and ``predicted_peak_MiB`` is the last timed call's variant's (device memory: host sums are
+not counted); the results file is named after both options.
 
 On a CPU the ranks share the machine's cores: with more ranks than cores they take turns, so
 read the memory columns and the ratios between modes at the same N, not the scaling of time.
@@ -98,7 +106,7 @@ def _param_bytes(model: torch.nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in local)
 
 
-def _prepare(mode: str, model: torch.nn.Module, world: int, device: torch.device, bucket_numel: int | None = None):
+def _prepare(mode: str, model: torch.nn.Module, world: int, device: torch.device, args: argparse.Namespace):
     """The step to time for `mode`, its optimizer, and the compiled step (None: eager)."""
     import graphoffload
 
@@ -106,7 +114,7 @@ def _prepare(mode: str, model: torch.nn.Module, world: int, device: torch.device
         return torch.optim.AdamW(params, lr=1e-4, weight_decay=0.1, fused=True)
     if mode.startswith("zero"):
         opt = make_opt(model.parameters())
-        offload = graphoffload.Offload() if mode.endswith("_offload") else None
+        offload = graphoffload.Offload(accumulate_on=args.accumulate_on) if mode.endswith("_offload") else None
         sp = dp_group = None
         if mode.endswith("_sp2"):   # ZeRO over "dp", ring attention over "sp" of a (N/2, 2) mesh
             from torch.distributed.device_mesh import init_device_mesh
@@ -114,10 +122,10 @@ def _prepare(mode: str, model: torch.nn.Module, world: int, device: torch.device
             mesh = init_device_mesh(device.type, (world // SP, SP), mesh_dim_names=("dp", "sp"))
             sp, dp_group = graphoffload.SequenceParallel(group=mesh["sp"]), mesh["dp"]
         zero = graphoffload.ZeRO(stage=int(mode[4]), group=dp_group)
-        if bucket_numel:
-            zero = graphoffload.ZeRO(stage=zero.stage, group=dp_group, bucket_numel=bucket_numel)
+        if args.bucket_numel:
+            zero = graphoffload.ZeRO(stage=zero.stage, group=dp_group, bucket_numel=args.bucket_numel)
         step = graphoffload.offload_compile(autocast_train_step, offload=offload, data_parallel=zero,
-                                            sequence_parallel=sp)
+                                            sequence_parallel=sp, accumulation_steps=args.accumulation_steps)
         return lambda batch: step(model, opt, batch), opt, step
     if mode == "ddp":
         from torch.nn.parallel import DistributedDataParallel
@@ -171,7 +179,7 @@ def _measure(rank: int, world: int, mode: str, args: argparse.Namespace, device:
     full_state = 2 * sum(p.numel() * p.element_size() for p in model.parameters())   # AdamW: exp_avg, exp_avg_sq
     if mode.endswith("_offload"):   # and the fp32 master weights
         full_state += sum(p.numel() * 4 for p in model.parameters())
-    run, opt, step = _prepare(mode, model, world, device, args.bucket_numel)
+    run, opt, step = _prepare(mode, model, world, device, args)
     # each rank its own micro-batch; the *_sp2 modes: each sp pair one, split along the sequence
     g = torch.Generator().manual_seed(1 + (rank // SP if mode.endswith("_sp2") else rank))
     batch = torch.randint(0, cfg.vocab_size, (args.batch, cfg.seq_len), generator=g).to(device)
@@ -250,6 +258,10 @@ def main() -> None:
     p.add_argument("--bucket-numel", type=int, default=None,
                    help="ZeRO(bucket_numel=...): elements a gradient or (stage 3) parameter bucket holds; "
                         "default: ZeRO's")
+    p.add_argument("--accumulation-steps", type=int, default=1,
+                   help="graphoffload's modes: micro-batches per update (the eager baselines update every call)")
+    p.add_argument("--accumulate-on", default="device", choices=("device", "host"),
+                   help="the *_offload modes with --accumulation-steps: where the running gradient sums live")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     args.worlds = args.worlds or ([1, 2] if args.smoke else [1, 2, 4])
@@ -267,7 +279,8 @@ def main() -> None:
         rows = [run_mode(w, m, args) for w in args.worlds for m in args.modes]
         device = f"CPU ({os.cpu_count()} cores), gloo, {args.threads} thread(s) a rank"
     print_table(rows, COLUMNS)
-    out = args.out or os.path.join(HERE, "results", f"zero_{args.device}.json")
+    suffix = f"_k{args.accumulation_steps}_{args.accumulate_on}" if args.accumulation_steps > 1 else ""
+    out = args.out or os.path.join(HERE, "results", f"zero_{args.device}{suffix}.json")
     write_json(out, {"device": device, "args": vars(args), "rows": rows})
 
 

@@ -550,7 +550,7 @@ class Accumulation:
 
     steps: int
     update: bool
-    sums: Callable[..., Tensor]   # (name, param, on_host=False) -> the buffer
+    sums: Callable[..., Tensor]   # (name, param, on_host=False, shape=None) -> the buffer
     discard: Callable[[set[str]], None] = lambda names: None   # frees sums no graph reads
 
 

@@ -131,8 +131,10 @@ class Offload:
             compiled variants fit `gpu_memory_budget`, and move to the host (buckets in backward
             order) until they fit; all on the device without a budget; sums the step reads after
             backward stay on the device. Ignored without `accumulation_steps`. Under ZeRO
-            (`data_parallel=`) only "device" is supported: the updating call reduces the sums
-            over the group on the device; "host" and "auto" are refused when the step is made.
+            (`data_parallel=`) "device" sums are each rank's whole partial sums, reduced over the
+            group once per update; "host" sums are this rank's chunks: every call reduce-scatters
+            its gradients and adds this rank's chunk into the host sum (no sums on the device, a
+            collective per micro-batch); "auto" is refused when the step is made.
     """
 
     gpu_memory_budget: int | str | None = None
@@ -240,17 +242,29 @@ class CompileConfig:
 
     def _check_zero_offload(self) -> None:
         """ZeRO with offload= (ZeRO-Offload, stages 1, 2 and 3) covers each rank's chunk of a step
-        that updates every call or every k-th (`accumulation_steps`, running sums on the device),
-        `activations="auto"` and `overlap_next_step` included; what it does not cover yet is
-        refused here, before anything is traced.
+        that updates every call or every k-th (`accumulation_steps`, running sums on the device or,
+        as this rank's chunks, on the host), `activations="auto"` and `overlap_next_step` included;
+        what it does not cover yet is refused here, before anything is traced.
 
-        Running sums on the host (`accumulate_on="host"`/`"auto"`) are not done under ZeRO: the
-        updating call reduces the sums over the group on the device (the `zero` pass's bucket
-        collectives read `sum + last gradient`), while host sums are added on the host after that
-        gradient's copy, past any collective (passes/host_accumulation.py)."""
-        if self.accumulation_steps > 1 and self.offload.accumulate_on != "device":
+        Running sums on the host (`accumulate_on="host"`) are this rank's chunks: every call
+        reduce-scatters its gradients and adds this rank's chunk into a host sum (passes/zero.py).
+        `"auto"` is refused: it places sums per bucket, but under ZeRO a device sum is the rank's
+        whole partial sum reduced once per update and a host sum a reduced chunk reduced every call,
+        so each bucket's placement would change both variants' collectives, which the placement's
+        trial compiles (passes/host_accumulation.py) do not model. Host sums with `sequence_parallel=`
+        are refused too (their gradients would have to be reduced over both groups every call)."""
+        if self.accumulation_steps > 1 and self.offload.accumulate_on == "auto":
             raise UnsupportedError(
                 f"ZeRO data parallelism with offload=, accumulation_steps={self.accumulation_steps} and "
-                f"Offload(accumulate_on={self.offload.accumulate_on!r}) is not supported yet: under ZeRO the "
-                "running gradient sums stay on the device, where the updating call reduces them over the group "
-                "once per update; use Offload(accumulate_on='device') (the default)")
+                "Offload(accumulate_on='auto') is not supported yet: 'auto' places the running sums per bucket from "
+                "predicted peaks, but under ZeRO a bucket's placement also changes its collectives (device sums are "
+                "reduced once per update, host sums reduce-scattered every micro-batch), which that model does not "
+                "cover; use Offload(accumulate_on='host') (no sums on the device, a reduce-scatter per micro-batch) "
+                "or 'device' (the default: one reduction per update)")
+        if self.accumulation_steps > 1 and self.offload.accumulate_on == "host" and self.sequence_parallel is not None:
+            raise UnsupportedError(
+                "ZeRO data parallelism with sequence_parallel=, offload=, "
+                f"accumulation_steps={self.accumulation_steps} and Offload(accumulate_on='host') is not supported "
+                "yet (each micro-batch's gradients would have to be reduced over both mesh dimensions before their "
+                "chunks reach the host sums); use "
+                "Offload(accumulate_on='device'), or drop sequence_parallel=")

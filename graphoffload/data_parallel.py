@@ -58,10 +58,10 @@ with it too, as without `sequence_parallel=`, and so do a GradScaler and skip_no
 flags, combined over the dp group alone, agree over sp too (the checks read chunks reduced over
 both groups; the loss is ring attention's mean over the sp group's tokens).
 
-Not yet: `offload=` together with overlap_next_step or activations="auto"; running sums on the
-host under ZeRO (`Offload(accumulate_on="host" | "auto")` with accumulation_steps: the updating
-call reduces the sums on the device, and host sums are added after that reduction would have to
-read them). Each is refused with an `UnsupportedError` that says so.
+Not yet: running sums placed per bucket under ZeRO (`Offload(accumulate_on="auto")` with
+accumulation_steps: a bucket's placement would change its collectives, device sums reduced once
+per update and host sums, this rank's chunks, every call), and host sums with
+sequence_parallel=. Each is refused with an `UnsupportedError` that says so.
 """
 
 from __future__ import annotations

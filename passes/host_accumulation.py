@@ -39,10 +39,11 @@ What still cannot work is any other read of the accumulated gradient on the devi
 capture records such reads even on an accumulating call (where `.grad` is None), so the first
 call (which compiles the updating variant as a probe) refuses it, before anything runs.
 
-Under ZeRO the updating call's bucket collectives read `sum + last gradient` on the device, the
-same kind of read, so `CompileConfig` refuses host sums with `data_parallel=` when the step is
-made (DeepSpeed's form, a reduce-scatter per micro-batch into host sums of the rank's chunks, is
-not done).
+Under ZeRO the `zero` pass has already reduce-scattered every micro-batch's gradients, so the
+adds and drains here see this rank's chunks, and the sums are chunk-shaped (DeepSpeed
+ZeRO-Offload's form; passes/zero.py). `accumulate_on="auto"` is refused under ZeRO by
+`CompileConfig`: a bucket's placement there would change its collectives too, which the
+placement's model below does not cover.
 
 `Offload(accumulate_on="auto")` chooses per bucket (`SumPlacement`): sums stay on the device
 while the predicted peaks of both compiled variants fit `gpu_memory_budget`; otherwise buckets
@@ -115,7 +116,8 @@ def _refuse(name: str, reader: fx.Node, what: str) -> UnsupportedError:
     return UnsupportedError(
         f"Offload(accumulate_on='host') cannot keep the running gradient sum of {name} on the host: {what} "
         f"({getattr(reader.target, '__name__', reader.target)}{f', {where}' if where else ''}). Use "
-        "Offload(accumulate_on='device') or 'auto' for this step (host sums support clip_grad_norm_ and a GradScaler; "
+        "Offload(accumulate_on='device') or, without ZeRO, 'auto' for this step (host sums support clip_grad_norm_ "
+        "and a GradScaler; "
         "other reads need the accumulated gradient on the device)")
 
 
@@ -404,7 +406,7 @@ def combine_host_flags(g: fx.Graph, flag: fx.Node, host_flags: list[fx.Node], ti
             "Offload(accumulate_on='host') cannot check the accumulated gradients for infs on the host: the step reads "
             f"the GradScaler's found_inf ({getattr(first.target, '__name__', first.target)}"
             f"{f', {where}' if where else ''}) before the host checks are done. Use Offload(accumulate_on='device') "
-            "or 'auto' for this step")
+            "or, without ZeRO, 'auto' for this step")
     meta = {k: flag.meta[k] for k in ("stack_trace",) if k in flag.meta}
     with g.inserting_before(first):
         values, moved = list(fetched_flags), []

@@ -875,7 +875,8 @@ def _run(graph: TrainGraph, ctx: PassContext, assignment: tuple[tuple[str, ...],
             raise UnsupportedError(
                 f"Offload(accumulate_on='host') cannot check {names_of[b][0]}'s accumulated gradient for infs on the "
                 "host: that needs its bucket's gradients final inside backward and nothing else reading them (the "
-                "step returns or keeps a gradient). Use Offload(accumulate_on='device') or 'auto' for this step")
+                "step returns or keeps a gradient). Use Offload(accumulate_on='device') or, without ZeRO, 'auto' for "
+                "this step")
         if norms and early[b] is None:
             where = user_line_of_stack_trace(norms[0].reduction.meta.get("stack_trace"))
             raise UnsupportedError(
@@ -883,7 +884,7 @@ def _run(graph: TrainGraph, ctx: PassContext, assignment: tuple[tuple[str, ...],
                 f"gradient on the host{f' ({where})' if where else ''}: that needs its bucket's update to wait past "
                 "backward for the global norm, its gradients final inside backward and nothing else reading them "
                 "(the step returns or keeps a gradient, or does more than clip them). Use "
-                "Offload(accumulate_on='device') or 'auto' for this step")
+                "Offload(accumulate_on='device') or, without ZeRO, 'auto' for this step")
     read_after = [_first_read_after_update(k, storages) for k in kernels]
     causes = {b: _why_after_backward(storages, k, found) for b, (k, found) in enumerate(zip(kernels, early))
               if found is not None}   # read before the loop below erases the kernels

@@ -32,13 +32,13 @@ divided by the ranks: gloo has no average); the loss the step returns stays the 
 Collectives are emitted in bucket order at positions every rank's graph shares, so all ranks
 issue them in the same order.
 
-With `accumulation_steps=k` the pass has nothing to do on the accumulating calls of stages 1
-and 2 (their graphs hold no update): each rank adds its own gradients into its running sums,
+With `accumulation_steps=k` and device sums the pass has nothing to do on the accumulating calls
+of stages 1 and 2 (their graphs hold no update): each rank adds its own gradients into its running sums,
 full-size local partial sums, with no collective at all. On the updating call the gradient the
 update reads is the sum plus the last micro-batch's gradient, so the bucket collectives above
 reduce the whole window's sums, once per update, not once per micro-batch.
 
-Stage 3 keeps the sums the same way, whole on every rank (what FSDP2 does under `no_sync`),
+Stage 3 keeps device sums the same way, whole on every rank (what FSDP2 does under `no_sync`),
 rather than sharded (reduce-scattering every micro-batch's gradients and adding this rank's
 chunk into a running sum of its rows, as DeepSpeed's ZeRO-3 does). Why: the gradients then cross
 the group once per update, as issue 18 asks and as stages 1 and 2 do (with P the parameters'
@@ -47,10 +47,24 @@ elements, a window moves about 2kP gathered + P reduce-scattered, where sharded 
 already have plus stage 3's gathers: nothing new to get wrong in the reduction. The
 cost is memory: a whole gradient set per rank for the window, where sharded sums would hold 1/N
 of it (stage 3 still saves (N-1)/N of the parameters; `README.md` has the measured peaks).
-Sharded sums are not done yet. An accumulating call has no update in its graph, so the
-parameters it shards come from capture's `accumulation` note (`updated`: those the window's
-update updates), the same ones the updating call shards; it gathers them for forward and for
-backward exactly as the updating call does (`_accumulating_stage_3`).
+Sharded sums on the device are not done; with `offload=`, host sums are sharded (below). An
+accumulating call has no update in its graph, so the parameters it shards come from capture's
+`accumulation` note (`updated`: those the window's update updates), the same ones the updating
+call shards; it gathers them for forward and for backward exactly as the updating call does
+(`_accumulating_stage_3`).
+
+With `offload=` and `Offload(accumulate_on="host")` (DeepSpeed ZeRO-Offload's form) the sums are
+this rank's chunks in host memory instead, so the device holds no running sum at all, which is
+the point for a model whose sums do not fit beside it: every call, accumulating or updating,
+reduce-scatters each bucket right after its last gradient (stage 1 too: only this rank's chunk is
+needed). An accumulating call adds this rank's chunk of each average into its running sum, made
+the chunk's shape here (`_accumulating_host_sums`); an updating call's bucket collectives reduce
+the last micro-batch's gradient alone (capture's device add `gradient + sum` dropped,
+`_lift_host_sums`) and the update reads `chunk + sum`, which `offload_optimizer` turns into a copy
+of the chunk to the host and an add of the sum there, as for host sums without ZeRO
+(passes/host_accumulation.py): clipping's norms and a GradScaler's checks of the accumulated
+chunks move to the host with it. The cost is a reduce-scatter per micro-batch, k per window,
+where device sums reduce once per update.
 
 **Clipping** (`clip_grad_norm_`, L2, in its per-tensor or foreach form): the step's norms of the
 gradients are pointed at this rank's chunks of the averages (on stage 1 too, which holds every
@@ -122,20 +136,24 @@ c10d = torch.ops._c10d_functional
 class _Item:
     """One parameter of an update kernel: what the pass moves and where it sits in its bucket."""
 
-    kernel: UpdateKernel
+    kernel: UpdateKernel | None   # None on an accumulating call with host sums (no update in its graph)
     index: int                  # in the kernel's lists
     name: str
     param: fx.Node
     grad: fx.Node
     offset: int = 0             # where its chunk starts in each rank's part of the bucket's flat buffers
 
+    def __post_init__(self) -> None:
+        # the whole parameter's shape, as made: stage 3 later makes the placeholder this rank's rows
+        self._shape = list(self.param.meta["val"].shape)
+
     @property
     def shape(self) -> list[int]:
-        return list(self.param.meta["val"].shape)
+        return list(self._shape)
 
     @property
     def numel(self) -> int:
-        return self.param.meta["val"].numel()
+        return math.prod(self._shape)
 
     @property
     def scalar(self) -> bool:
@@ -364,7 +382,7 @@ def _line(node: fx.Node) -> str:
 def _layout(items: list[_Item], position: dict[fx.Node, int], bucket_numel: int, world: int) -> list[_Bucket]:
     """Buckets in the order their gradients become final, and each chunk's offset in every
     rank's part of the bucket's flat buffers (the same layout on every rank)."""
-    ordered = sorted(items, key=lambda it: (position[it.grad], it.kernel.node.name, it.index))
+    ordered = sorted(items, key=lambda it: (position[it.grad], it.kernel.node.name if it.kernel else "", it.index))
     groups = greedy_buckets(ordered, lambda it: it.numel, bucket_numel,
                             key=lambda it: (it.grad.meta["val"].dtype, it.param.meta["val"].dtype))
     buckets = []
@@ -600,6 +618,111 @@ def _accumulating_stage_3(graph: TrainGraph, dp: Any, updated: tuple[str, ...]) 
     return graph
 
 
+def host_sums_under_zero(ctx: PassContext) -> bool:
+    """Whether the running gradient sums are this rank's chunks in host memory
+    (`Offload(accumulate_on="host")` with `accumulation_steps`): every call reduce-scatters its
+    gradients and only this rank's chunk reaches a sum (the module docstring says why)."""
+    offload = ctx.config.offload
+    return offload is not None and offload.accumulate_on == "host" and ctx.config.accumulation_steps > 1
+
+
+def _chunk_sum(emit: _Emitter, s: fx.Node, it: _Item, world: int, rank: int) -> None:
+    """Make the running-sum placeholder `s` (and the `zero_` that clears it) this rank's chunk's
+    shape; `offload_optimizer` then moves it to the host (fp32)."""
+    val = s.meta["val"]
+    with emit.fake_mode:
+        s.meta["val"] = torch.empty(it.local_shape(world, rank), dtype=val.dtype, device=val.device)
+        for user in s.users:
+            if user.target is aten.zero_.default:
+                user.meta["val"] = torch.empty_like(s.meta["val"])
+
+
+def _host_sum_items(graph: TrainGraph) -> tuple[list[_Item], dict[str, tuple[fx.Node, fx.Node]]]:
+    """An accumulating call with host sums: each running sum's `sum.add_(grad)` (autograd's
+    accumulation, its only use), as an item to reduce (no kernel: the call has no update), and
+    name -> (sum placeholder, that add)."""
+    placeholders = graph.placeholders()
+    params = {s.target: placeholders[s.name] for s in graph.signature.inputs if s.kind == "param"}
+    items, adds = [], {}
+    for spec in graph.signature.inputs:
+        if spec.kind != "grad_sum":
+            continue
+        s = placeholders[spec.name]
+        add = next(iter(s.users), None)
+        if len(s.users) != 1 or add.target is not aten.add_.Tensor or add.args[0] is not s or len(add.args) != 2 \
+                or add.kwargs or add.users:
+            raise UnsupportedError(
+                f"ZeRO with Offload(accumulate_on='host'): the accumulating call does more with the running gradient "
+                f"sum of {spec.target} than add the micro-batch's gradient (at {_line(add) if add else 'no line'}); "
+                "use Offload(accumulate_on='device')")
+        items.append(_Item(None, 0, spec.target, params[spec.target], add.args[1]))
+        adds[spec.target] = (s, add)
+    return items, adds
+
+
+def _accumulating_host_sums(graph: TrainGraph, dp: Any, items: list[_Item],
+                            adds: dict[str, tuple[fx.Node, fx.Node]]) -> TrainGraph:
+    """An accumulating call with host sums (`Offload(accumulate_on="host")`): each bucket's
+    gradients reduce-scattered right after its last one, as the updating call's are, and this
+    rank's chunk of each average added into its running sum (made chunk-shaped) in place of the
+    whole gradient; `offload_optimizer` turns each add into a copy to the host and an add there."""
+    g = graph.graph
+    rank, world = dp.rank, dp.world_size
+    position = {n: i for i, n in enumerate(g.nodes)}
+    buckets = _layout(items, position, dp.bucket_numel, world)
+    emit = _Emitter(g)
+    for bucket in buckets:
+        last = max((it.grad for it in bucket.items), key=position.__getitem__)
+        with g.inserting_before(last.next):
+            averaged = _reduce_gradients(emit, bucket, 2, rank, world, dp.group_name)
+        for it in bucket.items:
+            s, add = adds[it.name]
+            local = averaged[it.grad][0]
+            _chunk_sum(emit, s, it, world, rank)
+            with g.inserting_after(local):
+                emit(aten.add_.Tensor, (s, local), add, phase="backward", param=(it.name,))
+            g.erase_node(add)
+    g.lint()
+    _note_host_sums(graph, items, buckets, world, rank, update=False)
+    return graph
+
+
+def _lift_host_sums(graph: TrainGraph) -> dict[str, fx.Node]:
+    """The updating call with host sums: drop each device add `grad + sum` that made a gradient
+    final (capture's hook), so the bucket collectives reduce the last micro-batch's gradient alone;
+    `zero` adds this rank's chunk of the sum to its chunk after the reduction. Returns name -> sum."""
+    placeholders = graph.placeholders()
+    sums = {}
+    for spec in graph.signature.inputs:
+        if spec.kind != "grad_sum":
+            continue
+        s = placeholders[spec.name]
+        finals = [u for u in s.users if u.target is aten.add.Tensor and u.args[1] is s and not u.kwargs]
+        zeros = [u for u in s.users if u.target is aten.zero_.default and not u.users]
+        if len(finals) != 1 or len(s.users) != 1 + len(zeros):
+            other = next((u for u in s.users if u not in finals + zeros), next(iter(s.users), None))
+            raise UnsupportedError(
+                f"ZeRO with Offload(accumulate_on='host'): the updating call reads the running gradient sum of "
+                f"{spec.target} other than as `gradient + sum` (at {_line(other) if other else 'no line'}); use "
+                "Offload(accumulate_on='device')")
+        final = finals[0]
+        final.replace_all_uses_with(final.args[0])
+        graph.graph.erase_node(final)
+        sums[spec.target] = s
+    return sums
+
+
+def _note_host_sums(graph: TrainGraph, items: list[_Item], buckets: list[_Bucket], world: int, rank: int,
+                    update: bool) -> None:
+    numel = sum(it.local_numel(world, rank) for it in items)
+    graph.note("zero", f"host sums: {len(items)} running gradient sums are this rank's chunks ({numel:,} elements, "
+               f"fp32 in host memory after offload_optimizer); {len(buckets)} gradient buckets reduce-scattered on "
+               + ("this updating call (the last micro-batch), the sums added to the chunks on the host"
+                  if update else "this accumulating call, this rank's chunks added into the sums"),
+               "host_sums", sums=len(items), sum_numel=numel, buckets=len(buckets), update=update,
+               collective="reduce_scatter_tensor")
+
+
 def _note_params(graph: TrainGraph, gathers: GatherReport, local: int, total: int, reduced: int) -> None:
     """Stage 3's `params` note (`reduced`: the elements the gradients' reduce-scatters cover)."""
     # each rank sends and receives (N-1)/N of what a collective covers; DDP's all-reduce moves
@@ -642,14 +765,30 @@ def _sequence_parallel_group(graph: TrainGraph, ctx: PassContext, items: list[_I
     return notes[0].fields["group"]
 
 
+def _refuse_kept_gradient(items: list[_Item], output: fx.Node) -> None:
+    """Host sums under ZeRO keep only this rank's chunk of each running sum, on the host: a
+    gradient the step leaves on `.grad` (stage 1 allows it without host sums) would be the last
+    micro-batch's average, not the window's. Refused."""
+    kept = next((it for it in items if output in it.grad.users), None)
+    if kept is not None:
+        raise UnsupportedError(
+            f"ZeRO with Offload(accumulate_on='host') keeps only this rank's chunk of each running sum, on the host, "
+            f"but the step leaves {kept.name}.grad set after it returns: call optimizer.zero_grad() at the end of "
+            "the step, or use Offload(accumulate_on='device')")
+
+
 def zero(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
     dp = ctx.config.data_parallel
     if dp is None:
         return graph
     window = graph.notes_of("capture", "accumulation")
+    host_sums = host_sums_under_zero(ctx) and bool(window)
     if window and not window[0].fields["update"]:
+        summed = _host_sum_items(graph) if host_sums else None   # before stage 3 makes parameters rows
         if dp.stage == 3:
             graph = _accumulating_stage_3(graph, dp, window[0].fields["updated"])
+        if summed is not None and summed[0]:
+            graph = _accumulating_host_sums(graph, dp, *summed)
         return _agree_on_counting_a_micro_batch(graph, dp.group_name)
     kernels = update_kernels_to_rewrite(graph, "zero", "shard")
     if not kernels:
@@ -658,7 +797,10 @@ def zero(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
     rank, world, group = dp.rank, dp.world_size, dp.group_name
     output = next(n for n in g.nodes if n.op == "output")
     skip_flag = _skip_flag(graph, output)
+    sums = _lift_host_sums(graph) if host_sums else {}
     items, clip, checks, skip_norm = _items(kernels, output, dp.stage, skip_flag)
+    if sums:
+        _refuse_kept_gradient(items, output)
     sp_group = _sequence_parallel_group(graph, ctx, items)
     position = {n: i for i, n in enumerate(g.nodes)}
     sharded = _stage_3_params(items, position, world, rank) if dp.stage == 3 else []
@@ -680,11 +822,20 @@ def zero(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
 
     # gradients: each bucket's collective right after its last gradient; the update reads this
     # rank's chunk of the average, the step's outputs (stage 1's .grad) the whole average
+    # (with host sums every stage reduce-scatters, and this rank's chunk of the sum is added to its
+    # chunk of the average, `chunk + sum`, which offload_optimizer drains on the host)
     readers = {it.grad: list(it.grad.users) for it in items}
     for bucket in buckets:
         last = max((it.grad for it in bucket.items), key=position.__getitem__)
         with g.inserting_before(last.next):   # (inserting_after would put each new node first)
-            averaged = _reduce_gradients(emit, bucket, dp.stage, rank, world, group, sp_group, ctx.mesh_group)
+            averaged = _reduce_gradients(emit, bucket, 2 if sums else dp.stage, rank, world, group, sp_group,
+                                         ctx.mesh_group)
+        for it in bucket.items if sums else ():
+            local, _ = averaged[it.grad]
+            _chunk_sum(emit, sums[it.name], it, world, rank)
+            with g.inserting_after(local):
+                added = emit(aten.add.Tensor, (local, sums[it.name]), local, phase="backward", param=(it.name,))
+            averaged[it.grad] = (added, None)
         for grad, (local, whole) in averaged.items():
             for user in readers[grad]:
                 user.replace_input_with(grad, whole if user is output else local)
@@ -712,7 +863,7 @@ def zero(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
                    for s in graph.signature.inputs)
     graph = graph.with_signature(inputs=inputs)
 
-    collective = "all-reduce" if dp.stage == 1 else "reduce-scatter"
+    collective = "all-reduce" if dp.stage == 1 and not sums else "reduce-scatter"
     gathered = "parameters gathered before use (below)" if dp.stage == 3 else \
         f"one {collective} and one all-gather each; {copied} parameters overwritten from the gathered chunks"
     graph.note("zero", f"ZeRO stage {dp.stage}, rank {rank} of {world}: updates its dim-0 chunk of each of "
@@ -735,6 +886,8 @@ def zero(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
                    if dp.stage == 1 else (("reduce_scatter_tensor", "dp"), ("all_reduce", "sp")))
     if dp.stage == 3:
         _note_params(graph, gathers, local, total, padded)
+    if sums:
+        _note_host_sums(graph, items, buckets, world, rank, update=True)
     if clip is not None:
         graph.note("zero", f"clip_grad_norm_: the global L2 norm of {len(clip.terms)} gradients from this rank's "
                    "chunks of their averages (squares summed, one all-reduce of a scalar), the clip coefficient "

@@ -10,7 +10,10 @@ It is a plain tensor shaped like the whole parameter, also when ZeRO stage 3 hol
 as a `Shard(0)` DTensor of this rank's rows (passes/zero.py says why the sums stay whole).
 With `Offload(accumulate_on="host")` a sum lives in host memory in fp32 instead (pinned when the
 parameter is on a GPU, so the copies into it are asynchronous): the graphs mark those
-placeholders `host`, and the buffer is made there once.
+placeholders `host`, and the buffer is made there once. Under ZeRO a host sum holds only this
+rank's chunk of the reduced gradient (dim-0 rows, as `data_parallel.shard_rows` cuts them: the
+`zero` pass reduce-scatters every micro-batch's gradients before they reach it), so the buffer
+is shaped as the graph's placeholder says, not as the parameter.
 """
 
 from __future__ import annotations
@@ -21,10 +24,11 @@ from torch import Tensor
 from graphoffload.errors import StateError
 
 
-def _shape_error(name: str, t: Tensor, param: Tensor) -> StateError:
-    return StateError(f"the running gradient sum of {name} has shape {tuple(t.shape)} but the parameter "
-                      f"{tuple(param.shape)}: was the accumulation window loaded from another model's "
-                      "checkpoint? Load a matching one")
+def _shape_error(name: str, t: Tensor, shape: torch.Size) -> StateError:
+    return StateError(f"the running gradient sum of {name} has shape {tuple(t.shape)} but the step's is "
+                      f"{tuple(shape)} (the parameter's, or under ZeRO with host sums this rank's chunk of it): was "
+                      "the accumulation window loaded from another model's checkpoint, or another rank's or world "
+                      "size's? Load a matching one")
 
 
 class GradSums:
@@ -33,29 +37,30 @@ class GradSums:
     def __init__(self) -> None:
         self._sums: dict[str, Tensor] = {}
 
-    def tensor(self, name: str, param: Tensor, on_host: bool = False) -> Tensor:
+    def tensor(self, name: str, param: Tensor, on_host: bool = False, shape: torch.Size | None = None) -> Tensor:
         """The buffer of `name` (allocated as zeros like `param` on first use; `on_host`: as
-        fp32 zeros in host memory, pinned when `param` is on a GPU)."""
+        fp32 zeros in host memory, pinned when `param` is on a GPU). `shape`: the buffer's shape
+        when it is not the parameter's (a ZeRO rank's chunk of a host sum)."""
         t = self._sums.get(name)
         if on_host:
-            return self._host_tensor(name, param, t)
+            return self._host_tensor(name, param, t, param.shape if shape is None else torch.Size(shape))
         if t is None:
             # a plain tensor of the whole parameter's shape, also for a ZeRO stage 3 parameter (a
             # `Shard(0)` DTensor): each rank sums its own micro-batches' whole gradients until the
             # updating call reduce-scatters them (passes/zero.py)
             t = self._sums[name] = torch.zeros(param.shape, dtype=param.dtype, device=param.device)
         elif t.shape != param.shape:
-            raise _shape_error(name, t, param)
+            raise _shape_error(name, t, param.shape)
         elif t.device != param.device or t.dtype != param.dtype:   # e.g. loaded from a CPU checkpoint
             t = self._sums[name] = t.to(param.device, param.dtype, memory_format=torch.contiguous_format)
         return t
 
-    def _host_tensor(self, name: str, param: Tensor, t: Tensor | None) -> Tensor:
+    def _host_tensor(self, name: str, param: Tensor, t: Tensor | None, shape: torch.Size) -> Tensor:
         pin = param.device.type == "cuda"
-        if t is not None and t.shape != param.shape:
-            raise _shape_error(name, t, param)
+        if t is not None and t.shape != shape:
+            raise _shape_error(name, t, shape)
         if t is None or t.device.type != "cpu" or t.dtype != torch.float32 or (pin and not t.is_pinned()):
-            placed = torch.zeros(param.shape, dtype=torch.float32, pin_memory=pin)
+            placed = torch.zeros(shape, dtype=torch.float32, pin_memory=pin)
             if t is not None:   # loaded from a checkpoint, or was on the device
                 placed.copy_(t)
             t = self._sums[name] = placed

@@ -93,7 +93,8 @@ class Executor:
                                      if s.host and s.kind != "grad_sum"])
         for spec in self.graph.signature.inputs:
             if spec.kind == "grad_sum":   # on the device, or in host memory (Offload.accumulate_on)
-                values.append(self.capture.accumulation.sums(spec.target, b.params[spec.target], spec.host))
+                values.append(self.capture.accumulation.sums(spec.target, b.params[spec.target], spec.host,
+                                                             self.vals[spec.name].shape))
             elif spec.host:
                 values.append(self.host_state.tensor(spec, self.vals[spec.name], in_flight))
             elif spec.kind == "param":

@@ -11,7 +11,10 @@ in a single process (`AsRank`) for the graph's shape and what is refused.
 
 With `offload=` (ZeRO-Offload) the same runs update each rank's chunks on the host (or, with
 `device_updates=1`, on the device from host state): the host updates must read the flag combined
-over the group, or rank 0 would update its finite chunks on the poisoned step that eager skips."""
+over the group, or rank 0 would update its finite chunks on the poisoned step that eager skips.
+With `accumulation_steps` and host sums (`Offload(accumulate_on="host")`) the inf checks of the
+accumulated chunks run on the host (`host_unscale_`), and the window rank 0 poisons in a row rank 1
+owns must still be skipped by both: rank 1's host flag joins its device flag before the group's max."""
 
 from __future__ import annotations
 
@@ -116,10 +119,15 @@ def _same_on_every_rank(value: torch.Tensor, world: int) -> bool:
 
 def _assert_offloaded(targets: list, offload) -> None:
     """With `offload=`, the update ran where `device_updates` says: every bucket on the host
-    ("never"), or on the device with its state prefetched from the host (1)."""
+    ("never"), or on the device with its state prefetched from the host (1). With host sums the
+    inf checks ran on the host too (and only their flags come back to the device)."""
     if offload is None:
         return
     host = torch.ops.graphoffload.host_adam_.default in targets
+    if offload.accumulate_on == "host":
+        assert host and torch.ops.graphoffload.host_unscale_.default in targets
+        assert torch.ops.aten._amp_foreach_non_finite_check_and_unscale_.default not in targets
+        return
     prefetched = torch.ops.graphoffload.prefetch_to_device.default in targets
     assert (host, prefetched) == ((True, False) if offload.device_updates == "never" else (False, True))
 
@@ -280,6 +288,8 @@ def _world2(rank, world):
     _scaler_as_eager(rank, world, 2, offload=graphoffload.Offload(device_updates=1))
     _scaler_as_eager(rank, world, 2, scaled_clipped_step, offload=host)
     _accumulating_scaler_as_eager(rank, world, 2, offload=host)
+    _accumulating_scaler_as_eager(rank, world, 2, offload=graphoffload.Offload(device_updates="never",
+                                                                               accumulate_on="host"))
 
 
 @pytest.mark.slow   # two processes

@@ -11,19 +11,28 @@ and 3 (AdamW, k=3, two windows, the tiny GPT in fp64, fp32 master weights): ever
 is the rank's own, and after every update the parameters and the optimizer state gathered with
 `full_tensor()` are within 2e-5 of eager's; a mix of CPU- and device-path buckets and a clipped
 step once each; a checkpoint taken mid-window (`step.state_dict()`: micro_step and the rank's
-running sums) resumes in a fresh model, optimizer and step bit-identically. Host sums
-(`accumulate_on="host"`/`"auto"`) are refused under ZeRO before anything is traced."""
+running sums) resumes in a fresh model, optimizer and step bit-identically.
+
+Host sums (`Offload(accumulate_on="host")`, DeepSpeed ZeRO-Offload's form): every call, accumulating
+or updating, reduce-scatters each bucket once (counted: one `reduce_scatter_tensor` per bucket per
+call) and only this rank's chunk reaches its running sum, an fp32 host input of the chunk's shape
+(no running sum on the device: read from every call's graph); stages 1 and 3 plain, stage 2
+clipped (the norms taken on the host, `host_grad_norm_`) and resumed mid-window from chunk sums,
+all as eager. `accumulate_on="auto"`, and host sums with `sequence_parallel=`, are refused under
+ZeRO before anything is traced."""
 
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from ring_dist import run_ranks
-from steps import clipped_step, train_step
+from graphoffload.data_parallel import shard_rows
+from steps import clipped_step, train_step, zero_first_step
 from test_zero_accumulation import K, WINDOWS, _collectives, _expected, _gpt, _optimizer, _windows
 from test_zero_offload import FAST_DEVICE, FUSE, _host_numel, _state_bytes
 
@@ -32,6 +41,8 @@ from graphoffload import Offload
 
 RTOL = 2e-5
 CPU = Offload(device_updates="never")
+HOST = Offload(device_updates="never", accumulate_on="host")
+c10d = torch.ops._c10d_functional
 
 
 def _full(t):
@@ -72,6 +83,8 @@ def _accumulates_as_eager(rank, world, stage, offload=CPU, step_fn=train_step):
             got = step(model, opt, mine)
             assert torch.allclose(got, own, rtol=RTOL, atol=0), (stage, got, own)
             counts.append((_collectives(step.last.graph), step.last.graph))
+            if offload.accumulate_on == "host":
+                _sums_are_host_chunks(step, model, rank, world)
         if step_fn is _clip_step:
             torch.nn.utils.clip_grad_norm_(eager.parameters(), 0.05)
         opt_e.step()
@@ -91,10 +104,41 @@ def _accumulates_as_eager(rank, world, stage, offload=CPU, step_fn=train_step):
     # updating call adds the global norm's one scalar all-reduce)
     shards = step.last.graph.notes_of("zero", "shards")[0].fields
     clip = int(step_fn is _clip_step)
+    # with host sums every call reduce-scatters each bucket once: the accumulating calls too
+    host = offload.accumulate_on == "host"
     want = [_expected(stage, (i + 1) % K == 0, graph, shards["buckets"]) + clip * ((i + 1) % K == 0)
-            for i, (_, graph) in enumerate(counts)]
+            + host * ((i + 1) % K != 0) * shards["buckets"] for i, (_, graph) in enumerate(counts)]
+    if host:
+        assert [sum(n.target is c10d.reduce_scatter_tensor.default for n in graph.graph.nodes)
+                for _, graph in counts] == [shards["buckets"]] * len(counts)
     assert [n for n, _ in counts] == want, ([n for n, _ in counts], want)
     return step, model, opt, eager
+
+
+def _chunk_shape(p, rank, world):
+    return (shard_rows(p.shape[0], world, rank)[1], *p.shape[1:]) if p.dim() else ()
+
+
+def _sums_are_host_chunks(step, model, rank, world):
+    """ZeRO with Offload(accumulate_on="host"): every running sum of the call's graph is an fp32
+    host input of this rank's chunk's shape (the zero pass's `host_sums` note counts them), so no
+    running sum is held on the device, and the sums the step keeps are those chunks."""
+    graph = step.last.graph
+    shapes = {n: _chunk_shape(p, rank, world) for n, p in model.named_parameters()}
+    placeholders = graph.placeholders()
+    sums = [s for s in graph.signature.inputs if s.kind == "grad_sum"]
+    assert len(sums) == len(shapes) == graph.notes_of("zero", "host_sums")[0].fields["sums"]
+    for spec in sums:
+        val = placeholders[spec.name].meta["val"]
+        assert spec.host and val.device.type == "cpu" and val.dtype == torch.float32, spec
+        assert tuple(val.shape) == shapes[spec.target], (spec.target, tuple(val.shape))
+    where = graph.notes_of("offload_optimizer", "grad_sums")[0].fields
+    assert (where["where"], where["host_sums"], where["device_sums"], where["device_bytes"]) == \
+        ("host", len(shapes), 0, 0), where
+    # and the buffers the step holds between calls (its runtime state): fp32 chunks, where device
+    # sums would be whole fp64 gradients
+    held = step._grad_sums._sums
+    assert {n: (tuple(t.shape), t.dtype) for n, t in held.items()} == {n: (s, torch.float32) for n, s in shapes.items()}
 
 
 def _host_share(rank, world, step, model, opt, eager, against_one: bool) -> tuple[float, float] | None:
@@ -131,25 +175,26 @@ def _cloned(state):
     return state.detach().clone() if isinstance(state, torch.Tensor) else copy.deepcopy(state)
 
 
-def _resumes_mid_window(rank, world, stage):
+def _resumes_mid_window(rank, world, stage, offload=CPU):
     """Train a window and one micro-batch, take the step's state, and resume it in a fresh model,
     optimizer and step (compiled first, so stage 3's parameters are its DTensors; values loaded
     into them): the rest of the window and the next update are bit-identical to going on."""
     batches = [b for window in _windows(world) for b in window] + _windows(world)[0]
     model = _gpt()
     opt = _optimizer("adamw", model)
-    step = _step(stage, CPU)
+    step = _step(stage, offload)
     for batch in batches[:K + 1]:
         step(model, opt, _mine(batch, rank, world))
     assert step.micro_step == 1
     saved = _cloned(step.state_dict())
     assert saved["accumulation"]["micro_step"] == 1
-    # each rank saves its own running sums, whole, and they differ between ranks (its micro-batches)
-    assert {n: t.shape for n, t in saved["accumulation"]["grad_sums"].items()} == \
-        {n: p.shape for n, p in model.named_parameters()}
+    # each rank saves its own running sums: whole (its micro-batches), or with host sums its chunks of the averages
+    host = offload.accumulate_on == "host"
+    assert {n: tuple(t.shape) for n, t in saved["accumulation"]["grad_sums"].items()} == \
+        {n: _chunk_shape(p, rank, world) if host else tuple(p.shape) for n, p in model.named_parameters()}
     fresh = _gpt()
     opt_f = _optimizer("adamw", fresh)
-    resumed = _step(stage, CPU)
+    resumed = _step(stage, offload)
     resumed.compile(fresh, opt_f, _mine(batches[K + 1], rank, world))
     with torch.no_grad():
         for p, q in zip(fresh.parameters(), model.parameters()):
@@ -176,6 +221,14 @@ def _world2(rank, world):
     assert 0 < plan["device_buckets"] < plan["buckets"], plan
     _accumulates_as_eager(rank, world, 3, CPU, _clip_step)
     _resumes_mid_window(rank, world, 2)
+    # host sums: this rank's chunks, reduce-scattered on every call
+    for stage in (1, 3):
+        _accumulates_as_eager(rank, world, stage, HOST)
+    step = _accumulates_as_eager(rank, world, 2, HOST, _clip_step)[0]
+    # clip_grad_norm_'s norm of every accumulated chunk taken on the host, where its sum is
+    norms = sum(n.target is torch.ops.graphoffload.host_grad_norm_.default for n in step.last.graph.graph.nodes)
+    assert norms == step.last.graph.notes_of("zero", "host_sums")[0].fields["sums"], norms
+    _resumes_mid_window(rank, world, 2, HOST)
     print(f"rank {rank}: (state bytes, host bytes) / one process's: {tuple(round(x, 3) for x in shares[2])}")
 
 
@@ -185,14 +238,69 @@ def test_zero_offload_with_accumulation_steps_trains_as_eager_world2():
     run_ranks(_world2, 2, deadline_s=400)
 
 
-@pytest.mark.parametrize("where", ["host", "auto"])
 @pytest.mark.parametrize("stage", [1, 3])
-def test_host_sums_under_zero_are_refused_before_tracing(stage, where):
+def test_auto_sums_under_zero_are_refused_before_tracing(stage):
     with pytest.raises(graphoffload.UnsupportedError,
-                       match=rf"accumulation_steps=2 and Offload\(accumulate_on='{where}'\) is not supported yet"
-                             r".*accumulate_on='device'"):
-        graphoffload.offload_compile(train_step, accumulation_steps=2, offload=Offload(accumulate_on=where),
+                       match=r"accumulation_steps=2 and Offload\(accumulate_on='auto'\) is not supported yet: .*"
+                             r"changes its collectives.*accumulate_on='host'.*'device'"):
+        graphoffload.offload_compile(train_step, accumulation_steps=2, offload=Offload(accumulate_on="auto"),
                                      data_parallel=graphoffload.ZeRO(stage=stage))
-    # without accumulation accumulate_on is ignored, as without ZeRO
-    graphoffload.offload_compile(train_step, offload=Offload(accumulate_on=where),
+    # without accumulation accumulate_on is ignored, as without ZeRO; host sums are made
+    for where in ("auto", "host"):
+        graphoffload.offload_compile(train_step, offload=Offload(accumulate_on=where),
+                                     data_parallel=graphoffload.ZeRO(stage=stage))
+    graphoffload.offload_compile(train_step, accumulation_steps=2, offload=Offload(accumulate_on="host"),
                                  data_parallel=graphoffload.ZeRO(stage=stage))
+
+
+def test_host_sums_under_zero_with_sequence_parallel_are_refused_before_tracing():
+    with pytest.raises(graphoffload.UnsupportedError,
+                       match=r"sequence_parallel=, offload=, accumulation_steps=2 and Offload\(accumulate_on='host'\) "
+                             r"is not supported yet.*accumulate_on='device'"):
+        graphoffload.offload_compile(train_step, accumulation_steps=2, offload=Offload(accumulate_on="host"),
+                                     data_parallel=graphoffload.ZeRO(stage=2),
+                                     sequence_parallel=graphoffload.SequenceParallel())
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_host_sums_accumulating_graph_reduce_scatters_into_chunk_sums(stage, one_process_group):
+    """One rank's (rank 1 of 2) accumulating call with host sums, compiled in one process
+    (`AsRank`): one reduce-scatter per bucket (stage 1 too), and each running sum an fp32 host
+    input of this rank's chunk that the CPU worker adds the chunk into; nothing reduced whole."""
+    from test_zero import AsRank
+
+    model = _gpt()
+    step = graphoffload.offload_compile(train_step, accumulation_steps=K, offload=HOST,
+                                        config=graphoffload.CompileConfig(fuse_optimizer=FUSE),
+                                        data_parallel=AsRank(stage=stage, bucket_numel=4096, as_rank=1, as_world=2))
+    graph = step.compile(model, _optimizer("adamw", model), _mine(_windows(2)[0][0], 1, 2))
+    note = graph.notes_of("zero", "host_sums")[0].fields
+    assert not note["update"] and note["buckets"] > 1
+    targets = [n.target for n in graph.graph.nodes]
+    assert targets.count(c10d.reduce_scatter_tensor.default) == note["buckets"]
+    assert c10d.all_reduce_coalesced.default not in targets and c10d.all_reduce.default not in targets
+    assert targets.count(torch.ops.graphoffload.host_accumulate_.default) == note["sums"] == \
+        sum(1 for _ in model.parameters())
+    shapes = {n: _chunk_shape(p, 1, 2) for n, p in model.named_parameters()}
+    placeholders = graph.placeholders()
+    for spec in (s for s in graph.signature.inputs if s.kind == "grad_sum"):
+        val = placeholders[spec.name].meta["val"]
+        assert spec.host and (val.device.type, val.dtype, tuple(val.shape)) == ("cpu", torch.float32,
+                                                                                shapes[spec.target])
+    assert note["sum_numel"] == sum(math.prod(s) for s in shapes.values())
+
+
+def test_host_sums_under_zero_refuse_a_gradient_left_set(one_process_group):
+    """Stage 1 leaves `.grad` set otherwise (the average); with host sums the window's gradient is
+    this rank's chunk on the host, so a step that keeps `.grad` is refused when compiled."""
+    from test_zero import AsRank
+
+    model = _gpt()
+    opt = _optimizer("adamw", model)
+    step = graphoffload.offload_compile(zero_first_step, accumulation_steps=K, offload=HOST,
+                                        data_parallel=AsRank(stage=1, as_rank=0, as_world=2))
+    # at the window's last micro-batch (a checkpoint's), so the updating variant is compiled
+    step.load_state_dict({"optimizers": [opt.state_dict()],
+                          "accumulation": {"steps": K, "micro_step": K - 1, "grad_sums": {}}}, optimizers=[opt])
+    with pytest.raises(graphoffload.UnsupportedError, match=r"accumulate_on='host'.*leaves .*\.grad set.*zero_grad"):
+        step.compile(model, opt, _mine(_windows(2)[0][0], 0, 2))
