@@ -68,6 +68,20 @@ def _clipped_hf_step(model, optimizer, batch):   # the tiny Llama's gradient nor
     return loss
 
 
+def _penalty(model):
+    return 1e-3 * (model.lm_head.weight ** 2).sum()
+
+
+def _penalized_hf_step(model, optimizer, batch):
+    """lm_head's weight read twice: on the split sequence (the logits) and off it (a penalty on the
+    loss), so its gradient is whole over sp, not a partial sum ring attention leaves to zero."""
+    loss = model(input_ids=batch["input_ids"], labels=batch["labels"]).loss + _penalty(model)
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss
+
+
 def _fp32_close(model, opt, eager, opt_e, ref, opt_ref):
     """fp32: each parameter and optimizer state tensor within FP32_FACTOR times eager fp32's own
     distance from eager fp64 (the ring attention tests' bound: AdamW's first steps turn fp32
@@ -101,7 +115,7 @@ def _train_and_compare(rank, mesh, stage, batch_mode, dtype=torch.float64, step_
         rows = batch["input_ids"].shape[0] // dp_world
         mine = {k: v[dp_rank * rows:(dp_rank + 1) * rows] for k, v in batch.items()}
         with torch.no_grad():   # this dp rank's micro-batch's loss, from the parameters every rank holds
-            own = eager(**mine).loss
+            own = eager(**mine).loss + (_penalty(eager) if step_fn is _penalized_hf_step else 0)
         step_fn(eager, opt_e, batch)   # the dp micro-batches together, full sequences
         if not exact:
             step_fn(ref, opt_ref, batch)
@@ -130,7 +144,9 @@ def _train_and_compare(rank, mesh, stage, batch_mode, dtype=torch.float64, step_
     (two,) = final.notes_of("zero", "two_dimensions")
     (deferred,) = final.notes_of("ring_attention", "deferred_gradients")
     buckets = shards.fields["buckets"]
-    assert buckets > 1 and len(deferred.fields["gradients"]) == shards.fields["params"]
+    # every gradient a partial sum ring attention left, or whole over sp (read off the split sequence)
+    assert buckets > 1 and len(deferred.fields["gradients"]) + len(two.fields["whole_over_sequence_parallel"]) \
+        == shards.fields["params"]
     sp_group = two.fields["sequence_parallel_group"]
     assert sp_group == deferred.fields["group"]   # the group ring attention left the sums over
     groups = {two.fields["data_parallel_group"]: "dp", sp_group: "sp", two.fields["mesh_group"]: "mesh"}
@@ -154,6 +170,9 @@ def _train_and_compare(rank, mesh, stage, batch_mode, dtype=torch.float64, step_
     else:
         want.update({(c10d.reduce_scatter_tensor.default, "dp"): buckets,
                      (c10d.all_reduce.default, "sp"): buckets + 1})
+    if step_fn is _penalized_hf_step:   # lm_head's sequence part summed over sp where the penalty's gradient meets it
+        want[(c10d.all_reduce.default, "sp")] = want.get((c10d.all_reduce.default, "sp"), 0) + 1
+        assert two.fields["whole_over_sequence_parallel"] == ("lm_head.weight",), two.fields
     assert by_group == want, (stage, by_group, want)
     return model, opt
 
@@ -393,7 +412,8 @@ def _mesh_2x2(rank, world, path):
     _dcp_round_trip(rank, mesh, model, opt, path)
     _train_and_compare(rank, mesh, 3, "full", torch.float32)
     _accumulates_as_eager(rank, mesh, 2)
-    _train_and_compare(rank, mesh, 2, "full", torch.float64, offload=graphoffload.Offload())   # ZeRO-Offload
+    # ZeRO-Offload, with a parameter read off the split sequence too (its gradient whole over sp)
+    _train_and_compare(rank, mesh, 2, "full", torch.float64, _penalized_hf_step, offload=graphoffload.Offload())
     _accumulates_as_eager(rank, mesh, 2, offload=graphoffload.Offload())   # ... accumulating
     _skips_as_eager(rank, mesh, 2, scaler=True)    # a GradScaler
     _skips_as_eager(rank, mesh, 2, scaler=False)   # skip_nonfinite=True
