@@ -21,7 +21,7 @@ from torch import Tensor
 
 from graphoffload import inspection, timeline
 from graphoffload.capture import Accumulation, Capture, StepBindings, capture_step, find_bindings
-from graphoffload.checkpoint import load_optimizer_state_exactly
+from graphoffload.checkpoint import keep_offloaded_dtypes, load_optimizer_state_exactly
 from graphoffload.config import CompileConfig, Offload
 from graphoffload.errors import PartialUpdateError, RankFailedMidUpdateError, RankTimeoutError, StateError
 from graphoffload.graph import TrainGraph
@@ -134,6 +134,7 @@ class CompiledStep:
         # the user's modules and optimizers this step hooked, and the hooks' handles, which are
         # removed when the step is dropped (the objects outlive it; their hooks must not)
         self._hooked: weakref.WeakSet = weakref.WeakSet()
+        self._keeping_dtypes: weakref.WeakSet = weakref.WeakSet()   # optimizers whose loads keep offloaded dtypes
         self._hook_handles: list[Any] = []
         weakref.finalize(self, _remove_hooks, self._hook_handles)
         self._host_states: dict[Any, HostState] = {}
@@ -360,6 +361,8 @@ class CompiledStep:
             executor = variant.executor
             if executor.handed_over or executor.carries_host_writes or executor.hands_over_sums:
                 self._synchronize_before_outside_access(variant.capture.bindings)
+            if executor.host_state is not None:
+                self._keep_offloaded_dtypes_on_load(variant.capture.bindings)
         self._last = variant
         return key, variant
 
@@ -387,12 +390,35 @@ class CompiledStep:
             if isinstance(obj, torch.nn.Module):
                 self._hook_handles.append(obj.register_forward_pre_hook(sync))
 
+    def _keep_offloaded_dtypes_on_load(self, bindings: Any) -> None:
+        """`optimizer.load_state_dict` (and DCP's `set_optimizer_state_dict`, which calls it) keeps
+        the dtype of the state this step offloads (graphoffload/checkpoint.py)."""
+        ref = weakref.ref(self)
+
+        def offloaded(param: Tensor) -> bool:
+            step = ref()
+            return step is not None and step._last is not None and any(
+                param is p for p in step._last.capture.bindings.params.values())
+        for opt in bindings.optimizers:
+            if opt in self._keeping_dtypes:
+                continue
+            self._keeping_dtypes.add(opt)
+            self._hook_handles += keep_offloaded_dtypes(opt, offloaded)
+
     def compile(self, *args: Any, **kwargs: Any) -> TrainGraph:
         """Trace and transform the step for these arguments without running it (so its graphs,
-        memory and plan can be inspected first; models on the meta device work too)."""
+        memory and plan can be inspected first; models on the meta device work too). With
+        `offload=`, a model's real parameters also get their host state placed, as the first call
+        would place it (fp32 master weights and moments): a checkpoint loaded before the first
+        call (the DCP recipe) loads into it in its own dtype."""
         if self.config.sequence_parallel is not None:   # per-rank batch shards -> full sequence
             args, kwargs = self.config.sequence_parallel.prepare_inputs(args, kwargs)
-        return self._variant(args, kwargs)[1].graph
+        variant = self._variant(args, kwargs)[1]
+        executor = variant.executor
+        if executor.host_state is not None and not any(
+                p.is_meta for p in variant.capture.bindings.params.values()):
+            executor.place_host_state()
+        return variant.graph
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self._interruption.check(self._name)

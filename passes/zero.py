@@ -432,7 +432,8 @@ def _summed(emit: _Emitter, bucket: _Bucket, tensors: list[fx.Node], group: str)
 
 
 def _reduce_gradients(emit: _Emitter, bucket: _Bucket, stage: int, rank: int, world: int, group: str,
-                      sp_group: str | None = None, mesh_group: str | None = None
+                      sp_group: str | None = None, mesh_group: str | None = None,
+                      sent: dict[fx.Node, fx.Node] | None = None
                       ) -> dict[fx.Node, tuple[fx.Node, fx.Node | None]]:
     """Stage 1: every gradient averaged; stage 2: this rank's chunks of them. Returns
     grad -> (this rank's chunk of its average, the whole average or None (stage 2)).
@@ -443,16 +444,18 @@ def _reduce_gradients(emit: _Emitter, bucket: _Bucket, stage: int, rank: int, wo
     reduce-scatter over the data-parallel group first and then all-reduce this rank's part over
     `sp_group` (1/N of the bucket), which moves less than summing the whole bucket over it first
     (one reduce-scatter over both dimensions would cut each chunk once more, and an all-gather
-    over sp would have to follow: two collectives again)."""
+    over sp would have to follow: two collectives again). `sent`: what this rank adds into the
+    sums in place of a gradient (zeros for a gradient whole over sp, on all but one sp rank)."""
+    sent = sent or {}
     last = bucket.items[-1].grad
     averaged = {}
     if stage == 1:
-        grads = [it.grad for it in bucket.items]
+        grads = [sent.get(it.grad, it.grad) for it in bucket.items]
         for it, wait in zip(bucket.items, _summed(emit, bucket, grads, group if sp_group is None else mesh_group)):
             avg = emit(aten.div.Scalar, (wait, world), it.grad, param=(it.name,))
             averaged[it.grad] = (_local_rows(emit, it, avg, world, rank), avg)
         return averaged
-    pieces = [_rows_by_rank(emit, it, it.grad, world) for it in bucket.items]
+    pieces = [_rows_by_rank(emit, it, sent.get(it.grad, it.grad), world) for it in bucket.items]
     flat = emit(aten.reshape.default, (emit(aten.cat.default, (pieces, 1), last), [-1]), last)
     red = emit(c10d.reduce_scatter_tensor.default, (flat, "sum", world, group), last)
     mine = emit(c10d.wait_tensor.default, (red,), last)
@@ -743,26 +746,24 @@ def _note_params(graph: TrainGraph, gathers: GatherReport, local: int, total: in
                gathered_numel=gathered_numel, volume_vs_ddp=ratio)
 
 
-def _sequence_parallel_group(graph: TrainGraph, ctx: PassContext, items: list[_Item]) -> str | None:
+def _sequence_parallel_group(graph: TrainGraph, ctx: PassContext,
+                             items: list[_Item]) -> tuple[str | None, list[_Item]]:
     """With `sequence_parallel=`: the group over which `ring_attention` left the gradients the
     update reads as partial sums (its `deferred_gradients` note), which this pass reduces over
-    it besides the data-parallel group; None without sequence parallelism."""
+    it besides the data-parallel group (None without sequence parallelism), and the items whose
+    gradients it did not leave partial: whole already on every rank of the group (a parameter read
+    off the split sequence, e.g. by a penalty on the loss, alone or besides a read on it, whose
+    partial part ring attention summed where the two meet), so one rank of the group sends them."""
     if ctx.config.sequence_parallel is None:
-        return None
+        return None, []
     notes = graph.notes_of("ring_attention", "deferred_gradients")
     deferred = set(notes[0].fields["gradients"]) if notes else set()
-    for it in items:
-        if it.grad.name not in deferred:
-            raise UnsupportedError(
-                f"ZeRO data parallelism with sequence_parallel=: the gradient of {it.name} ({it.grad.name}, at "
-                f"{_line(it.grad)}) is not one ring attention left as a partial sum over the sequence-parallel "
-                "group (a parameter whose gradient does not come from the split sequence), which this "
-                "combination cannot reduce yet; drop data_parallel= or sequence_parallel=")
     if ctx.config.data_parallel.stage == 1 and ctx.mesh_group is None:
         raise UnsupportedError("ZeRO stage 1 with sequence_parallel= all-reduces the gradients over both dimensions' "
                                "ranks: the pass needs PassContext(mesh_group=...), the name of a group over them "
                                "(offload_compile makes one)")
-    return notes[0].fields["group"]
+    group = notes[0].fields["group"] if notes else ctx.config.sequence_parallel.group_name
+    return group, [it for it in items if it.grad.name not in deferred]
 
 
 def _refuse_kept_gradient(items: list[_Item], output: fx.Node) -> None:
@@ -801,7 +802,8 @@ def zero(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
     items, clip, checks, skip_norm = _items(kernels, output, dp.stage, skip_flag)
     if sums:
         _refuse_kept_gradient(items, output)
-    sp_group = _sequence_parallel_group(graph, ctx, items)
+    sp_group, whole_over_sp = _sequence_parallel_group(graph, ctx, items)
+    sent_by_one = {it.grad for it in whole_over_sp}   # (gradients whole over sp)
     position = {n: i for i, n in enumerate(g.nodes)}
     sharded = _stage_3_params(items, position, world, rank) if dp.stage == 3 else []
     buckets = _layout(items, position, dp.bucket_numel, world)
@@ -828,8 +830,12 @@ def zero(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
     for bucket in buckets:
         last = max((it.grad for it in bucket.items), key=position.__getitem__)
         with g.inserting_before(last.next):   # (inserting_after would put each new node first)
+            # a gradient whole over sp: sp rank 0 sends it, the others zeros, so the sum over sp is it
+            # (exactly, for any sp size)
+            sent = {it.grad: emit(aten.zeros_like.default, (it.grad,), it.grad, param=(it.name,))
+                    for it in bucket.items if it.grad in sent_by_one and ctx.config.sequence_parallel.rank != 0}
             averaged = _reduce_gradients(emit, bucket, 2 if sums else dp.stage, rank, world, group, sp_group,
-                                         ctx.mesh_group)
+                                         ctx.mesh_group, sent)
         for it in bucket.items if sums else ():
             local, _ = averaged[it.grad]
             _chunk_sum(emit, sums[it.name], it, world, rank)
@@ -878,8 +884,11 @@ def zero(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
                  "all-reduced over the sequence-parallel group (two collectives)")
         graph.note("zero", f"two dimensions: gradients are partial sums over the sequence-parallel group "
                    f"{sp_group!r} ({ctx.config.sequence_parallel.world_size} ranks) and per-micro-batch over the "
-                   f"data-parallel group ({world} ranks); per bucket {order}, then divided by {world}",
+                   f"data-parallel group ({world} ranks); per bucket {order}, then divided by {world}"
+                   + (f"; {len(whole_over_sp)} gradients whole over the sequence-parallel group (read off the split "
+                      "sequence), sent by its rank 0 alone" if whole_over_sp else ""),
                    "two_dimensions", sequence_parallel_group=sp_group, data_parallel_group=group,
+                   whole_over_sequence_parallel=tuple(it.name for it in whole_over_sp),
                    mesh_group=ctx.mesh_group, sequence_parallel_world=ctx.config.sequence_parallel.world_size,
                    data_parallel_world=world,
                    gradient_collectives=(("all_reduce_coalesced", "mesh"),)

@@ -82,6 +82,18 @@ class Executor:
         self.carries_host_writes = any(n.target is torch.ops.graphoffload.carry_host_write.default
                                        for n in graph.graph.nodes)
 
+    def place_host_state(self) -> None:
+        """Place the offloaded optimizer state and master weights in host memory now, as the
+        first run would (fp32 `Shard(0)` DTensors under ZeRO): a checkpoint loaded before that
+        run (DCP loads in place) then lands in the very tensors the step updates, in their dtype."""
+        if self.host_state is None:
+            return
+        specs = [s for s in self.graph.signature.inputs if s.host and s.kind != "grad_sum"]
+        self.host_state.reserve([(s, self.vals[s.name]) for s in specs])
+        in_flight = set(self.params_in_flight())
+        for spec in specs:
+            self.host_state.tensor(spec, self.vals[spec.name], in_flight)
+
     def inputs(self, args: tuple, kwargs: dict) -> list[Tensor]:
         b = self.capture.bindings
         leaves = pytree.tree_leaves((args, kwargs))

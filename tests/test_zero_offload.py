@@ -165,7 +165,7 @@ def _whole(p):
     return p.full_tensor() if isinstance(p, DTensor) else p
 
 
-def _world2(rank, world):
+def _world2(rank, world, path):
     results = [_trains_as_eager(rank, world, stage, Offload(device_updates="never")) for stage in (1, 2, 3)]
     for stage in (2, 3):
         budget = _mixed_budget(rank, world, stage)
@@ -185,6 +185,53 @@ def _world2(rank, world):
     results.append(_trains_as_eager(rank, world, 1, Offload(device_updates=2, calibration=FAST_DEVICE,
                                                             overlap_next_step=True)))
     print(f"rank {rank}: (state bytes, host bytes) / one process's, device buckets: {results}")
+    _bf16_dcp_resumes_bit_for_bit(rank, world, path)
+
+
+def _bf16_dcp_resumes_bit_for_bit(rank, world, path):
+    """The README's DCP recipe with bf16 parameters under ZeRO-Offload (stage 2): DCP saves each
+    rank's fp32 master weights and moments (`Shard(0)` DTensors of host tensors) beside the bf16
+    parameters; a fresh model (other values), optimizer and step, compiled first (which places its
+    fp32 host state), loads them in place, and `set_optimizer_state_dict` (which casts state to the
+    parameters' dtype) keeps them fp32: the next two steps are bit for bit those of the run that
+    went on, on every rank."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
+                                                         set_model_state_dict, set_optimizer_state_dict)
+
+    def fresh():
+        model = _gpt().to(torch.bfloat16)
+        return model, _optimizer("adamw", model), _step(2, Offload(device_updates="never"))
+
+    rows = _batches(world)[0]["input_ids"].shape[0] // world
+    batches = [{k: v[rank * rows:(rank + 1) * rows] for k, v in b.items()} for b in _batches(world) * 2]
+    model, opt, step = fresh()
+    for batch in batches[:2]:
+        step(model, opt, batch)
+    dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)},
+             checkpoint_id=f"{path}/bf16")
+    went_on = [step(model, opt, batch) for batch in batches[2:4]]
+
+    model2, opt2, step2 = fresh()
+    with torch.no_grad():
+        for p in model2.parameters():
+            p.add_(1.0)
+    step2.compile(model2, opt2, batches[2])
+    state = {"model": get_model_state_dict(model2), "optim": get_optimizer_state_dict(model2, opt2)}
+    assert all(t.dtype == torch.float32 for s in state["optim"]["state"].values() for t in s.values())
+    dcp.load(state, checkpoint_id=f"{path}/bf16")
+    set_model_state_dict(model2, state["model"])
+    set_optimizer_state_dict(model2, opt2, state["optim"])
+    resumed = [step2(model2, opt2, batch) for batch in batches[2:4]]
+    assert all(torch.equal(a, b) for a, b in zip(resumed, went_on)), (rank, resumed, went_on)
+    host = step2.last.executor.host_state
+    for (name, p), q in zip(model.named_parameters(), model2.parameters()):
+        assert q.dtype == torch.bfloat16 and torch.equal(p, q), (rank, name)
+        for key, t in opt.state[p].items():
+            u = opt2.state[q][key]
+            assert type(u) is type(t) and u.dtype == t.dtype, (rank, name, key)
+            assert torch.equal(*(x.to_local() if isinstance(x, DTensor) else x for x in (t, u))), (rank, name, key)
+            assert key == "step" or host.arena.holds(u.to_local()), (rank, name, key)   # loaded in place
 
 
 def _clip_step(model, optimizer, batch):
@@ -213,8 +260,9 @@ def _mixed_budget(rank, world, stage) -> int:
 
 
 @pytest.mark.slow   # several processes
-def test_zero_offload_stages_1_2_and_3_train_as_eager_world2():
-    run_ranks(_world2, 2, deadline_s=400)
+def test_zero_offload_stages_1_2_and_3_train_as_eager_world2(tmp_path):
+    """(The same ranks then resume a bf16 DCP checkpoint bit for bit.)"""
+    run_ranks(_world2, 2, str(tmp_path), deadline_s=400)
 
 
 # ---------------------------------------------------------------- single process: one rank's graph
@@ -457,17 +505,20 @@ def test_one_rank_with_bf16_parameters_offloads_as_plain_offload_bit_for_bit(sta
 
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("stage", [2, 3])
-def test_a_dcp_checkpoint_of_fp32_zero_offload_resumes_bit_for_bit(stage, one_process_group, tmp_path):
-    """The README's DCP recipe with offload=: fp32 parameters (their master weights equal them, so a
-    fresh step mirrors them at its first call), the moments loaded into the fresh step's DTensors
-    (stage 3: the parameters loaded into the DTensors the fresh step made of them)."""
+def test_a_dcp_checkpoint_of_zero_offload_resumes_bit_for_bit(stage, dtype, one_process_group, tmp_path):
+    """The README's DCP recipe with offload=: the fresh step, compiled first, places its fp32
+    master weights and moments as Shard(0) DTensors of host tensors, DCP loads the saved ones into
+    them in place, and `set_optimizer_state_dict` keeps them fp32 (bf16: it would cast them to the
+    parameters' dtype; fp32: the master weights equal the parameters) (stage 3: the parameters
+    loaded into the DTensors the fresh step made of them)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
                                                          set_model_state_dict, set_optimizer_state_dict)
 
     def fresh():
-        model = _gpt().float()
+        model = _gpt().to(dtype)
         opt = _optimizer("adamw", model)
         return model, opt, graphoffload.offload_compile(
             gpt_step, offload=Offload(device_updates="never"), config=graphoffload.CompileConfig(fuse_optimizer=FUSE),
@@ -492,7 +543,8 @@ def test_a_dcp_checkpoint_of_fp32_zero_offload_resumes_bit_for_bit(stage, one_pr
         assert isinstance(q, DTensor) == (stage == 3) and torch.equal(_whole(p), _whole(q))
         for key, t in opt.state[p].items():
             u = opt2.state[q][key]
-            assert type(u) is type(t) and torch.equal(*(x.to_local() if isinstance(x, DTensor) else x for x in (t, u)))
+            assert type(u) is type(t) and u.dtype == t.dtype
+            assert torch.equal(*(x.to_local() if isinstance(x, DTensor) else x for x in (t, u)))
 
 
 @pytest.mark.parametrize("stage", [2, 3])
@@ -512,15 +564,19 @@ def test_one_rank_clips_on_a_mix_of_paths_as_eager(stage, one_process_group):
     assert 0 < step.last.graph.notes_of("offload_optimizer", "plan")[0].fields["device_buckets"]
 
 
-@pytest.mark.parametrize("dtype, load", [(torch.float32, "optimizer"), (torch.float32, "step"), (torch.bfloat16, "step")],
-                         ids=["fp32-optimizer.load_state_dict", "fp32-step.load_state_dict", "bf16-step.load_state_dict"])
+@pytest.mark.parametrize("dtype, load", [(torch.float32, "optimizer"), (torch.float32, "step"), (torch.bfloat16, "step"),
+                                         (torch.bfloat16, "compiled")],
+                         ids=["fp32-optimizer.load_state_dict", "fp32-step.load_state_dict", "bf16-step.load_state_dict",
+                              "bf16-compiled-then-optimizer.load_state_dict"])
 def test_torch_save_of_zero_offload_state_resumes_bit_for_bit(dtype, load, one_process_group, tmp_path):
     """`torch.save` of `model.state_dict()`, `optimizer.state_dict()` and `step.state_dict()` under
     ZeRO-Offload stage 2 (the host DTensors' local tensors are views into the one host arena), and
     `copy.deepcopy` of them; loaded with `torch.load` into a fresh model, optimizer and step (before
     its first call), the next steps are bit-identical to the run that went on. bf16 parameters
     resume through `step.load_state_dict`, which keeps the fp32 master weights fp32 (the first call
-    finds the loaded parameters equal to them rounded, and keeps them)."""
+    finds the loaded parameters equal to them rounded, and keeps them), and so does
+    `optimizer.load_state_dict` once the fresh step has compiled (it hooks the load to keep the
+    state it offloads in its dtype)."""
     def fresh():
         model = _gpt().to(dtype)
         return model, _optimizer("adamw", model), _step(2, Offload(device_updates="never"))
@@ -543,7 +599,9 @@ def test_torch_save_of_zero_offload_state_resumes_bit_for_bit(dtype, load, one_p
         assert _state_equal(sd["optimizers"][0], saved["optim"])
     model2, opt2, step2 = fresh()
     model2.load_state_dict(saved["model"])
-    if load == "optimizer":
+    if load == "compiled":
+        step2.compile(model2, opt2, batches[2])
+    if load in ("optimizer", "compiled"):
         opt2.load_state_dict(saved["optim"])
     else:
         step2.load_state_dict(saved["step"], optimizers=[opt2])

@@ -8,7 +8,8 @@ micro-batch's and its parameters equal eager training of a tiny Llama on the two
 together (stage 1 with clip_grad_norm_); the gradient collectives per bucket are counted by
 group; a DCP checkpoint of the stage 2 run loads back on the same mesh. A GradScaler whose overflow
 comes from one sp rank's part of a gradient row another dp rank holds, and skip_nonfinite=True
-with one dp rank's loss inf, skip the step on all four ranks as eager does. Groups that are not the two
+with one dp rank's loss inf, skip the step on all four ranks as eager does (stages 1, 2 and 3;
+with accumulation_steps and with offload=). Groups that are not the two
 dimensions of one mesh are refused before anything is traced (on 4 ranks, and as a pure check
 without processes), and so is a first call that one rank never makes (`RankTimeoutError`)."""
 
@@ -67,6 +68,20 @@ def _clipped_hf_step(model, optimizer, batch):   # the tiny Llama's gradient nor
     return loss
 
 
+def _penalty(model):
+    return 1e-3 * (model.lm_head.weight ** 2).sum()
+
+
+def _penalized_hf_step(model, optimizer, batch):
+    """lm_head's weight read twice: on the split sequence (the logits) and off it (a penalty on the
+    loss), so its gradient is whole over sp, not a partial sum ring attention leaves to zero."""
+    loss = model(input_ids=batch["input_ids"], labels=batch["labels"]).loss + _penalty(model)
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss
+
+
 def _fp32_close(model, opt, eager, opt_e, ref, opt_ref):
     """fp32: each parameter and optimizer state tensor within FP32_FACTOR times eager fp32's own
     distance from eager fp64 (the ring attention tests' bound: AdamW's first steps turn fp32
@@ -100,7 +115,7 @@ def _train_and_compare(rank, mesh, stage, batch_mode, dtype=torch.float64, step_
         rows = batch["input_ids"].shape[0] // dp_world
         mine = {k: v[dp_rank * rows:(dp_rank + 1) * rows] for k, v in batch.items()}
         with torch.no_grad():   # this dp rank's micro-batch's loss, from the parameters every rank holds
-            own = eager(**mine).loss
+            own = eager(**mine).loss + (_penalty(eager) if step_fn is _penalized_hf_step else 0)
         step_fn(eager, opt_e, batch)   # the dp micro-batches together, full sequences
         if not exact:
             step_fn(ref, opt_ref, batch)
@@ -129,7 +144,9 @@ def _train_and_compare(rank, mesh, stage, batch_mode, dtype=torch.float64, step_
     (two,) = final.notes_of("zero", "two_dimensions")
     (deferred,) = final.notes_of("ring_attention", "deferred_gradients")
     buckets = shards.fields["buckets"]
-    assert buckets > 1 and len(deferred.fields["gradients"]) == shards.fields["params"]
+    # every gradient a partial sum ring attention left, or whole over sp (read off the split sequence)
+    assert buckets > 1 and len(deferred.fields["gradients"]) + len(two.fields["whole_over_sequence_parallel"]) \
+        == shards.fields["params"]
     sp_group = two.fields["sequence_parallel_group"]
     assert sp_group == deferred.fields["group"]   # the group ring attention left the sums over
     groups = {two.fields["data_parallel_group"]: "dp", sp_group: "sp", two.fields["mesh_group"]: "mesh"}
@@ -153,6 +170,9 @@ def _train_and_compare(rank, mesh, stage, batch_mode, dtype=torch.float64, step_
     else:
         want.update({(c10d.reduce_scatter_tensor.default, "dp"): buckets,
                      (c10d.all_reduce.default, "sp"): buckets + 1})
+    if step_fn is _penalized_hf_step:   # lm_head's sequence part summed over sp where the penalty's gradient meets it
+        want[(c10d.all_reduce.default, "sp")] = want.get((c10d.all_reduce.default, "sp"), 0) + 1
+        assert two.fields["whole_over_sequence_parallel"] == ("lm_head.weight",), two.fields
     assert by_group == want, (stage, by_group, want)
     return model, opt
 
@@ -272,31 +292,55 @@ def plain_step(model, optimizer, batch):
     return loss
 
 
-def _poisoned_batches(key: str, value: float) -> list[dict]:
-    """STEPS + 1 whole batches of 2 dp micro-batches; at step POISONED, dp rank 0's first row gets
-    `value` in `key`: "poison" at sequence position 0 (sp rank 0's part; its token set to TOKEN),
-    "offset" for the row (the loss of dp rank 0's micro-batch, on both its sp ranks)."""
+def _poisoned_batches(key: str, value: float, k: int = 1) -> list[dict]:
+    """(STEPS + 1) windows of k whole batches of 2 dp micro-batches; in window POISONED, dp rank 0's
+    first row gets `value` in `key`: "poison" at sequence position 0 (sp rank 0's part; its token set
+    to TOKEN) in the window's first call (its accumulated gradient carries the overflow to the
+    update), "offset" for the row (the loss of dp rank 0's micro-batch, on both its sp ranks) in the
+    window's last call, the one that updates."""
     g = torch.Generator().manual_seed(1)
     out = []
-    for i in range(STEPS + 1):
+    for i in range((STEPS + 1) * k):
         x = torch.randint(0, TOKEN, (4, 16), generator=g)   # TOKEN only where poisoned
         batch = {"input_ids": x, "labels": x, "offset": torch.zeros(4, dtype=torch.float64),
                  "poison": torch.zeros(4, 16, dtype=torch.float64)}
-        if i == POISONED:
-            if key == "poison":
-                x[0, 0] = TOKEN
-                batch["poison"][0, 0] = value
-            else:
-                batch["offset"][0] = value
+        if key == "poison" and i == POISONED * k:
+            x[0, 0] = TOKEN
+            batch["poison"][0, 0] = value
+        if key == "offset" and i == POISONED * k + k - 1:
+            batch["offset"][0] = value
         out.append(batch)
     return out
 
 
-def _skips_as_eager(rank, mesh, stage, scaler: bool):
+def _eager_window(model, optimizer, scaler, window: list[dict]) -> bool:
+    """Single-process eager on the whole batches of one window of accumulation: each call's loss
+    divided by its length; a GradScaler steps once on the sums, skip_nonfinite (no scaler) skips
+    the update when the last call's loss or the accumulated gradients' global norm is not finite."""
+    k = len(window)
+    for batch in window:
+        loss = _poisoned_step(model, batch)
+        (scaler.scale(loss / k) if scaler is not None else loss / k).backward()
+    if scaler is not None:
+        scaler.step(optimizer)
+        scaler.update()
+        skipped = False
+    else:
+        skipped = nonfinite_eagerly(loss, model)
+        if not skipped:
+            optimizer.step()
+    optimizer.zero_grad()
+    return skipped
+
+
+def _skips_as_eager(rank, mesh, stage, scaler: bool, k: int = 1, offload=None):
     """A GradScaler (an overflow in dp rank 0's, sp rank 0's part of the gradient of a row dp rank 1
     holds) or skip_nonfinite=True (dp rank 0's loss inf): every rank skips the poisoned step as
     single-process eager on the whole batch does, fp64, with the same scale; the flags are
-    combined over dp alone (one scalar all-reduce each), the sp ranks agreeing already."""
+    combined over dp alone (one scalar all-reduce each), the sp ranks agreeing already. With
+    `accumulation_steps=k` each step is a window of k calls (eager: accumulation over the window's
+    whole batches), and with `offload=` the rank's chunks update on the host from the combined flag
+    (fp32 master weights of the fp64 model: within RTOL)."""
     dp_rank = mesh["dp"].get_local_rank()
     eager = _llama().double()
     model = copy.deepcopy(eager)
@@ -305,34 +349,39 @@ def _skips_as_eager(rank, mesh, stage, scaler: bool):
     zero = graphoffload.ZeRO(stage=stage, group=mesh["dp"], bucket_numel=8192, timeout_s=60)
     if scaler:
         scalers = [torch.amp.GradScaler("cpu", init_scale=2.0**16, growth_interval=1) for _ in range(2)]
-        step = graphoffload.offload_compile(scaled_step, sequence_parallel=sp, data_parallel=zero)
-        batches = _poisoned_batches("poison", 1e308)   # * 2**16 overflows fp64
+        step = graphoffload.offload_compile(scaled_step, sequence_parallel=sp, data_parallel=zero,
+                                            accumulation_steps=k, offload=offload)
+        batches = _poisoned_batches("poison", 1e308, k)   # * 2**16 overflows fp64
     else:
+        scalers = [None, None]
         step = graphoffload.offload_compile(plain_step, sequence_parallel=sp, data_parallel=zero,
+                                            accumulation_steps=k, offload=offload,
                                             config=graphoffload.CompileConfig(skip_nonfinite=True))
-        batches = _poisoned_batches("offset", float("inf"))
+        batches = _poisoned_batches("offset", float("inf"), k)
     scales = []
-    for i, batch in enumerate(batches):
+    for i in range(STEPS + 1):
+        window = batches[i * k:(i + 1) * k]
         before = _full(model.model.embed_tokens.weight).clone()
-        mine = {k: v[2 * dp_rank:2 * dp_rank + 2] for k, v in batch.items()}
+        skipped = _eager_window(eager, opt_e, scalers[0], window)
+        for batch in window:
+            mine = {key: v[2 * dp_rank:2 * dp_rank + 2] for key, v in batch.items()}
+            step(model, opt, *scalers[1:] if scaler else (), mine)
         if scaler:
-            scaled_step(eager, opt_e, scalers[0], batch)
-            step(model, opt, scalers[1], mine)
             assert scalers[1].get_scale() == scalers[0].get_scale(), (rank, i, scalers[1].get_scale())
             scales.append(scalers[1].get_scale())
         else:
-            skipped = eager_skipping_step(eager, opt_e, batch)
-            step(model, opt, mine)
             assert skipped == (i == POISONED) and step.skipped_steps == int(i >= POISONED), (rank, i)
         if i == POISONED:
             assert torch.equal(_full(model.model.embed_tokens.weight), before), rank   # skipped everywhere
         for (name, p), q in zip(model.named_parameters(), eager.parameters()):
             err = ((_full(p) - q).abs().max() / q.abs().max()).item()
-            assert err <= FP64_RTOL, f"rank {rank} stage {stage} scaler={scaler} step {i}: {name} is {err:.3g}"
+            assert err <= (FP64_RTOL if offload is None else RTOL), \
+                f"rank {rank} stage {stage} scaler={scaler} k={k} {offload} step {i}: {name} is {err:.3g}"
     if scaler:   # grown on each clean step (growth_interval=1), backed off on the poisoned one
         assert scales == [2.0**17, 2.0**16, 2.0**17], scales
-    assert all(s["step"].item() == STEPS for s in opt.state.values())   # STEPS + 1 calls, one skipped
+    assert all(s["step"].item() == STEPS for s in opt.state.values())   # STEPS + 1 windows, one skipped
     final = step.last.stages["final"]
+    assert (offload is not None) == any(s.host for s in final.signature.inputs)   # state in host memory
     (nonfinite,) = final.notes_of("zero", "nonfinite")
     assert (nonfinite.fields["checks"] >= 1) == scaler and nonfinite.fields["skip_nonfinite"] == (not scaler)
 
@@ -363,10 +412,15 @@ def _mesh_2x2(rank, world, path):
     _dcp_round_trip(rank, mesh, model, opt, path)
     _train_and_compare(rank, mesh, 3, "full", torch.float32)
     _accumulates_as_eager(rank, mesh, 2)
-    _train_and_compare(rank, mesh, 2, "full", torch.float64, offload=graphoffload.Offload())   # ZeRO-Offload
+    # ZeRO-Offload, with a parameter read off the split sequence too (its gradient whole over sp)
+    _train_and_compare(rank, mesh, 2, "full", torch.float64, _penalized_hf_step, offload=graphoffload.Offload())
     _accumulates_as_eager(rank, mesh, 2, offload=graphoffload.Offload())   # ... accumulating
     _skips_as_eager(rank, mesh, 2, scaler=True)    # a GradScaler
     _skips_as_eager(rank, mesh, 2, scaler=False)   # skip_nonfinite=True
+    _skips_as_eager(rank, mesh, 1, scaler=True)    # stage 1 with a GradScaler
+    _skips_as_eager(rank, mesh, 3, scaler=True, offload=graphoffload.Offload())   # stage 3, GradScaler, offload=
+    _skips_as_eager(rank, mesh, 2, scaler=True, k=K)   # a GradScaler with accumulation_steps
+    _skips_as_eager(rank, mesh, 2, scaler=False, k=K, offload=graphoffload.Offload())   # skip_nonfinite, both
 
 
 @pytest.mark.slow   # four processes

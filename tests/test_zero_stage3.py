@@ -173,6 +173,7 @@ def _world2(rank, world, path):
 
 @pytest.mark.slow   # several processes; one spawn per world size (starting ranks costs more than a run)
 def test_zero_stage_3_trains_as_eager_and_its_dcp_checkpoint_resumes_on_2_and_4_ranks(tmp_path):
+    """(The 4-rank spawn also trains stage 3 with offload=: no process start-up of its own.)"""
     run_ranks(_world2, 2, str(tmp_path), deadline_s=300)
     run_ranks(_world4, 4, str(tmp_path), deadline_s=300)
 
@@ -382,7 +383,14 @@ def test_parameters_swapped_after_stage_3_sharded_them_are_refused(one_process_g
 def _world4(rank, world, path):
     fraction = _trains_as_eager(rank, world, "adamw")
     _dcp_world4(rank, world, path)
-    print(f"rank {rank}: local parameter fraction {fraction:.4f}")
+    # ZeRO-Offload of stage 3 on 4 ranks (the 2-rank runs: tests/test_zero_offload.py): the tiny
+    # GPT in fp64 with fp32 master weights, every update on the host, each rank's parameters as
+    # eager's on the whole batch and its host state about 1/4 of one process offloading the model
+    import test_zero_offload
+
+    share, _ = test_zero_offload._trains_as_eager(rank, world, 3, graphoffload.Offload(device_updates="never"))
+    print(f"rank {rank}: local parameter fraction {fraction:.4f}; offloaded (state bytes, host bytes) / "
+          f"one process's {share}")
 
 
 def _full_state(model, opt) -> dict:
