@@ -134,7 +134,10 @@ class Offload:
             (`data_parallel=`) "device" sums are each rank's whole partial sums, reduced over the
             group once per update; "host" sums are this rank's chunks: every call reduce-scatters
             its gradients and adds this rank's chunk into the host sum (no sums on the device, a
-            collective per micro-batch); "auto" is refused when the step is made.
+            collective per micro-batch); "auto" is one choice for the whole step: device sums when the
+            accumulating call's predicted peak with them (a trial compile) fits `gpu_memory_budget`
+            (or there is no budget), else host sums (zero note `sum_choice`). With
+            `sequence_parallel=` too, "host" and "auto" are refused when the step is made.
     """
 
     gpu_memory_budget: int | str | None = None
