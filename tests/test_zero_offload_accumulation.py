@@ -18,8 +18,9 @@ or updating, reduce-scatters each bucket once (counted: one `reduce_scatter_tens
 call) and only this rank's chunk reaches its running sum, an fp32 host input of the chunk's shape
 (no running sum on the device: read from every call's graph); stages 1 and 3 plain, stage 2
 clipped (the norms taken on the host, `host_grad_norm_`) and resumed mid-window from chunk sums,
-all as eager. `accumulate_on="auto"`, and host sums with `sequence_parallel=`, are refused under
-ZeRO before anything is traced."""
+all as eager. `accumulate_on="auto"` is one whole-step choice from trial peaks (single process: a
+budget between the peaks picks host sums, one above both device sums, each bit for bit as the
+explicit option); host sums and "auto" with `sequence_parallel=` are refused before anything is traced."""
 
 from __future__ import annotations
 
