@@ -75,6 +75,11 @@ def main() -> None:
                     help="sequence-parallel ranks per micro-batch: a (world/sp, sp) mesh, ZeRO over its dp dimension")
     ap.add_argument("--accumulation-steps", type=int, default=1,
                     help="micro-batches per update (gradients reduced once per update)")
+    ap.add_argument("--accumulate-on", default="device", choices=["device", "host", "auto"],
+                    help="with --offload and --accumulation-steps: running sums on the device, as this rank's "
+                         "chunks on the host (a reduce-scatter per call), or 'auto' (host when device sums' "
+                         "predicted peak exceeds --gpu-memory-budget)")
+    ap.add_argument("--gpu-memory-budget", default=None, help="with --offload: Offload(gpu_memory_budget=...)")
     args = ap.parse_args()
 
     rank, world, device = join_job(args.device)
@@ -97,7 +102,9 @@ def main() -> None:
     zero = graphoffload.ZeRO(stage=args.stage, group=group) if args.bucket_numel is None else \
         graphoffload.ZeRO(stage=args.stage, group=group, bucket_numel=args.bucket_numel)
     step = graphoffload.offload_compile(train_step, data_parallel=zero, accumulation_steps=args.accumulation_steps,
-                                        offload=graphoffload.Offload() if args.offload else None,
+                                        offload=graphoffload.Offload(accumulate_on=args.accumulate_on,
+                                                                     gpu_memory_budget=args.gpu_memory_budget)
+                                        if args.offload else None,
                                         sequence_parallel=sp)
     whole_params = sum(p.numel() * p.element_size() for p in model.parameters())
 

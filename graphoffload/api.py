@@ -29,8 +29,9 @@ from graphoffload.groups import MeshRankFailed, check_mesh, mesh_step_group
 from graphoffload.interruption import InterruptionGuard, Snapshot
 from graphoffload.optimizer_lowering import first_step_params
 from graphoffload.memory import MemoryProfile, analyze_memory
-from graphoffload.passes.host_accumulation import SumPlacement
+from graphoffload.passes.host_accumulation import StepSums, SumPlacement, choose_step_sums
 from graphoffload.passes.manager import Pass, PassContext, PassFn, PassManager
+from graphoffload.passes.offload_optimizer import unseen_device_bytes
 from graphoffload.passes.registry import builtin_schedule
 from graphoffload.runtime.accumulation import GradSums
 from graphoffload.runtime.executor import Executor
@@ -93,6 +94,15 @@ def _cycle_collection_paused() -> Iterator[None]:
             gc.enable()
 
 
+def _sums_at(offload: Offload, where: str) -> Offload:
+    """`offload` with the running sums placed `where` ("device" or "host"), as `accumulate_on="auto"`
+    under ZeRO chose for the whole step; host sums run every update on the CPU, so a stride of
+    device updates (`device_updates=k`) gives way to "never" there, as it does for the buckets
+    whose sums "auto" moves to the host without ZeRO."""
+    strided = where == "host" and offload.device_updates not in ("auto", "never")
+    return dataclasses.replace(offload, accumulate_on=where, device_updates="never" if strided else offload.device_updates)
+
+
 def _remove_hooks(handles: list[Any]) -> None:
     for handle in handles:
         handle.remove()
@@ -126,6 +136,8 @@ class CompiledStep:
         # Offload(accumulate_on="auto"): where each running sum lives, one decision per input
         # signature that both variants read (passes/host_accumulation.py)
         self._sum_placements: dict[Any, SumPlacement] = {}
+        # the same under ZeRO (data_parallel=): one choice for all sums, per input signature (`_step_sums_for`)
+        self._step_sums: dict[Any, StepSums] = {}
         self.pass_manager = PassManager(passes, disable=self.config.disable_passes,
                                         builtin=builtin_schedule(self.config))
         self._variants: dict[Any, CompiledVariant] = {}
@@ -197,35 +209,87 @@ class CompiledStep:
 
     def _sum_placement(self, key: Any) -> SumPlacement | None:
         offload = self.config.offload
-        if self._accumulation is None or offload is None or offload.accumulate_on != "auto":
+        if self._accumulation is None or offload is None or offload.accumulate_on != "auto" \
+                or self.config.data_parallel is not None:   # (under ZeRO: `_step_sums_for`)
             return None
         return self._sum_placements.setdefault((key[1], key[2]), SumPlacement(offload.budget_bytes()))
 
-    def _probe(self, args: tuple, kwargs: dict, update: bool, placement: SumPlacement) -> None:
+    def _step_sums_for(self, key: Any, args: tuple, kwargs: dict) -> StepSums | None:
+        """Under ZeRO with `accumulation_steps` and `Offload(accumulate_on="auto")`: where every
+        running sum of the step lives, chosen once per input signature, before its first compile
+        (on every rank at the same call, as compiles are). With a budget this compiles the
+        accumulating variant twice as trials (`_trial_peaks`)."""
+        offload = self.config.offload
+        if self._accumulation is None or offload is None or offload.accumulate_on != "auto" \
+                or self.config.data_parallel is None:
+            return None
+        inputs = (key[1], key[2])
+        if inputs not in self._step_sums:
+            budget = offload.budget_bytes()
+            peaks = (None, None) if budget is None else self._trial_peaks(args, kwargs)
+            choice = self._step_sums[inputs] = choose_step_sums(budget, *peaks)
+            log.info("%s: %s", self._name, choice.describe())
+        return self._step_sums[inputs]
+
+    def _trial_peaks(self, args: tuple, kwargs: dict) -> tuple[int, int]:
+        """The accumulating variant's predicted device peak (graph liveness plus what the CUDA
+        allocator holds beside it) with every running sum on the device and with every sum on the
+        host: one capture, the passes run on two copies of it under trial options (no budget to
+        fail on, activations kept, nothing cached), then dropped with the state the capture made.
+        Each is the max over the ranks (and both mesh dimensions), so every rank chooses alike."""
+        capture = capture_step(self.fn, args, kwargs, self.config, self._accumulation[False])
+        device = capture.bindings.device
+        try:
+            peaks = []
+            for where in ("device", "host"):
+                trial = dataclasses.replace(_sums_at(self.config.offload, where), gpu_memory_budget=None,
+                                            activations="keep", plan_cache=False, replan_after=0)
+                graph, _ = self.pass_manager.run(capture.graph.copy(), self._pass_context(device, offload=trial))
+                peaks.append(analyze_memory(graph).peak + sum(unseen_device_bytes(graph.graph, device).values()))
+        finally:
+            capture.discard_created_state()
+        groups = [ref() for ref in self._step_groups]
+        group = groups[-1] if groups else None   # the data-parallel group, or the mesh's over both dimensions
+        if group is not None and dist.get_world_size(group) > 1:
+            on = device if dist.get_backend(group) == "nccl" else torch.device("cpu")
+            both = torch.tensor(peaks, dtype=torch.int64, device=on)
+            dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+            peaks = [int(p) for p in both.tolist()]
+        return peaks[0], peaks[1]
+
+    def _with_sums(self, sums: StepSums | None) -> CompileConfig:
+        """The config with `accumulate_on="auto"` resolved to the step's choice under ZeRO."""
+        if sums is None:
+            return self.config
+        return dataclasses.replace(self.config, offload=_sums_at(self.config.offload, sums.where))
+
+    def _probe(self, args: tuple, kwargs: dict, update: bool, placement: SumPlacement | None,
+               sums: StepSums | None = None) -> None:
         """Compile the other variant of an accumulating step only for its predicted peaks under
         each candidate placement of the running sums (recorded in `placement`); its graph is
         dropped, and the optimizer state its capture created with it, so nothing changes."""
-        capture = capture_step(self.fn, args, kwargs, self.config, self._accumulation[update])
+        capture = capture_step(self.fn, args, kwargs, self._with_sums(sums), self._accumulation[update])
         try:
-            self.pass_manager.run(capture.graph, self._pass_context(capture.bindings.device,
+            self.pass_manager.run(capture.graph, self._pass_context(capture.bindings.device, sums=sums,
                                                                     grad_sum_placement=placement))
         finally:
             capture.discard_created_state()
 
-    def _host_sums_read(self, accumulation: Accumulation | None, graph: TrainGraph) -> bool:
+    def _host_sums_read(self, accumulation: Accumulation | None, graph: TrainGraph, offload: Offload | None) -> bool:
         """Whether an accumulating variant with running sums on the host (`accumulate_on="host"`)
         belongs to a step whose own code reads the gradients after backward (capture's
         `grad_reads` note), so its updating variant must be checked before the first call runs."""
-        offload = self.config.offload
         return offload is not None and offload.accumulate_on == "host" and accumulation is not None \
             and not accumulation.update \
             and bool(graph.notes_of("capture", "grad_reads"))
 
-    def _compile(self, args: tuple, kwargs: dict, placement: SumPlacement | None = None) -> CompiledVariant:
+    def _compile(self, args: tuple, kwargs: dict, placement: SumPlacement | None = None,
+                 sums: StepSums | None = None) -> CompiledVariant:
         with _cycle_collection_paused():
-            return self._trace_and_transform(args, kwargs, placement)
+            return self._trace_and_transform(args, kwargs, placement, sums)
 
-    def _trace_and_transform(self, args: tuple, kwargs: dict, placement: SumPlacement | None) -> CompiledVariant:
+    def _trace_and_transform(self, args: tuple, kwargs: dict, placement: SumPlacement | None,
+                             sums: StepSums | None = None) -> CompiledVariant:
         start = time.perf_counter()
         accumulation = self._next_accumulation()
         if placement is not None and placement.host is None and placement.budget is not None:
@@ -234,7 +298,8 @@ class CompiledStep:
             self._probe(args, kwargs, True, placement)
             if accumulation.update:
                 self._probe(args, kwargs, False, placement)
-        capture = capture_step(self.fn, args, kwargs, self.config, accumulation)
+        config = self._with_sums(sums)
+        capture = capture_step(self.fn, args, kwargs, config, accumulation)
         log.info("captured %s: %.2f s, %d nodes", self._name, time.perf_counter() - start,
                  len(capture.graph.graph.nodes))
         self.trace_count += 1
@@ -243,14 +308,14 @@ class CompiledStep:
                 f"graphoffload traced {self._name} {self.trace_count} times: each new input shape, "
                 "dtype, train/eval mode or optimizer setting re-traces the step. Pad inputs to fixed "
                 "shapes to avoid it.", stacklevel=3)
-        ctx = self._pass_context(capture.bindings.device, grad_sum_placement=placement)
+        ctx = self._pass_context(capture.bindings.device, sums=sums, grad_sum_placement=placement)
         try:
             graph, stages = self.pass_manager.run(capture.graph, ctx)
-            if self._host_sums_read(accumulation, graph):
+            if self._host_sums_read(accumulation, graph, config.offload):
                 # the step reads gradients after backward (seen as None here): host sums serve
                 # clip_grad_norm_ only, which the updating variant's graph shows, so compile that
                 # now as a probe, and refuse any other read on this first call, before anything runs
-                self._probe(args, kwargs, True, None)
+                self._probe(args, kwargs, True, None, sums)
             if self.config.data_parallel is not None:   # state for this rank's chunks only
                 capture.create_deferred_state(graph, self.config.data_parallel, self.config.offload is not None)
                 # stage 3: the parameters too (DTensors of this rank's rows, as FSDP2 keeps them)
@@ -289,12 +354,20 @@ class CompiledStep:
                     "variant of the step compiled earlier holds them whole and would keep reading the replaced "
                     "tensors; please report it with the step's code. Until then use ZeRO(stage=2) for this step")
 
-    def _pass_context(self, device: torch.device, **kwargs: Any) -> PassContext:
-        """What the passes read: `_pass_config`'s config and, with both `data_parallel=` and
-        `sequence_parallel=`, the name of the step's group over both dimensions' ranks."""
+    def _pass_context(self, device: torch.device, sums: StepSums | None = None, offload: Offload | None = None,
+                      **kwargs: Any) -> PassContext:
+        """What the passes read: `_pass_config`'s config (with `sums`, the step's choice of where the
+        running sums live under ZeRO, resolved into it; `offload`: these options instead) and, with
+        both `data_parallel=` and `sequence_parallel=`, the name of the step's group over both
+        dimensions' ranks."""
         config = self._pass_config()
+        if sums is not None:
+            offload = _sums_at(config.offload, sums.where)
+        if offload is not None:
+            config = dataclasses.replace(config, offload=offload)
         mesh = self._step_groups[2]() if len(self._step_groups) == 3 else None
-        return PassContext(config, device, mesh_group=None if mesh is None else mesh.group_name, **kwargs)
+        return PassContext(config, device, mesh_group=None if mesh is None else mesh.group_name, step_sums=sums,
+                           **kwargs)
 
     def _pass_config(self) -> CompileConfig:
         """The config the passes see. A parallel step's collectives run over a group of its own
@@ -357,7 +430,8 @@ class CompiledStep:
         variant = self._variants.get(key)
         if variant is None:
             self.synchronize()   # tracing reads the parameters
-            variant = self._variants[key] = self._compile(args, kwargs, self._sum_placement(key))
+            variant = self._variants[key] = self._compile(args, kwargs, self._sum_placement(key),
+                                                          self._step_sums_for(key, args, kwargs))
             executor = variant.executor
             if executor.handed_over or executor.carries_host_writes or executor.hands_over_sums:
                 self._synchronize_before_outside_access(variant.capture.bindings)
@@ -529,8 +603,8 @@ class CompiledStep:
 
     def _replan(self, key: Any, old: CompiledVariant, node_seconds: dict[str, float], measured: float) -> None:
         """Run the passes again on the captured graph with measured node times."""
-        ctx = self._pass_context(old.executor.device, measured_node_seconds=node_seconds,
-                          grad_sum_placement=self._sum_placement(key))
+        ctx = self._pass_context(old.executor.device, sums=self._step_sums.get((key[1], key[2])),
+                                 measured_node_seconds=node_seconds, grad_sum_placement=self._sum_placement(key))
         graph, stages = self.pass_manager.run(old.stages["captured"].copy(), ctx)
         for g in {id(graph): graph, id(stages["final"]): stages["final"]}.values():
             g.note("offload_optimizer", f"re-planned from measured node times: the last plan predicted "

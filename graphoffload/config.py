@@ -134,7 +134,10 @@ class Offload:
             (`data_parallel=`) "device" sums are each rank's whole partial sums, reduced over the
             group once per update; "host" sums are this rank's chunks: every call reduce-scatters
             its gradients and adds this rank's chunk into the host sum (no sums on the device, a
-            collective per micro-batch); "auto" is refused when the step is made.
+            collective per micro-batch); "auto" is one choice for the whole step: device sums when the
+            accumulating call's predicted peak with them (a trial compile) fits `gpu_memory_budget`
+            (or there is no budget), else host sums (zero note `sum_choice`). With
+            `sequence_parallel=` too, "host" and "auto" are refused when the step is made.
     """
 
     gpu_memory_budget: int | str | None = None
@@ -248,19 +251,18 @@ class CompileConfig:
 
         Running sums on the host (`accumulate_on="host"`) are this rank's chunks: every call
         reduce-scatters its gradients and adds this rank's chunk into a host sum (passes/zero.py).
-        `"auto"` is refused: it places sums per bucket, but under ZeRO a device sum is the rank's
-        whole partial sum reduced once per update and a host sum a reduced chunk reduced every call,
-        so each bucket's placement would change both variants' collectives, which the placement's
-        trial compiles (passes/host_accumulation.py) do not model. Host sums with `sequence_parallel=`
-        are refused too (their gradients would have to be reduced over both groups every call)."""
-        if self.accumulation_steps > 1 and self.offload.accumulate_on == "auto":
+        `"auto"` is one choice for the whole step (all sums on the device, or all on the host), made by
+        the step from trial compiles of its accumulating variant (api.py, passes/host_accumulation.py
+        `StepSums`): a per-bucket placement would change each bucket's collectives, which the
+        per-bucket model does not cover. Host sums with `sequence_parallel=` are refused (their
+        gradients would have to be reduced over both groups every call, and the accumulating call does
+        not yet know which gradients ring attention left partial over sp), so "auto" is too there."""
+        if self.accumulation_steps > 1 and self.offload.accumulate_on == "auto" and self.sequence_parallel is not None:
             raise UnsupportedError(
-                f"ZeRO data parallelism with offload=, accumulation_steps={self.accumulation_steps} and "
-                "Offload(accumulate_on='auto') is not supported yet: 'auto' places the running sums per bucket from "
-                "predicted peaks, but under ZeRO a bucket's placement also changes its collectives (device sums are "
-                "reduced once per update, host sums reduce-scattered every micro-batch), which that model does not "
-                "cover; use Offload(accumulate_on='host') (no sums on the device, a reduce-scatter per micro-batch) "
-                "or 'device' (the default: one reduction per update)")
+                "ZeRO data parallelism with sequence_parallel=, offload=, "
+                f"accumulation_steps={self.accumulation_steps} and Offload(accumulate_on='auto') is not supported yet: "
+                "'auto' chooses between running sums on the device and on the host, and host sums are not supported "
+                "with sequence_parallel= yet; use Offload(accumulate_on='device'), or drop sequence_parallel=")
         if self.accumulation_steps > 1 and self.offload.accumulate_on == "host" and self.sequence_parallel is not None:
             raise UnsupportedError(
                 "ZeRO data parallelism with sequence_parallel=, offload=, "

@@ -58,10 +58,13 @@ with it too, as without `sequence_parallel=`, and so do a GradScaler and skip_no
 flags, combined over the dp group alone, agree over sp too (the checks read chunks reduced over
 both groups; the loss is ring attention's mean over the sp group's tokens).
 
-Not yet: running sums placed per bucket under ZeRO (`Offload(accumulate_on="auto")` with
-accumulation_steps: a bucket's placement would change its collectives, device sums reduced once
-per update and host sums, this rank's chunks, every call), and host sums with
-sequence_parallel=. Each is refused with an `UnsupportedError` that says so.
+`Offload(accumulate_on="auto")` with accumulation_steps is one choice for the whole step, not per
+bucket (a bucket's placement would change its collectives: device sums reduced once per update,
+host sums, this rank's chunks, every call): device sums when the accumulating call's predicted peak
+with them fits the budget, else host sums (api.py, passes/host_accumulation.py `StepSums`).
+
+Not yet: host sums (so also "auto") with sequence_parallel=, refused with an `UnsupportedError`
+that says so.
 """
 
 from __future__ import annotations

@@ -41,9 +41,13 @@ call (which compiles the updating variant as a probe) refuses it, before anythin
 
 Under ZeRO the `zero` pass has already reduce-scattered every micro-batch's gradients, so the
 adds and drains here see this rank's chunks, and the sums are chunk-shaped (DeepSpeed
-ZeRO-Offload's form; passes/zero.py). `accumulate_on="auto"` is refused under ZeRO by
-`CompileConfig`: a bucket's placement there would change its collectives too, which the
-placement's model below does not cover.
+ZeRO-Offload's form; passes/zero.py). There `accumulate_on="auto"` does not place sums per bucket:
+a bucket's placement would change its collectives too (device sums are reduced once per update,
+host sums reduce-scattered every call), which the per-bucket model below does not cover. It is
+one choice for the whole step instead (`StepSums`, `choose_step_sums`): the step compiles its
+accumulating variant once with every sum on the device and once with every sum on the host
+(trials, before its real compile) and keeps the sums on the device when that variant's predicted
+peak fits the budget, else on the host; the passes then see the choice as "device" or "host".
 
 `Offload(accumulate_on="auto")` chooses per bucket (`SumPlacement`): sums stay on the device
 while the predicted peaks of both compiled variants fit `gpu_memory_budget`; otherwise buckets
@@ -70,7 +74,7 @@ import dataclasses
 import operator
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 import torch
 from torch import fx
@@ -484,6 +488,37 @@ class SumPlacement:
 
     def hosted(self, m: int) -> frozenset[str]:
         return frozenset(name for _, names in (self.groups or ())[:m] for name in names)
+
+
+@dataclass(frozen=True)
+class StepSums:
+    """`Offload(accumulate_on="auto")` under ZeRO: where ALL running sums of a step live, chosen
+    once from the accumulating variant's predicted device peak with every sum on the device
+    (`device_peak`) and with every sum on the host (`host_peak`), both from trial compiles and
+    taken as their max over the ranks, so every rank runs the same collectives. Without a budget
+    no trial runs and the peaks are None. The passes read `where` as the step's accumulate_on."""
+
+    where: Literal["device", "host"]
+    budget: int | None
+    device_peak: int | None = None
+    host_peak: int | None = None
+
+    def describe(self) -> str:
+        if self.budget is None:
+            return "accumulate_on='auto': every running sum on the device (no gpu_memory_budget)"
+        fits = "fits" if self.where == "device" else "does not fit"
+        return (f"accumulate_on='auto': every running sum on the {self.where}: the accumulating call's predicted "
+                f"peak with the sums on the device, {format_bytes(self.device_peak)}, {fits} gpu_memory_budget "
+                f"{format_bytes(self.budget)} (with them on the host: {format_bytes(self.host_peak)})")
+
+
+def choose_step_sums(budget: int | None, device_peak: int | None, host_peak: int | None) -> StepSums:
+    """Device sums (one reduction per update) when there is no budget or the accumulating call's
+    predicted peak with them fits it; else host sums (a reduce-scatter per call, no sums on the
+    device), whose own fit the real compile's planner checks against the budget as usual."""
+    if budget is None or device_peak is None or device_peak <= budget:
+        return StepSums("device", budget, device_peak, host_peak)
+    return StepSums("host", budget, device_peak, host_peak)
 
 
 def candidate_groups(kernels: list[UpdateKernel], names_of: list[list[str]], pinned: frozenset[str]

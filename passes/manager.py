@@ -33,7 +33,7 @@ from graphoffload.passes.verify import verify_train_graph
 from graphoffload.torch_private import recording_created_nodes
 
 if TYPE_CHECKING:
-    from graphoffload.passes.host_accumulation import SumPlacement
+    from graphoffload.passes.host_accumulation import StepSums, SumPlacement
 
 # one INFO line per pass with its time, so a long compile shows what it is doing
 log = logging.getLogger("graphoffload")
@@ -73,6 +73,10 @@ class PassContext:
     # with accumulation_steps and Offload(accumulate_on="auto"): the step's one decision of where
     # each running gradient sum lives, shared by both compiled variants (passes/host_accumulation.py)
     grad_sum_placement: SumPlacement | None = None
+    # with data_parallel=, accumulation_steps and Offload(accumulate_on="auto"): the step's one choice
+    # of where all running sums live, which `config` already carries as "device" or "host"; the
+    # zero pass notes it (passes/host_accumulation.py, StepSums)
+    step_sums: StepSums | None = None
     # with data_parallel= and sequence_parallel= (a 2-D mesh): the name of the step's group over
     # both dimensions' ranks, over which ZeRO stage 1 all-reduces the gradients in one collective
     mesh_group: str | None = None

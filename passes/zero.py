@@ -64,7 +64,9 @@ the last micro-batch's gradient alone (capture's device add `gradient + sum` dro
 of the chunk to the host and an add of the sum there, as for host sums without ZeRO
 (passes/host_accumulation.py): clipping's norms and a GradScaler's checks of the accumulated
 chunks move to the host with it. The cost is a reduce-scatter per micro-batch, k per window,
-where device sums reduce once per update.
+where device sums reduce once per update. `Offload(accumulate_on="auto")` picks one of the two for
+the whole step (the step's trial compiles, passes/host_accumulation.py `StepSums`): the config
+this pass sees says "device" or "host", and the choice is noted (`sum_choice`).
 
 **Clipping** (`clip_grad_norm_`, L2, in its per-tensor or foreach form): the step's norms of the
 gradients are pointed at this rank's chunks of the averages (on stage 1 too, which holds every
@@ -779,6 +781,15 @@ def _refuse_kept_gradient(items: list[_Item], output: fx.Node) -> None:
 
 
 def zero(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
+    graph = _zero(graph, ctx)
+    choice = ctx.step_sums
+    if ctx.config.data_parallel is not None and choice is not None:
+        graph.note("zero", choice.describe(), "sum_choice", where=choice.where, budget=choice.budget,
+                   device_peak=choice.device_peak, host_peak=choice.host_peak)
+    return graph
+
+
+def _zero(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
     dp = ctx.config.data_parallel
     if dp is None:
         return graph

@@ -18,8 +18,9 @@ or updating, reduce-scatters each bucket once (counted: one `reduce_scatter_tens
 call) and only this rank's chunk reaches its running sum, an fp32 host input of the chunk's shape
 (no running sum on the device: read from every call's graph); stages 1 and 3 plain, stage 2
 clipped (the norms taken on the host, `host_grad_norm_`) and resumed mid-window from chunk sums,
-all as eager. `accumulate_on="auto"`, and host sums with `sequence_parallel=`, are refused under
-ZeRO before anything is traced."""
+all as eager. `accumulate_on="auto"` is one whole-step choice from trial peaks (single process: a
+budget between the peaks picks host sums, one above both device sums, each bit for bit as the
+explicit option); host sums and "auto" with `sequence_parallel=` are refused before anything is traced."""
 
 from __future__ import annotations
 
@@ -239,18 +240,21 @@ def test_zero_offload_with_accumulation_steps_trains_as_eager_world2():
 
 
 @pytest.mark.parametrize("stage", [1, 3])
-def test_auto_sums_under_zero_are_refused_before_tracing(stage):
+def test_auto_sums_under_zero_with_sequence_parallel_are_refused_before_tracing(stage):
+    # "auto" may choose host sums, which sequence_parallel= does not support yet under ZeRO
     with pytest.raises(graphoffload.UnsupportedError,
-                       match=r"accumulation_steps=2 and Offload\(accumulate_on='auto'\) is not supported yet: .*"
-                             r"changes its collectives.*accumulate_on='host'.*'device'"):
+                       match=r"sequence_parallel=, offload=, accumulation_steps=2 and Offload\(accumulate_on='auto'\) "
+                             r"is not supported yet: .*host sums are not supported with sequence_parallel=.*"
+                             r"accumulate_on='device'"):
         graphoffload.offload_compile(train_step, accumulation_steps=2, offload=Offload(accumulate_on="auto"),
-                                     data_parallel=graphoffload.ZeRO(stage=stage))
-    # without accumulation accumulate_on is ignored, as without ZeRO; host sums are made
+                                     data_parallel=graphoffload.ZeRO(stage=stage),
+                                     sequence_parallel=graphoffload.SequenceParallel())
+    # without sequence_parallel= (or without accumulation, where accumulate_on is ignored) both are made
     for where in ("auto", "host"):
         graphoffload.offload_compile(train_step, offload=Offload(accumulate_on=where),
                                      data_parallel=graphoffload.ZeRO(stage=stage))
-    graphoffload.offload_compile(train_step, accumulation_steps=2, offload=Offload(accumulate_on="host"),
-                                 data_parallel=graphoffload.ZeRO(stage=stage))
+        graphoffload.offload_compile(train_step, accumulation_steps=2, offload=Offload(accumulate_on=where),
+                                     data_parallel=graphoffload.ZeRO(stage=stage))
 
 
 def test_host_sums_under_zero_with_sequence_parallel_are_refused_before_tracing():
@@ -304,3 +308,66 @@ def test_host_sums_under_zero_refuse_a_gradient_left_set(one_process_group):
                           "accumulation": {"steps": K, "micro_step": K - 1, "grad_sums": {}}}, optimizers=[opt])
     with pytest.raises(graphoffload.UnsupportedError, match=r"accumulate_on='host'.*leaves .*\.grad set.*zero_grad"):
         step.compile(model, opt, _mine(_windows(2)[0][0], 0, 2))
+
+
+def _auto_step(budget, where="auto"):
+    return graphoffload.offload_compile(
+        train_step, accumulation_steps=K, config=graphoffload.CompileConfig(fuse_optimizer=FUSE),
+        offload=Offload(device_updates="never", accumulate_on=where, gpu_memory_budget=budget),
+        data_parallel=graphoffload.ZeRO(stage=2, bucket_numel=4096))
+
+
+def _train_windows(step, model, opt):
+    """One window of K micro-batches and its update (the process is the group's one rank): the losses."""
+    return [step(model, opt, batch) for batch in _windows(1)[0]]
+
+
+def test_auto_sums_under_zero_choose_for_the_whole_step_from_trial_peaks(one_process_group):
+    """`accumulate_on="auto"` under ZeRO is one choice for the whole step: from trial compiles of
+    the accumulating variant with every sum on the device and on the host (the `sum_choice` note's
+    peaks, the host one lower by about the sums), device sums when their peak fits the budget (a
+    budget above both), host sums when it does not (a budget between the two); each chosen step
+    trains bit for bit as the explicit "device" / "host" step over a window and its update."""
+    results = {}
+    peaks = None
+    for where in ("device", "host"):
+        model = _gpt()
+        opt = _optimizer("adamw", model)
+        step = _auto_step(None, where)
+        results[where] = (model, opt, _train_windows(step, model, opt))
+    for budget_of in (lambda d, h: 1 << 40, lambda d, h: (d + h) // 2):   # above both; between the two
+        budget = budget_of(*(peaks or (0, 0)))
+        model = _gpt()
+        opt = _optimizer("adamw", model)
+        step = _auto_step(budget)
+        losses = _train_windows(step, model, opt)
+        notes = [v.graph.notes_of("zero", "sum_choice") for v in step._variants.values()]
+        assert len(notes) == 2 and all(len(n) == 1 for n in notes)   # both variants carry the one choice
+        choice = notes[0][0].fields
+        assert notes[1][0].fields == choice and choice["budget"] == budget
+        peaks = (choice["device_peak"], choice["host_peak"])
+        # the host sums' peak is lower: the device holds no running sum (the model's sums are fp64 here)
+        sum_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        assert peaks[1] < peaks[0] and peaks[0] - peaks[1] >= sum_bytes // 2, (peaks, sum_bytes)
+        want = "device" if budget >= peaks[0] else "host"
+        assert choice["where"] == want, (choice, budget)
+        sums = step.last.graph.notes_of("offload_optimizer", "grad_sums")[0].fields
+        assert sums["where"] == want and bool(step.last.graph.notes_of("zero", "host_sums")) == (want == "host")
+        print(f"budget {budget}: predicted peaks (device sums, host sums) {peaks}, chose {want}")
+        ref_model, ref_opt, ref_losses = results[want]
+        assert all(torch.equal(a, b) for a, b in zip(losses, ref_losses))
+        for (name, p), q in zip(model.named_parameters(), ref_model.parameters()):
+            assert torch.equal(_full(p), _full(q)), (want, name)
+            for key, t in opt.state[p].items():
+                assert torch.equal(_full(t), _full(ref_opt.state[q][key])), (want, name, key)
+    assert want == "host"   # the last budget, between the peaks
+
+
+def test_auto_sums_under_zero_without_budget_stay_on_the_device(one_process_group):
+    model = _gpt()
+    step = _auto_step(None)
+    graph = step.compile(model, _optimizer("adamw", model), _windows(1)[0][0])
+    choice = graph.notes_of("zero", "sum_choice")[0].fields
+    assert (choice["where"], choice["budget"], choice["device_peak"], choice["host_peak"]) == ("device", None, None,
+                                                                                                None)
+    assert not graph.notes_of("zero", "host_sums")
