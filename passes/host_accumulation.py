@@ -81,6 +81,7 @@ from graphoffload.graph import InputSpec, TrainGraph, fake_mode_of, placeholder_
 from graphoffload.aliasing import StorageMap
 from graphoffload.memory import analyze_memory, block_bytes, format_bytes, storage_span
 from graphoffload.ops.host_transfer import VALUE_RULES, grad_sum_key
+from graphoffload.passes.gradient_norms import norm_of_norms, norm_order
 from graphoffload.passes.update_kernels import UpdateKernel
 
 if TYPE_CHECKING:
@@ -146,25 +147,14 @@ _SCALINGS = (aten.mul_.Tensor, aten._foreach_mul_.Tensor)
 _INF_CHECK = aten._amp_foreach_non_finite_check_and_unscale_.default
 
 
-def _order(norm: fx.Node) -> float | None:
-    """The order of `linalg_vector_norm(x[, ord])`, when it is a number."""
-    order = norm.args[1] if len(norm.args) > 1 else 2.0
-    return float(order) if isinstance(order, (int, float)) else None
-
-
 def _global_norm_part(value: fx.Node, order: float) -> bool:
     """Whether the norm `value` of one gradient is read only as clip_grad_norm_ reads it: stacked
-    with the others' norms into the global norm `linalg_vector_norm(stack(norms), ord)` of the
-    same order. Only such a norm can come from the host, where the step reads nothing but the
-    global norm; the step's own norm of a gradient (`p.grad.norm()`, logged or returned) is a
-    read of the accumulated gradient on the device like any other."""
-    users = list(value.users)
-    if len(users) != 1 or users[0].target is not aten.stack.default or users[0].kwargs \
-            or (len(users[0].args) > 1 and users[0].args[1] != 0):
-        return False
-    reduced = list(users[0].users)
-    return (len(reduced) == 1 and reduced[0].target is aten.linalg_vector_norm.default and len(reduced[0].args) <= 2
-            and not reduced[0].kwargs and _order(reduced[0]) == order)
+    with the others' norms into the global norm of the same order (`gradient_norms.norm_of_norms`).
+    Only such a norm can come from the host, where the step reads nothing but the global norm; the
+    step's own norm of a gradient (`p.grad.norm()`, logged or returned) is a read of the
+    accumulated gradient on the device like any other."""
+    total = norm_of_norms([value], exactly=False)
+    return total is not None and norm_order(total) == order
 
 
 def _clip_reader(node: fx.Node) -> HostNorm | HostCheck | str | None:
@@ -174,7 +164,7 @@ def _clip_reader(node: fx.Node) -> HostNorm | HostCheck | str | None:
     if node.target is _INF_CHECK and len(node.args[0]) == 1 and not node.kwargs:
         return HostCheck(node, node.args[1], node.args[2])
     if node.target is aten.linalg_vector_norm.default and len(node.args) <= 2 and not node.kwargs:
-        order = _order(node)
+        order = norm_order(node)
         return HostNorm(node, node, order, False) if order is not None and _global_norm_part(node, order) else None
     if node.target is aten._foreach_norm.Scalar and len(node.args[0]) == 1 and not node.kwargs \
             and isinstance(node.args[1], (int, float)):
