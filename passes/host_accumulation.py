@@ -77,7 +77,7 @@ from torch import fx
 
 from graphoffload.diagnostics import user_line_of_stack_trace
 from graphoffload.errors import UnsupportedError
-from graphoffload.graph import InputSpec, TrainGraph, fake_mode_of, placeholder_name
+from graphoffload.graph import InputSpec, TrainGraph, fake_mode_of, fake_value, placeholder_name
 from graphoffload.aliasing import StorageMap
 from graphoffload.memory import analyze_memory, block_bytes, format_bytes, storage_span
 from graphoffload.ops.host_transfer import VALUE_RULES, grad_sum_key
@@ -200,6 +200,15 @@ def _final_add(name: str, s: fx.Node) -> tuple[fx.Node, list[fx.Node]]:
     return adds[0], zeros
 
 
+def _made(node: fx.Node, meta: dict, phase: str) -> fx.Node:
+    """Stamp a node made here as it is made: its value on the graph's fake tensors
+    (`graph.fake_value`, as every pass fills `meta["val"]` of the nodes it makes, so a later
+    helper or analysis never meets a node without one), the caller's meta and its phase."""
+    node.meta["val"] = fake_value(node)
+    node.meta.update(meta, phase=phase)
+    return node
+
+
 def wait_for_sums(g: fx.Graph, before: fx.Node, sums: list[tuple[str, fx.Node]], hosts: list[fx.Node]
                   ) -> list[fx.Node]:
     """Right before `before`, this call's first copy into the host gradient buffers `hosts` of
@@ -207,8 +216,11 @@ def wait_for_sums(g: fx.Graph, before: fx.Node, sums: list[tuple[str, fx.Node]],
     sums that an earlier accumulating call handed over (they still read the same buffers). The
     first call, or one after a synchronization, finds nothing to wait for."""
     with g.inserting_before(before):
-        return [g.call_function(ops.wait_handed_over.default, ([s, h], grad_sum_key(name)))
-                for (name, s), h in zip(sums, hosts)]
+        waits = [g.call_function(ops.wait_handed_over.default, ([s, h], grad_sum_key(name)))
+                 for (name, s), h in zip(sums, hosts)]
+    for node in waits:
+        node.meta["val"] = fake_value(node)   # the caller sets the phase and the parameter
+    return waits
 
 
 def accumulate_on_host(graph: TrainGraph, specs: list[InputSpec], sums: dict[str, fx.Node]) -> None:
@@ -233,7 +245,7 @@ def accumulate_on_host(graph: TrainGraph, specs: list[InputSpec], sums: dict[str
         with g.inserting_after(added):
             handed = g.call_function(ops.hand_over.default, (added, [s], grad_sum_key(name)))
         for node, phase in ((waited, "transfer"), (ticket, "transfer"), (added, "optimizer"), (handed, "transfer")):
-            node.meta.update(meta, phase=phase)
+            _made(node, meta, phase)
         g.erase_node(add)
     graph.note("offload_optimizer", f"{len(sums)} running gradient sums: their CPU adds run on after the call returns; "
                "the next call waits for each right before it first touches that sum (its copy into the sum's host "
@@ -346,8 +358,7 @@ def drain_on_host(g: fx.Graph, copied: fx.Node, sum_: fx.Node, host: fx.Node, me
     gradient, which the host norm, the host inf check and the host update read later."""
     with g.inserting_after(copied):
         drained = g.call_function(ops.host_accumulate_.default, (copied, [sum_], [host], True))
-    drained.meta.update(meta, phase="optimizer")
-    return drained
+    return _made(drained, meta, "optimizer")
 
 
 def lift_check(g: fx.Graph, check: HostCheck, inv_scale: fx.Node, meta: dict) -> fx.Node:
@@ -356,7 +367,7 @@ def lift_check(g: fx.Graph, check: HostCheck, inv_scale: fx.Node, meta: dict) ->
     `inv_scale` instead, and erase it. Returns the copy, after which `check_on_host` goes."""
     with g.inserting_before(check.check):
         copied = g.call_function(ops.copy_to_host.default, ([check.inv_scale], [inv_scale]))
-    copied.meta.update(meta, phase="transfer")
+    _made(copied, meta, "transfer")
     g.erase_node(check.check)
     return copied
 
@@ -370,8 +381,7 @@ def check_on_host(g: fx.Graph, copied: fx.Node, drained: fx.Node, host: fx.Node,
     order = _positions(g)
     with g.inserting_after(max(copied, drained, key=order.__getitem__)):
         checked = g.call_function(ops.host_unscale_.default, (drained, copied, [host], [flag], inv_scale))
-    checked.meta.update(meta, phase="optimizer")
-    return checked
+    return _made(checked, meta, "optimizer")
 
 
 def combine_host_flags(g: fx.Graph, flag: fx.Node, host_flags: list[fx.Node], tickets: list[fx.Node],
@@ -412,9 +422,9 @@ def combine_host_flags(g: fx.Graph, flag: fx.Node, host_flags: list[fx.Node], ti
             combined = g.call_function(aten.maximum.default, (combined, value))
             made.append(combined)
     for node in moved:
-        node.meta.update(meta, phase="transfer")
+        _made(node, meta, "transfer")
     for node in made:
-        node.meta.update(meta, phase="optimizer")
+        _made(node, meta, "optimizer")
     for user in later:
         user.replace_input_with(flag, combined)
 
@@ -440,13 +450,13 @@ def norm_on_host(g: fx.Graph, norm: HostNorm, drained: fx.Node, host: fx.Node, o
         extra = [g.call_function(operator.getitem, (fetched, 1))] if along is not None else []
         ticket = g.call_function(operator.getitem, (fetched, 1 + len(extra)))
         waited = g.call_function(ops.wait_device.default, (ticket, [value, *extra]))
+    for node, phase in ((normed, "optimizer"), (fetched, "transfer"), (value, "transfer"), *((e, "transfer") for e in extra),
+                        (ticket, "transfer"), (waited, "transfer")):
+        _made(node, meta, phase)
     norm.value.replace_all_uses_with(value)
     value.meta["val"] = norm.value.meta["val"]
     for node in dict.fromkeys([norm.value, norm.reduction]):
         g.erase_node(node)
-    for node, phase in ((normed, "optimizer"), (fetched, "transfer"), (value, "transfer"), *((e, "transfer") for e in extra),
-                        (ticket, "transfer"), (waited, "transfer")):
-        node.meta.update(meta, phase=phase)
     return extra[0] if extra else None
 
 
