@@ -81,10 +81,11 @@ from torch import fx
 
 from graphoffload.diagnostics import user_line_of_stack_trace
 from graphoffload.errors import UnsupportedError
-from graphoffload.graph import InputSpec, TrainGraph, fake_mode_of, placeholder_name
+from graphoffload.graph import InputSpec, TrainGraph, fake_mode_of, fake_value, placeholder_name
 from graphoffload.aliasing import StorageMap
 from graphoffload.memory import analyze_memory, block_bytes, format_bytes, storage_span
 from graphoffload.ops.host_transfer import VALUE_RULES, grad_sum_key
+from graphoffload.passes.gradient_norms import norm_of_norms, norm_order
 from graphoffload.passes.update_kernels import UpdateKernel
 
 if TYPE_CHECKING:
@@ -150,25 +151,14 @@ _SCALINGS = (aten.mul_.Tensor, aten._foreach_mul_.Tensor)
 _INF_CHECK = aten._amp_foreach_non_finite_check_and_unscale_.default
 
 
-def _order(norm: fx.Node) -> float | None:
-    """The order of `linalg_vector_norm(x[, ord])`, when it is a number."""
-    order = norm.args[1] if len(norm.args) > 1 else 2.0
-    return float(order) if isinstance(order, (int, float)) else None
-
-
 def _global_norm_part(value: fx.Node, order: float) -> bool:
     """Whether the norm `value` of one gradient is read only as clip_grad_norm_ reads it: stacked
-    with the others' norms into the global norm `linalg_vector_norm(stack(norms), ord)` of the
-    same order. Only such a norm can come from the host, where the step reads nothing but the
-    global norm; the step's own norm of a gradient (`p.grad.norm()`, logged or returned) is a
-    read of the accumulated gradient on the device like any other."""
-    users = list(value.users)
-    if len(users) != 1 or users[0].target is not aten.stack.default or users[0].kwargs \
-            or (len(users[0].args) > 1 and users[0].args[1] != 0):
-        return False
-    reduced = list(users[0].users)
-    return (len(reduced) == 1 and reduced[0].target is aten.linalg_vector_norm.default and len(reduced[0].args) <= 2
-            and not reduced[0].kwargs and _order(reduced[0]) == order)
+    with the others' norms into the global norm of the same order (`gradient_norms.norm_of_norms`).
+    Only such a norm can come from the host, where the step reads nothing but the global norm; the
+    step's own norm of a gradient (`p.grad.norm()`, logged or returned) is a read of the
+    accumulated gradient on the device like any other."""
+    total = norm_of_norms([value], exactly=False)
+    return total is not None and norm_order(total) == order
 
 
 def _clip_reader(node: fx.Node) -> HostNorm | HostCheck | str | None:
@@ -178,7 +168,7 @@ def _clip_reader(node: fx.Node) -> HostNorm | HostCheck | str | None:
     if node.target is _INF_CHECK and len(node.args[0]) == 1 and not node.kwargs:
         return HostCheck(node, node.args[1], node.args[2])
     if node.target is aten.linalg_vector_norm.default and len(node.args) <= 2 and not node.kwargs:
-        order = _order(node)
+        order = norm_order(node)
         return HostNorm(node, node, order, False) if order is not None and _global_norm_part(node, order) else None
     if node.target is aten._foreach_norm.Scalar and len(node.args[0]) == 1 and not node.kwargs \
             and isinstance(node.args[1], (int, float)):
@@ -214,6 +204,15 @@ def _final_add(name: str, s: fx.Node) -> tuple[fx.Node, list[fx.Node]]:
     return adds[0], zeros
 
 
+def _made(node: fx.Node, meta: dict, phase: str) -> fx.Node:
+    """Stamp a node made here as it is made: its value on the graph's fake tensors
+    (`graph.fake_value`, as every pass fills `meta["val"]` of the nodes it makes, so a later
+    helper or analysis never meets a node without one), the caller's meta and its phase."""
+    node.meta["val"] = fake_value(node)
+    node.meta.update(meta, phase=phase)
+    return node
+
+
 def wait_for_sums(g: fx.Graph, before: fx.Node, sums: list[tuple[str, fx.Node]], hosts: list[fx.Node]
                   ) -> list[fx.Node]:
     """Right before `before`, this call's first copy into the host gradient buffers `hosts` of
@@ -221,8 +220,11 @@ def wait_for_sums(g: fx.Graph, before: fx.Node, sums: list[tuple[str, fx.Node]],
     sums that an earlier accumulating call handed over (they still read the same buffers). The
     first call, or one after a synchronization, finds nothing to wait for."""
     with g.inserting_before(before):
-        return [g.call_function(ops.wait_handed_over.default, ([s, h], grad_sum_key(name)))
-                for (name, s), h in zip(sums, hosts)]
+        waits = [g.call_function(ops.wait_handed_over.default, ([s, h], grad_sum_key(name)))
+                 for (name, s), h in zip(sums, hosts)]
+    for node in waits:
+        node.meta["val"] = fake_value(node)   # the caller sets the phase and the parameter
+    return waits
 
 
 def accumulate_on_host(graph: TrainGraph, specs: list[InputSpec], sums: dict[str, fx.Node]) -> None:
@@ -247,7 +249,7 @@ def accumulate_on_host(graph: TrainGraph, specs: list[InputSpec], sums: dict[str
         with g.inserting_after(added):
             handed = g.call_function(ops.hand_over.default, (added, [s], grad_sum_key(name)))
         for node, phase in ((waited, "transfer"), (ticket, "transfer"), (added, "optimizer"), (handed, "transfer")):
-            node.meta.update(meta, phase=phase)
+            _made(node, meta, phase)
         g.erase_node(add)
     graph.note("offload_optimizer", f"{len(sums)} running gradient sums: their CPU adds run on after the call returns; "
                "the next call waits for each right before it first touches that sum (its copy into the sum's host "
@@ -360,8 +362,7 @@ def drain_on_host(g: fx.Graph, copied: fx.Node, sum_: fx.Node, host: fx.Node, me
     gradient, which the host norm, the host inf check and the host update read later."""
     with g.inserting_after(copied):
         drained = g.call_function(ops.host_accumulate_.default, (copied, [sum_], [host], True))
-    drained.meta.update(meta, phase="optimizer")
-    return drained
+    return _made(drained, meta, "optimizer")
 
 
 def lift_check(g: fx.Graph, check: HostCheck, inv_scale: fx.Node, meta: dict) -> fx.Node:
@@ -370,7 +371,7 @@ def lift_check(g: fx.Graph, check: HostCheck, inv_scale: fx.Node, meta: dict) ->
     `inv_scale` instead, and erase it. Returns the copy, after which `check_on_host` goes."""
     with g.inserting_before(check.check):
         copied = g.call_function(ops.copy_to_host.default, ([check.inv_scale], [inv_scale]))
-    copied.meta.update(meta, phase="transfer")
+    _made(copied, meta, "transfer")
     g.erase_node(check.check)
     return copied
 
@@ -384,8 +385,7 @@ def check_on_host(g: fx.Graph, copied: fx.Node, drained: fx.Node, host: fx.Node,
     order = _positions(g)
     with g.inserting_after(max(copied, drained, key=order.__getitem__)):
         checked = g.call_function(ops.host_unscale_.default, (drained, copied, [host], [flag], inv_scale))
-    checked.meta.update(meta, phase="optimizer")
-    return checked
+    return _made(checked, meta, "optimizer")
 
 
 def combine_host_flags(g: fx.Graph, flag: fx.Node, host_flags: list[fx.Node], tickets: list[fx.Node],
@@ -426,9 +426,9 @@ def combine_host_flags(g: fx.Graph, flag: fx.Node, host_flags: list[fx.Node], ti
             combined = g.call_function(aten.maximum.default, (combined, value))
             made.append(combined)
     for node in moved:
-        node.meta.update(meta, phase="transfer")
+        _made(node, meta, "transfer")
     for node in made:
-        node.meta.update(meta, phase="optimizer")
+        _made(node, meta, "optimizer")
     for user in later:
         user.replace_input_with(flag, combined)
 
@@ -454,13 +454,13 @@ def norm_on_host(g: fx.Graph, norm: HostNorm, drained: fx.Node, host: fx.Node, o
         extra = [g.call_function(operator.getitem, (fetched, 1))] if along is not None else []
         ticket = g.call_function(operator.getitem, (fetched, 1 + len(extra)))
         waited = g.call_function(ops.wait_device.default, (ticket, [value, *extra]))
+    for node, phase in ((normed, "optimizer"), (fetched, "transfer"), (value, "transfer"), *((e, "transfer") for e in extra),
+                        (ticket, "transfer"), (waited, "transfer")):
+        _made(node, meta, phase)
     norm.value.replace_all_uses_with(value)
     value.meta["val"] = norm.value.meta["val"]
     for node in dict.fromkeys([norm.value, norm.reduction]):
         g.erase_node(node)
-    for node, phase in ((normed, "optimizer"), (fetched, "transfer"), (value, "transfer"), *((e, "transfer") for e in extra),
-                        (ticket, "transfer"), (waited, "transfer")):
-        node.meta.update(meta, phase=phase)
     return extra[0] if extra else None
 
 

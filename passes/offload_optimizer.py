@@ -55,7 +55,8 @@ from torch import fx
 from graphoffload.aliasing import StorageMap
 from graphoffload.diagnostics import user_line_of_stack_trace
 from graphoffload.errors import PassError, UnsupportedError
-from graphoffload.graph import InputSpec, TrainGraph, fake_mode_of, fill_missing_meta, placeholder_name, tensor_vals
+from graphoffload.graph import (InputSpec, TrainGraph, fake_mode_of, fake_value, fill_missing_meta, placeholder_name,
+                                tensor_vals)
 from graphoffload.memory import analyze_memory, format_bytes
 from graphoffload.calibration import Calibration
 from graphoffload.passes.offload_activations import (ActivationPlan, largest_saved_bytes, place_on_schedule,
@@ -134,9 +135,14 @@ def _host_lr(lr: fx.Node) -> fx.Node:
 
 
 def _tag(nodes: list[fx.Node], meta: dict, phase: str) -> None:
+    """Stamp nodes this pass just made, inputs first: the caller's meta, `phase`, and, unless the
+    caller set one, `meta["val"]` on the graph's fake tensors (filled when a node is made, as every
+    pass does, so a helper or analysis run before the pass ends never meets a node without one)."""
     for node in nodes:
         node.meta.update(meta)
         node.meta["phase"] = phase
+        if "val" not in node.meta:
+            node.meta["val"] = fake_value(node)
 
 
 @dataclass
@@ -304,8 +310,9 @@ def _emit_cpu_path(g: fx.Graph, k: UpdateKernel, masters: list[fx.Node], host_gr
             waits.append(g.call_function(ops.hand_over.default, (to_device, k.params, key)))
             with g.inserting_before(first_reader):
                 waits.append(g.call_function(ops.wait_handed_over.default, (k.params, key)))
-    _tag([*sum_waits, *parked, to_host, to_device, *waits], meta, "transfer")
+    _tag([*sum_waits, *parked, to_host], meta, "transfer")
     _tag([*summed, update], meta, "optimizer")
+    _tag([to_device, *waits], meta, "transfer")
     return checked
 
 
@@ -354,8 +361,9 @@ def _emit_device_path(g: fx.Graph, k: UpdateKernel, masters: list[fx.Node], pref
         write_back = g.call_function(ops.copy_to_host.default, (back_from, back_to))
     with g.inserting_before(g.output_node()):
         landed = g.call_function((ops.carry_host_write if carry else ops.wait_host).default, (write_back, back_to))
-    _tag([fetched, *items, waited, write_back, landed], meta, "transfer")
+    _tag([fetched, *items, waited], meta, "transfer")
     _tag([n for n in nodes if n is not waited] + [update], meta, "optimizer")
+    _tag([write_back, landed], meta, "transfer")
 
 
 def _first_read_after_update(k: UpdateKernel, storages: StorageMap) -> fx.Node | None:

@@ -123,6 +123,7 @@ from graphoffload.data_parallel import shard_rows
 from graphoffload.diagnostics import user_line_of_stack_trace
 from graphoffload.errors import UnsupportedError
 from graphoffload.graph import TrainGraph, fake_mode_of, fake_value
+from graphoffload.passes.gradient_norms import norm_of_norms
 from graphoffload.passes.update_kernels import UpdateKernel, update_kernels_to_rewrite
 from graphoffload.passes.zero_params import (GatherReport, ShardedParam, classify_reads, gather_for_use,
                                               padded_flat, whole_from_gathered)
@@ -294,25 +295,13 @@ def _skip_norm(terms: dict[fx.Node, _Item]) -> _Clip | None:
     stacked, normed again), in `_Clip`'s form, so that `_global_norm` makes its total global."""
     if not terms:
         return None
-    total = _stacked_total(terms)
+    total = norm_of_norms(terms)
     if total is None:
         raise UnsupportedError(
             f"ZeRO data parallelism: skip_nonfinite's gradient norm at {_line(next(iter(terms)))} is not one L2 "
             "norm of the per-gradient norms (gradients on several devices?); ZeRO makes it global from each "
             "rank's chunks and supports that form only for now: drop skip_nonfinite=True")
     return _Clip(terms, total, [])
-
-
-def _stacked_total(terms: dict[fx.Node, _Item]) -> fx.Node | None:
-    """The norm of the per-gradient norms `terms` as clip_grad_norm_ and skip_nonfinite trace it:
-    one `stack` of exactly them, read by one `linalg_vector_norm` alone; None for another form."""
-    stacks = {u for t in terms for u in t.users}
-    stack = next(iter(stacks)) if len(stacks) == 1 else None
-    totals = list(stack.users) if stack is not None else []
-    if stack is None or stack.target is not aten.stack.default or set(stack.args[0]) != set(terms) \
-            or len(totals) != 1 or totals[0].target is not aten.linalg_vector_norm.default:
-        return None
-    return totals[0]
 
 
 @dataclass
@@ -360,7 +349,7 @@ def _clipping(items: list[_Item], readers: set[fx.Node], output: fx.Node, stage:
                 "step is not supported yet")
     if not terms and not scales:
         return None
-    total = _stacked_total(terms)
+    total = norm_of_norms(terms)
     if total is None or not _l2(total):
         where = next(iter(terms or scales))
         raise UnsupportedError(

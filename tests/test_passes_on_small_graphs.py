@@ -311,3 +311,59 @@ def test_every_host_op_value_rule_gives_what_dispatching_the_op_gives():
                 assert a is None, target
                 continue
             assert (type(a), a.shape, a.dtype, a.device, a.stride()) == (type(b), b.shape, b.dtype, b.device, b.stride()), target
+
+
+def test_the_host_sum_helpers_give_every_node_they_make_its_value_as_they_make_it():
+    # offload_optimizer's host-sum rewrite (drain, host inf check, host norm, the flags joined)
+    # on the few nodes it is about: every node a helper makes has meta["val"] when the helper
+    # returns, before the pass ends (no fill_missing_meta runs here), and the values are right
+    from graphoffload.passes.host_accumulation import (HostCheck, HostNorm, check_on_host, combine_host_flags,
+                                                       drain_on_host, lift_check, norm_on_host, wait_for_sums)
+
+    ops = torch.ops.graphoffload
+    g = fx.Graph()
+    with FakeTensorMode() as mode:
+        values = {"grad": torch.zeros(4, 3), "sum": torch.zeros(4, 3), "host": torch.zeros(4, 3),
+                  "out": torch.zeros(()), "host_flag": torch.zeros(()), "host_inv": torch.zeros(()),
+                  "found_inf": torch.zeros(()), "inv_scale": torch.ones(())}
+    p = {}
+    for name, val in values.items():
+        p[name] = g.placeholder(name)
+        p[name].meta["val"] = val
+    check = g.call_function(aten._amp_foreach_non_finite_check_and_unscale_.default,
+                            ([p["grad"]], p["found_inf"], p["inv_scale"]))
+    norm = g.call_function(aten.linalg_vector_norm.default, (p["grad"], 2.0))
+    total = g.call_function(aten.linalg_vector_norm.default, (g.call_function(aten.stack.default, ([norm],)), 2.0))
+    reader = g.call_function(aten.add.Tensor, (p["found_inf"], total))
+    g.output((total, reader))
+    for node in g.nodes:
+        if node.op == "call_function":
+            with mode:
+                node.meta["val"] = node.target(*fx.map_arg(node.args, lambda n: n.meta["val"]))
+    before = set(g.nodes)
+    meta = {"param": ("w",)}
+    copied = lift_check(g, HostCheck(check, p["found_inf"], p["inv_scale"]), p["host_inv"], meta)
+    with g.inserting_before(norm):
+        parked = g.call_function(ops.copy_to_host.default, ([p["grad"]], [p["host"]]))
+    with mode:
+        parked.meta["val"] = torch.empty((), dtype=torch.int64)
+    waits = wait_for_sums(g, parked, [("w", p["sum"])], [p["host"]])
+    drained = drain_on_host(g, parked, p["sum"], p["host"], meta)
+    checked = check_on_host(g, copied, drained, p["host"], p["host_flag"], p["host_inv"], meta)
+    along = norm_on_host(g, HostNorm(norm, norm, 2.0, False), checked, p["host"], p["out"], torch.device("cpu"),
+                         meta, p["host_flag"])
+    combine_host_flags(g, p["found_inf"], [], [], torch.device("cpu"), [along])
+    made = [n for n in g.nodes if n not in before and n is not parked]
+    assert len(made) >= 10 and waits[0] in made
+    missing = [n.name for n in made if "val" not in n.meta]
+    assert not missing, f"made without meta['val']: {missing}"
+    assert all(n.meta["phase"] in ("transfer", "optimizer") for n in made if n not in waits)
+    joined = next(n for n in made if n.target is aten.maximum.default)
+    assert reader.args[0] is joined
+    assert (joined.meta["val"].shape, joined.meta["val"].dtype) == (torch.Size([]), torch.float32)
+    # what the fill would compute agrees with what the helpers stored
+    from graphoffload.graph import fake_value
+    for n in made:
+        want, got = fake_value(n, mode), n.meta["val"]
+        if isinstance(want, torch.Tensor):
+            assert (got.shape, got.dtype, got.device) == (want.shape, want.dtype, want.device), n.name

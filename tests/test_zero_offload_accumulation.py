@@ -371,3 +371,51 @@ def test_auto_sums_under_zero_without_budget_stay_on_the_device(one_process_grou
     assert (choice["where"], choice["budget"], choice["device_peak"], choice["host_peak"]) == ("device", None, None,
                                                                                                 None)
     assert not graph.notes_of("zero", "host_sums")
+
+
+def _host_sums_one_rank(stage: int, offload: Offload) -> graphoffload.CompiledStep:
+    """ZeRO-Offload with host sums on a group of this process alone (world size 1, so the whole
+    batch is the rank's): two windows of K micro-batches against eager's accumulation, the
+    parameters compared after `synchronize()` (with `overlap_next_step` the last uploads are
+    handed over past the call) and the moments gathered, each within RTOL."""
+    eager = _gpt()
+    model = copy.deepcopy(eager)
+    opt_e, opt = _optimizer("adamw", eager), _optimizer("adamw", model)
+    step = _step(stage, offload)
+    for window in _windows(1):
+        for batch in window:
+            (eager(batch["input_ids"], labels=batch["labels"]) / K).backward()
+            step(model, opt, batch)
+        opt_e.step()
+        opt_e.zero_grad()
+        step.synchronize()
+        assert step.micro_step == 0
+        for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+            assert _rel(p, q) <= RTOL, f"stage {stage} {offload}: {name} is {_rel(p, q):.3g} from eager"
+            for key in ("exp_avg", "exp_avg_sq"):
+                err = _rel(opt.state[p][key], opt_e.state[q][key])
+                assert err <= RTOL, f"stage {stage}: {key} of {name} is {err:.3g} from eager"
+    return step
+
+
+@pytest.mark.parametrize("case", ["stage2-overlap", "stage3-overlap", "stage2-activations"])
+def test_host_sums_under_zero_train_as_eager_in_one_process(case, one_process_group):
+    """Combinations of host sums under ZeRO that the spawned runs do not cover, on one rank:
+    `overlap_next_step` (stages 2 and 3: the uploads handed over to the next call) and
+    `activations="auto"` under a budget below the step's keep-everything peak (the planner must
+    recompute or offload a saved activation, from its notes)."""
+    if case.endswith("overlap"):
+        step = _host_sums_one_rank(int(case[5]), Offload(device_updates="never", accumulate_on="host",
+                                                         overlap_next_step=True))
+        assert step.last.graph.notes_of("zero", "host_sums")[0].fields["update"]
+        return
+    kept = _step(2, HOST)   # the updating call's peak with every activation kept
+    model = _gpt()
+    opt = _optimizer("adamw", model)
+    for batch in _windows(1)[0]:
+        kept(model, opt, batch)
+    peak = kept.last.graph.notes_of("offload_optimizer", "offloaded")[-1].fields["device_peak_bytes"]
+    step = _host_sums_one_rank(2, Offload(device_updates="never", accumulate_on="host", activations="auto",
+                                          gpu_memory_budget=int(0.7 * peak)))
+    fields = step.last.graph.notes_of("offload_optimizer", "activations")[0].fields
+    assert fields["recompute"] + fields["offload"] > 0 and fields["peak_bytes"] <= int(0.7 * peak), fields
