@@ -101,6 +101,11 @@ class Access(NamedTuple):
     writes: bool          # creates the storage or writes into it
 
 
+# makes an Access without the named tuple's own __new__ (a Python frame per access; a planner
+# makes tens of thousands per storage map, one map per edit)
+_new_access = tuple.__new__
+
+
 _NOT_TENSOR = object()
 
 
@@ -127,6 +132,9 @@ class StorageCache:
 
     def __init__(self) -> None:
         self.entries: dict[fx.Node, _NodeFacts] = {}
+        # id(tensor) -> (the tensor, held so the id stays its own; its allocator bytes), for the
+        # memory analysis of each map (graphoffload.memory)
+        self.sizes: dict[int, tuple[object, int]] = {}
 
 
 class StorageMap:
@@ -143,16 +151,31 @@ class StorageMap:
         self.position = {n: i for i, n in enumerate(self.nodes)}
         self.ids: dict[fx.Node, list[int | None]] = {}
         self.creator: list[fx.Node] = []
+        self.cache = cache
         # per op (by id: the graph keeps its targets alive): a graph repeats a few ops many times
         self._facts: dict[int, _OpFacts | None] = {}
         entries = {} if cache is None else cache.entries
-        self._node_facts = [self._facts_of_node(node, entries) for node in self.nodes]
+        self._node_facts = self._all_facts(entries)
+        ids, storages_of = self.ids, self._storages_of
         for node, facts in zip(self.nodes, self._node_facts):
-            self.ids[node] = self._storages_of(node, facts.layout)
+            ids[node] = storages_of(node, facts.layout)
         self.accesses: dict[int, list[Access]] = defaultdict(list)
         if accesses:
             self._record_accesses()
         self.output_reads = {s for inp in graph.output_node().all_input_nodes for s in self.of(inp)}
+
+    def _all_facts(self, entries: dict[fx.Node, _NodeFacts]) -> list[_NodeFacts]:
+        """Every node's facts, the cached entry where it is still valid (_NodeFacts): a planner
+        rebuilds the map after each edit, and most nodes are as they were."""
+        found = []
+        get, make = entries.get, self._facts_of_node
+        for node in self.nodes:
+            entry = get(node)
+            if entry is None or entry.args is not node.args or entry.kwargs is not node.kwargs \
+                    or entry.target is not node.target or entry.val is not node.meta.get("val"):
+                entry = make(node, entries)
+            found.append(entry)
+        return found
 
     def _facts_of_node(self, node: fx.Node, entries: dict[fx.Node, _NodeFacts]) -> _NodeFacts:
         val = node.meta.get("val")
@@ -168,17 +191,26 @@ class StorageMap:
 
     def _record_accesses(self) -> None:
         # a planner rebuilds the map after every edit of a graph of thousands of nodes, so the
-        # common node (writes nothing, creates its own storages) takes the short path
+        # common node (writes nothing) takes the short path, in plain loops: each storage's list
+        # gets one access per node, whatever order the node's storages are visited in
         ids, creator, accesses = self.ids, self.creator, self.accesses
+        get, access = ids.get, _new_access
         for i, (node, facts) in enumerate(zip(self.nodes, self._node_facts)):
-            written = None if facts.written is None else \
-                {s for w in facts.written for s in ids.get(w, ()) if s is not None}
-            created = {s for s in ids[node] if s is not None and creator[s] is node}
-            read = {s for inp in facts.inputs for s in ids.get(inp, ()) if s is not None}
-            if written is None:
-                for s in read | created:
-                    accesses[s].append(Access(i, node, s in created))
+            if facts.written is None:
+                marked: dict[int, bool] = {}   # storage -> created by this node
+                for inp in facts.inputs:
+                    for s in get(inp, ()):
+                        if s is not None:
+                            marked[s] = False
+                for s in ids[node]:
+                    if s is not None and creator[s] is node:
+                        marked[s] = True
+                for s, made in marked.items():
+                    accesses[s].append(access(Access, (i, node, made)))
                 continue
+            written = {s for w in facts.written for s in get(w, ()) if s is not None}
+            created = {s for s in ids[node] if s is not None and creator[s] is node}
+            read = {s for inp in facts.inputs for s in get(inp, ()) if s is not None}
             for s in read | written | created:
                 accesses[s].append(Access(i, node, s in written or s in created))
 

@@ -60,10 +60,22 @@ def storage_span(storages: StorageMap, sid: int, on_host: Collection[str]) -> tu
     val = creator.meta["val"]
     tensor = val if isinstance(val, torch.Tensor) else next(v for v, i in zip(val, storages.ids[creator]) if i == sid)
     if creator.op in ("placeholder", "get_attr"):
-        return (0 if creator.op == "placeholder" and creator.name in on_host else block_bytes(tensor)), None
+        return (0 if creator.op == "placeholder" and creator.name in on_host else _bytes(tensor, storages)), None
     # a storage's accesses are recorded in node order: its last is the last one
     last = len(storages.nodes) if sid in storages.output_reads else storages.accesses[sid][-1].position
-    return block_bytes(tensor), (storages.position[creator], last)
+    return _bytes(tensor, storages), (storages.position[creator], last)
+
+
+def _bytes(tensor: torch.Tensor, storages: StorageMap) -> int:
+    """block_bytes, kept in the map's StorageCache where it has one: a planner analyses each
+    edit of one graph, whose values stay the same tensors."""
+    if storages.cache is None:
+        return block_bytes(tensor)
+    sizes = storages.cache.sizes
+    found = sizes.get(id(tensor))
+    if found is None:
+        found = sizes[id(tensor)] = (tensor, block_bytes(tensor))
+    return found[1]
 
 
 def analyze_memory(graph: TrainGraph, storages: StorageMap | None = None) -> MemoryProfile:

@@ -201,6 +201,8 @@ class _Step:
         self._of: dict[fx.Node, list[int]] = {}
         self._names: dict[str, fx.Node] | None = None
         self._drawing: dict[fx.Node, bool] = {}   # draws_random_numbers per node: every chain asks
+        self._bytes: dict[fx.Node, int | None] = {}
+        self._backward_read: dict[fx.Node, bool] = {}
 
     def available(self, node: fx.Node, at: int) -> bool:
         """Whether `node`'s value is on the device, unchanged, at position `at` anyway."""
@@ -337,6 +339,25 @@ class _Step:
         self._storage_facts[s] = facts
         return facts
 
+    def _value_bytes(self, node: fx.Node) -> int | None:
+        """The allocator's bytes of `node`'s value if it is a tensor (cached: the chains grown on
+        one step share most of their nodes, and each asks again)."""
+        try:
+            return self._bytes[node]
+        except KeyError:
+            val = node.meta.get("val")
+            found = self._bytes[node] = block_bytes(val) if isinstance(val, torch.Tensor) else None
+            return found
+
+    def _read_in_backward(self, node: fx.Node) -> bool:
+        """Whether a backward node reads `node` (cached as _value_bytes; the step is not edited
+        while this _Step describes it)."""
+        try:
+            return self._backward_read[node]
+        except KeyError:
+            found = self._backward_read[node] = any(u.meta.get("phase") == "backward" for u in node.users)
+            return found
+
     def of(self, node: fx.Node) -> list[int]:
         try:
             return self._of[node]
@@ -362,11 +383,12 @@ class _Step:
             facts = self._facts(s)
             if facts is None or facts[0] < at or not facts[2] <= members:
                 continue
-            val = next((n.meta["val"] for n in held if isinstance(n.meta.get("val"), torch.Tensor)), None)
-            if val is None:
+            # the bytes of the first of them whose value is a tensor
+            nbytes = next((b for b in map(self._value_bytes, held) if b is not None), None)
+            if nbytes is None:
                 continue
-            freed.append((s, block_bytes(val), facts[1], facts[0]))
-            rewired += [n.name for n in held if any(u.meta.get("phase") == "backward" for u in n.users)]
+            freed.append((s, nbytes, facts[1], facts[0]))
+            rewired += [n.name for n in held if self._read_in_backward(n)]
         if not freed:
             return None
         return Region(seed.name, tuple(n.name for n in chain), at, tuple(rewired), tuple(freed),
@@ -605,11 +627,42 @@ class _Replay:
     seeds: tuple[str, ...]     # the saved activations of the regions merged into it
 
 
-def _replay(graph: TrainGraph, seeds: Sequence[str], names: set[str],
-            seconds: dict[fx.Node, float]) -> tuple[Region, _Edit] | None:
+class _Replays:
+    """The recompute regions chosen so far, by the key (a counter, rising) each was chosen
+    under, and a log of the changes: ranking a region asks which chosen replays it overlaps,
+    for every region of every seed after each choice. Comparing the region with every chosen
+    replay each time was a tenth of the planner's time on a 6-block GPT, yet a choice adds or
+    undoes a few replays, and a region whose nodes none of them replays overlaps the same
+    chosen replays as before (`unchanged_for`)."""
+
+    def __init__(self) -> None:
+        self.chosen: dict[int, _Replay] = {}
+        self.log: list[frozenset[str]] = []   # the nodes of each replay added or undone, in turn
+
+    @property
+    def version(self) -> int:
+        return len(self.log)
+
+    def add(self, key: int, replay: _Replay) -> None:
+        self.chosen[key] = replay
+        self.log.append(frozenset(replay.region.nodes))
+
+    def pop(self, key: int) -> _Replay:
+        replay = self.chosen.pop(key)
+        self.log.append(frozenset(replay.region.nodes))
+        return replay
+
+    def unchanged_for(self, nodes: set[str], since: int) -> bool:
+        """Whether no replay added or undone since `version` was `since` replays any of `nodes`:
+        then the chosen replays that overlap `nodes` are the ones that did then."""
+        return all(nodes.isdisjoint(changed) for changed in self.log[since:])
+
+def _replay(graph: TrainGraph, seeds: Sequence[str], names: set[str], seconds: dict[fx.Node, float],
+            cache: StorageCache | None = None) -> tuple[Region, _Edit] | None:
     """Replay the forward nodes `names` as one region, right before the first backward reader
-    of any of `seeds` (the regions merged into it), on the graph as it is now."""
-    step = _Step(graph)
+    of any of `seeds` (the regions merged into it), on the graph as it is now. `cache`: the
+    plan's StorageCache (its storage maps are the maps built without it)."""
+    step = _Step(graph, StorageMap(graph.graph, cache=cache))
     by_name = {n.name: n for n in step.nodes}
     chain = sorted((by_name[n] for n in names), key=step.position.__getitem__)
     if not step._draws_replayable(chain):
@@ -818,7 +871,7 @@ def _plan(graph: TrainGraph, budget: int, cal: Calibration, device: torch.device
     heap: list[tuple[float, int, str]] = []   # (-bound, tie-break, seed)
     latest: dict[str, int] = {}    # each seed's newest heap entry (older ones are stale)
     last_grown: dict[str, list[Region]] = {}
-    replays: dict[int, _Replay] = {}   # the recompute regions chosen so far
+    replays = _Replays()   # the recompute regions chosen so far
     gone: set[fx.Node] = set()
     counter = merged_count = blocks_replayed = 0
     first = True
@@ -831,6 +884,8 @@ def _plan(graph: TrainGraph, budget: int, cal: Calibration, device: torch.device
                     named[n.name] = seconds[n]
 
     node_sets: dict[int, tuple[Region, set[str]]] = {}   # by id: the region is held, so its id stays its own
+    # by the region's id (held in node_sets): (replays.version, its extension then)
+    extensions: dict[int, tuple[int, tuple[float, tuple[int, ...]]]] = {}
 
     def nodes_of(region: Region) -> set[str]:
         """`region`'s node names as a set, made once: a region's extension is asked for again
@@ -847,13 +902,21 @@ def _plan(graph: TrainGraph, budget: int, cal: Calibration, device: torch.device
         replays that already replay some of its nodes are merged with it into one region,
         replayed once, so only its other nodes' time is added."""
         nodes = nodes_of(region)
-        over = tuple(k for k, rep in replays.items() if merge and not nodes.isdisjoint(nodes_of(rep.region)))
+        found = extensions.get(id(region))
+        if found is not None and (not merge or replays.unchanged_for(nodes, found[0])):
+            # the chosen replays it overlaps (and so their nodes) are those it overlapped then
+            extensions[id(region)] = (replays.version, found[1])
+            return found[1]
+        over = tuple(k for k, rep in replays.chosen.items() if merge and not nodes.isdisjoint(nodes_of(rep.region)))
         if not over:
-            return region.seconds, ()
-        covered = set().union(*(replays[k].region.nodes for k in over))
-        # fsum: exact, so the result does not depend on the set's order (string hashes, and so
-        # the order, differ between processes; a plan must not)
-        return math.fsum(named.get(n, 0.0) for n in nodes - covered), over
+            result = region.seconds, ()
+        else:
+            covered = set().union(*(replays.chosen[k].region.nodes for k in over))
+            # fsum: exact, so the result does not depend on the set's order (string hashes, and
+            # so the order, differ between processes; a plan must not)
+            result = math.fsum(named.get(n, 0.0) for n in nodes - covered), over
+        extensions[id(region)] = (replays.version, result)
+        return result
 
     def push(seed: str, regions: list[Region]) -> None:
         nonlocal counter
@@ -891,7 +954,7 @@ def _plan(graph: TrainGraph, budget: int, cal: Calibration, device: torch.device
         profile = after
         counter += 1
         blocks_replayed += 1
-        replays[counter] = _Replay(region, edit, region.rewired)
+        replays.add(counter, _Replay(region, edit, region.rewired))
         for name in region.rewired:
             choices[name] = "recompute"
         graph.note(_PASS, f"activations of the block from {region.nodes[0]} ({format_bytes(_bytes(region))}): "
@@ -954,11 +1017,11 @@ def _plan(graph: TrainGraph, budget: int, cal: Calibration, device: torch.device
                 for rep in reversed(merged):
                     rep.edit.undo(graph, specs, gone)
                 made = _replay(graph, (what.seed, *(s for rep in merged for s in rep.seeds)),
-                               set(what.nodes).union(*(rep.region.nodes for rep in merged)), seconds)
+                               set(what.nodes).union(*(rep.region.nodes for rep in merged)), seconds, cache)
                 if made is None:
-                    for rep in _restore(graph, merged, seconds):
+                    for rep in _restore(graph, merged, seconds, cache):
                         counter += 1
-                        replays[counter] = rep
+                        replays.add(counter, rep)
                     again = True
                     break
                 what, edit = made
@@ -975,9 +1038,9 @@ def _plan(graph: TrainGraph, budget: int, cal: Calibration, device: torch.device
                 graph = graph.with_signature(inputs=tuple(specs))
                 storages = None
                 if merged:   # the positions may differ from the step's: plan again from the graph
-                    for rep in _restore(graph, merged, seconds):
+                    for rep in _restore(graph, merged, seconds, cache):
                         counter += 1
-                        replays[counter] = rep
+                        replays.add(counter, rep)
                     again = True
                     break
                 step = _Step(graph, StorageMap(graph.graph, cache=cache))   # the same positions as before the edit
@@ -985,14 +1048,14 @@ def _plan(graph: TrainGraph, budget: int, cal: Calibration, device: torch.device
             chosen, profile = best, after
             if how == "recompute":
                 counter += 1
-                replays[counter] = _Replay(what, edit, (what.seed, *(s for rep in merged for s in rep.seeds)))
+                replays.add(counter, _Replay(what, edit, (what.seed, *(s for rep in merged for s in rep.seeds))))
         for seed, regions in grown.items():   # back in the heap under their new bounds
             push(seed, regions)
         if chosen is None:
             if again:
                 fill_missing_meta(graph, _PASS)
-                profile = analyze_memory(graph)
-                storages = None
+                storages = StorageMap(graph.graph, cache=cache)
+                profile = analyze_memory(graph, storages)
                 continue
             break
         if how == "recompute":
@@ -1034,9 +1097,10 @@ def _plan(graph: TrainGraph, budget: int, cal: Calibration, device: torch.device
                           abandoned, blocks_replayed)
 
 
-def _restore(graph: TrainGraph, merged: list[_Replay], seconds: dict[fx.Node, float]) -> list[_Replay]:
+def _restore(graph: TrainGraph, merged: list[_Replay], seconds: dict[fx.Node, float],
+             cache: StorageCache | None = None) -> list[_Replay]:
     """Replay again, each as it was, the regions a rejected merge undid."""
-    made = [(_replay(graph, rep.seeds, set(rep.region.nodes), seconds), rep.seeds) for rep in merged]
+    made = [(_replay(graph, rep.seeds, set(rep.region.nodes), seconds, cache), rep.seeds) for rep in merged]
     return [_Replay(m[0], m[1], seeds) for m, seeds in made if m is not None]
 
 

@@ -172,3 +172,29 @@ def test_storage_map_with_kept_node_facts_equals_a_fresh_one_after_edits():
     edited = StorageMap(g, cache=cache)
     assert facts(edited) == facts(StorageMap(g))
     assert edited.of(again) == edited.of(view) and edited.of(copy) != edited.of(copy.args[0])
+
+
+def test_storage_map_accesses_match_a_plain_reading_of_the_graph():
+    # the map records accesses on a fast path (the planner builds one per edit): each storage's
+    # accesses must still be every node reading, writing or creating it, in node order, with
+    # `writes` set exactly for the node that creates it and the nodes whose schema write into it
+    from graphoffload.aliasing import StorageMap, written_args
+
+    def fn(a):
+        b = a.clone()
+        v = b.view(4, 16)
+        v.mul_(2)                  # writes b through the view
+        c = torch.relu(b)
+        p, q = c.split(32)
+        return [p.sum() + (q * b[:32]).sum()]
+
+    m = StorageMap(hand_graph(fn, torch.randn(64)).graph)
+    expected: dict[int, list] = {}
+    for i, node in enumerate(m.nodes):
+        written = {s for w in written_args(node) for s in m.of(w)}
+        created = {s for s in m.of(node) if m.creator[s] is node}
+        for s in sorted({s for inp in node.all_input_nodes for s in m.of(inp)} | written | created):
+            expected.setdefault(s, []).append((i, node, s in written or s in created))
+    assert {s: [tuple(a) for a in acc] for s, acc in m.accesses.items() if acc} == expected
+    mul = next(n for n in m.nodes if n.target == torch.ops.aten.mul_.Tensor)
+    assert any(a.node is mul and a.writes for a in m.accesses[m.of(mul)[0]])
