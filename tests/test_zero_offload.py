@@ -474,6 +474,31 @@ def test_overlap_next_step_moves_stage_1_2_all_gathers_into_the_next_forward(sta
     assert {name for _, name in names} == {spec[p.name].target for p in params if p.meta["val"].dim()}
 
 
+def test_overlap_next_step_keeps_the_gather_of_a_bucket_read_after_the_update(one_process_group):
+    """Stage 2 with overlap_next_step, rank 1 of 4, a step that reads weights after
+    optimizer.step() (tests/test_read_after_step.py's): the buckets holding those parameters
+    keep their all-gather after the update (the read sees the whole updated parameters) and their
+    uploads are waited for in the step; the other buckets' gathers still move to the next call."""
+    from test_read_after_step import norm_after_step
+
+    step, graph, model, opt, batch = _compile_as(1, 2, Offload(device_updates="never", overlap_next_step=True),
+                                                 norm_after_step, world=4)
+    nodes = list(graph.gm.graph.nodes)
+    at = {n: i for i, n in enumerate(nodes)}
+    note = graph.notes_of("zero", "deferred_gathers")[0].fields
+    assert note["kept"] > 0 and note["buckets"] > 0
+    spec = {s.name: s.target for s in graph.signature.inputs}
+    uploads = [n for n in nodes if n.target is ops.copy_to_device.default]
+    gathers = [n for n in nodes if n.target is c10d.all_gather_into_tensor.default]
+    kept = [g for g in gathers if "deferred_gather" not in g.meta]
+    assert len(kept) == note["kept"] and all(at[g] > max(at[u] for u in uploads) for g in kept)
+    read_after = {"tok.weight", "ln_f.weight", "blocks.1.mlp.0.weight"}
+    assert read_after <= {spec[v.args[0].name] for g in kept for v in _packed(g)}
+    handed = [{spec[v.args[0].name] for v in n.args[1]} for n in nodes if n.target is ops.hand_over.default]
+    assert handed and not any(read_after & params for params in handed)
+    assert graph.notes_of("offload_optimizer", "read_after_update")[0].fields["buckets"] == len(uploads) - len(handed)
+
+
 def test_the_plan_charges_the_bucket_collectives_on_the_link_and_counts_their_buffers(one_process_group):
     world = 4
     slow, fast = (dataclasses.replace(FAST_DEVICE, collective_bytes_per_s=rate) for rate in (1e6, 1e12))
