@@ -202,6 +202,25 @@ def _world2(rank, world, path):
                                                                     overlap_next_step=True)))
     print(f"rank {rank}: (state bytes, host bytes) / one process's, device buckets: {results}")
     _bf16_dcp_resumes_bit_for_bit(rank, world, path)
+    _a_lone_synchronize_times_out(rank, world)
+
+
+def _a_lone_synchronize_times_out(rank, world):
+    """Stages 1-2 with overlap_next_step: synchronize() runs the gathers the last call left to the
+    next, a collective; a rank that synchronizes alone gets RankTimeoutError, not a hang."""
+    model = _gpt()
+    opt = _optimizer("adamw", model)
+    step = graphoffload.offload_compile(
+        gpt_step, offload=Offload(device_updates="never", overlap_next_step=True),
+        config=graphoffload.CompileConfig(fuse_optimizer=FUSE),
+        data_parallel=graphoffload.ZeRO(stage=1, bucket_numel=4096, timeout_s=3))
+    batch = _batches(world)[0]
+    rows = batch["input_ids"].shape[0] // world
+    step(model, opt, {k: v[rank * rows:(rank + 1) * rows] for k, v in batch.items()})
+    if rank == 0:
+        with pytest.raises(graphoffload.RankTimeoutError, match="synchronize"):
+            step.synchronize()
+    dist.barrier()
 
 
 def _bf16_dcp_resumes_bit_for_bit(rank, world, path):
