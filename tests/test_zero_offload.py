@@ -562,7 +562,12 @@ def test_the_plan_charges_the_bucket_collectives_on_the_link_and_counts_their_bu
     # for every upload: the single-process test below checks the graph's waits)
     (3, Offload(device_updates="never"), gpt_step, True),
     (3, Offload(device_updates=2, calibration=FAST_DEVICE), gpt_step, True),
-], ids=["stage2-cpu", "stage1-hybrid", "stage1-grad-left-set", "stage3-cpu-sanitized", "stage3-hybrid-sanitized"])
+    # overlap_next_step, stages 1-2: the uploads handed over, the all-gathers at the next call's
+    # start; under the sanitizer a gather packing rows before their upload's wait sees NaN
+    (2, Offload(device_updates="never", overlap_next_step=True), gpt_step, True),
+    (1, Offload(device_updates=2, calibration=FAST_DEVICE, overlap_next_step=True), gpt_step, True),
+], ids=["stage2-cpu", "stage1-hybrid", "stage1-grad-left-set", "stage3-cpu-sanitized", "stage3-hybrid-sanitized",
+        "stage2-cpu-overlap-sanitized", "stage1-hybrid-overlap-sanitized"])
 def test_one_rank_with_bf16_parameters_offloads_as_plain_offload_bit_for_bit(stage, offload, step_fn, sanitize,
                                                                             one_process_group):
     """ZeRO over a group of one: the chunk is the whole parameter, so the step must do exactly what
@@ -589,6 +594,9 @@ def test_one_rank_with_bf16_parameters_offloads_as_plain_offload_bit_for_bit(sta
                 models[1].blocks[0].mlp[0].weight.mul_(0.5)
         losses = [step(m, o, batch) for step, m, o in zip(steps, models, opts)]
         assert torch.equal(*losses), (i, losses)
+        if offload.overlap_next_step:   # the uploads (and stages 1-2's gathers) run on past the call
+            for step in steps:
+                step.synchronize()
         for p, q in zip(*(m.parameters() for m in models)):
             assert torch.equal(_whole(p), q), i
             assert (p.grad is None) == (q.grad is None) and (p.grad is None or torch.equal(p.grad, q.grad))
