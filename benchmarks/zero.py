@@ -30,6 +30,7 @@ timed steps began: what a step allocates and frees (gradients, activations, coll
     python benchmarks/zero.py --smoke              # tiny, N = 1, 2 (seconds)
     python benchmarks/zero.py --device cuda        # NCCL, one GPU a rank, N up to the GPUs present
     python benchmarks/zero.py --modes zero2_offload --worlds 2 --accumulation-steps 2 --accumulate-on host
+    python benchmarks/zero.py --modes zero1_offload zero2_offload --worlds 2 --overlap-next-step
 
 With ``--accumulation-steps k`` every call is one micro-batch (the update every k-th); the
 ``*_offload`` modes keep the running gradient sums where ``--accumulate-on`` says: ``device`` (each
@@ -114,7 +115,8 @@ def _prepare(mode: str, model: torch.nn.Module, world: int, device: torch.device
         return torch.optim.AdamW(params, lr=1e-4, weight_decay=0.1, fused=True)
     if mode.startswith("zero"):
         opt = make_opt(model.parameters())
-        offload = graphoffload.Offload(accumulate_on=args.accumulate_on) if mode.endswith("_offload") else None
+        offload = graphoffload.Offload(accumulate_on=args.accumulate_on, overlap_next_step=args.overlap_next_step) \
+            if mode.endswith("_offload") else None
         sp = dp_group = None
         if mode.endswith("_sp2"):   # ZeRO over "dp", ring attention over "sp" of a (N/2, 2) mesh
             from torch.distributed.device_mesh import init_device_mesh
@@ -262,6 +264,9 @@ def main() -> None:
                    help="graphoffload's modes: micro-batches per update (the eager baselines update every call)")
     p.add_argument("--accumulate-on", default="device", choices=("device", "host"),
                    help="the *_offload modes with --accumulation-steps: where the running gradient sums live")
+    p.add_argument("--overlap-next-step", action="store_true",
+                   help="the *_offload modes: Offload(overlap_next_step=True), the CPU path's uploads (and, "
+                        "stages 1-2, the all-gathers of the updated rows) handed over to the next call")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     args.worlds = args.worlds or ([1, 2] if args.smoke else [1, 2, 4])
@@ -280,6 +285,7 @@ def main() -> None:
         device = f"CPU ({os.cpu_count()} cores), gloo, {args.threads} thread(s) a rank"
     print_table(rows, COLUMNS)
     suffix = f"_k{args.accumulation_steps}_{args.accumulate_on}" if args.accumulation_steps > 1 else ""
+    suffix += "_overlap" if args.overlap_next_step else ""
     out = args.out or os.path.join(HERE, "results", f"zero_{args.device}{suffix}.json")
     write_json(out, {"device": device, "args": vars(args), "rows": rows})
 

@@ -433,7 +433,8 @@ class CompiledStep:
             variant = self._variants[key] = self._compile(args, kwargs, self._sum_placement(key),
                                                           self._step_sums_for(key, args, kwargs))
             executor = variant.executor
-            if executor.handed_over or executor.carries_host_writes or executor.hands_over_sums:
+            if executor.handed_over or executor.carries_host_writes or executor.hands_over_sums \
+                    or executor.deferred_gathers is not None:
                 self._synchronize_before_outside_access(variant.capture.bindings)
             if executor.host_state is not None:
                 self._keep_offloaded_dtypes_on_load(variant.capture.bindings)
@@ -444,7 +445,9 @@ class CompiledStep:
         """Wait until the last call's parameter uploads have landed. Only needed with
         `Offload(overlap_next_step=True)`, before reading or changing parameters between calls
         in ways the step does not see (it synchronizes itself before the model's forward and
-        before `state_dict()`/`load_state_dict()` of the model, the optimizer or the step)."""
+        before `state_dict()`/`load_state_dict()` of the model, the optimizer or the step).
+        Under ZeRO stages 1-2 it also runs the all-gathers of the updated rows the last call left
+        to the next: a collective, so call it on every rank alike."""
         if self._ran is not None:
             self._ran.synchronize()
 

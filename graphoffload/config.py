@@ -93,9 +93,12 @@ class Offload:
             optimizer or the step run; anything else that reads or writes parameters or
             `optimizer.state` between calls (another compiled step on the same model too) must
             call `step.synchronize()` first (under ZeRO stage 3 that includes `full_tensor()` of a
-            parameter). Under ZeRO stages 1-2 a CPU-path bucket's upload is waited for in the same
-            call, before the all-gather that reads this rank's rows; only device-path write-backs
-            land after the call. Off by default.
+            parameter). Under ZeRO stages 1-2 each bucket's all-gather of the updated rows moves
+            to the start of the next call (right before forward first reads the bucket), so a
+            CPU-path upload of this rank's rows is handed over as stage 3's is; between calls
+            each rank's parameters then hold only its own updated rows, and `synchronize()`
+            (the model's forward, `state_dict()`) runs the pending gathers: a collective, so
+            every rank must do it alike. Off by default.
         plan_cache: keep each offload plan on disk beside the calibration
             (`$XDG_CACHE_HOME/graphoffload/plans/`), keyed by everything the planner reads (the
             step's predicted costs, the calibration, the budget), so a restarted job with the

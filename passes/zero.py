@@ -24,6 +24,17 @@ save and load it. The gradients are cut into buckets in the order backward produ
 * **Parameters**, after the last update: each rank packs its updated chunks of the bucket the
   same way, one `all_gather_into_tensor` brings every rank's, and each parameter is overwritten
   from the gathered rows (`copy_`), so every rank ends the step with the same full parameters.
+  With `Offload(overlap_next_step=True)` (ZeRO-Offload, stages 1-2) a bucket's gather moves to
+  the start of the next call instead, right before forward first reads any of its parameters
+  (`_defer_gathers`): a CPU-path bucket's upload of this rank's rows can then run on past the
+  call, as stage 3's does (`offload_optimizer` hands it over and waits for it right before the
+  gather packs the rows), rather than being waited for in the step because the gather reads it.
+  The gather is idempotent (it packs the rows the parameter holds and writes them back where
+  they were), so a fresh step's first call, whose parameters are whole already, is right too.
+  Its nodes carry `meta["deferred_gather"]` (the bucket's index): between calls the parameters
+  hold only this rank's updated rows, and the executor runs exactly those nodes on
+  `synchronize()`. A bucket whose parameters the step reads after their update (a weight norm
+  logged after `optimizer.step()`) keeps its gather after the update.
 
 A 0-dim parameter cannot be split: its gradient goes into every rank's part of the buffer (so
 the reduce-scatter gives each rank the sum), every rank updates it alike, its state is
@@ -117,7 +128,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import fx
 
-from graphoffload.aliasing import written_args, written_placeholders
+from graphoffload.aliasing import StorageMap, written_args, written_placeholders
 from graphoffload.bucketing import greedy_buckets
 from graphoffload.data_parallel import shard_rows
 from graphoffload.diagnostics import user_line_of_stack_trace
@@ -555,6 +566,25 @@ def _gather_parameters(emit: _Emitter, bucket: _Bucket, chunks: dict[fx.Node, fx
     return copied
 
 
+def _defer_gathers(g: fx.Graph, buckets: list[_Bucket], update_views: set[fx.Node],
+                   last_kernel: fx.Node) -> list[fx.Node | None]:
+    """Per bucket, the node its deferred gather goes right before: the first reader of any of its
+    parameters (forward's, in a training step), the update's views of this rank's rows aside; None
+    (the gather stays after the update) when the step reads one of them after the last update, or
+    nothing but the update reads them."""
+    storages = StorageMap(g)
+    updated_at = storages.position[last_kernel]
+    placed: list[fx.Node | None] = []
+    for bucket in buckets:
+        params = [it.param for it in bucket.items if not it.scalar]
+        late = [a for p in params for s in storages.of(p) for a in storages.accesses[s]
+                if a.position > updated_at]
+        readers = [u for p in params for u in p.users if u not in update_views and u in storages.position
+                   and storages.position[u] < updated_at]
+        placed.append(None if late or not readers else min(readers, key=storages.position.__getitem__))
+    return placed
+
+
 def _shard_state(emit: _Emitter, it: _Item, world: int, rank: int) -> int:
     """Give the item's state placeholders (not the step counter) this rank's chunk's shape.
     Returns their elements."""
@@ -858,11 +888,26 @@ def _zero(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
     copied = 0
     if dp.stage == 3:   # parameters: gathered before forward and backward read them (zero_params)
         gathers = gather_for_use(emit, g, sharded, world, group, dp.bucket_numel)
-    else:   # parameters: gathered after the last update, in bucket order
+    else:   # parameters: gathered after the last update, in bucket order (or deferred: below)
         last_kernel = max((k.node for k in kernels), key=position.__getitem__)
+        offload = ctx.config.offload
+        before = _defer_gathers(g, buckets, set(chunks.values()), last_kernel) \
+            if offload is not None and offload.overlap_next_step else [None] * len(buckets)
         with g.inserting_before(last_kernel.next):
-            for bucket in buckets:
-                copied += _gather_parameters(emit, bucket, chunks, world, group)
+            for bucket, first in zip(buckets, before):
+                if first is None:
+                    copied += _gather_parameters(emit, bucket, chunks, world, group)
+        for b, (bucket, first) in enumerate(zip(buckets, before)):
+            if first is None:
+                continue
+            made = set(g.nodes)
+            with g.inserting_before(first):   # packed from the rows the parameter holds at that point
+                rows = {it.param: _local_rows(emit, it, it.param, world, rank) for it in bucket.items}
+                copied += _gather_parameters(emit, bucket, rows, world, group)
+            for node in g.nodes:
+                if node not in made:
+                    node.meta["deferred_gather"] = b
+        deferred = sum(first is not None for first in before)
     g.lint()
     written = written_placeholders(g)
     inputs = tuple(s if s.mutable or s.name not in written else type(s)(s.kind, s.name, s.target, True)
@@ -895,6 +940,13 @@ def _zero(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
                    if dp.stage == 1 else (("reduce_scatter_tensor", "dp"), ("all_reduce", "sp")))
     if dp.stage == 3:
         _note_params(graph, gathers, local, total, padded)
+    elif ctx.config.offload is not None and ctx.config.offload.overlap_next_step:
+        graph.note("zero", f"Offload(overlap_next_step=True): {deferred} of {len(buckets)} buckets' all-gathers of "
+                   "the updated chunks run at the start of the next call, right before forward first reads the "
+                   "bucket's parameters (synchronize() runs them between calls)"
+                   + (f"; {len(buckets) - deferred} stay after the update, their parameters read after it in the "
+                      "step" if deferred < len(buckets) else ""), "deferred_gathers",
+                   buckets=deferred, kept=len(buckets) - deferred)
     if sums:
         _note_host_sums(graph, items, buckets, world, rank, update=True)
     if clip is not None:

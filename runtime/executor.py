@@ -68,7 +68,7 @@ class Executor:
         # uploads a run hands over to the next (Offload.overlap_next_step): key -> parameter names
         param_names = {s.name: s.target for s in graph.signature.inputs if s.kind == "param"}
         hand_overs = [n.args[2] for n in graph.graph.nodes if n.target is torch.ops.graphoffload.hand_over.default]
-        self.handed_over = {n.args[2]: [param_names[p.name] for p in n.args[1]] for n in graph.graph.nodes
+        self.handed_over = {n.args[2]: [param_names[_viewed(p).name] for p in n.args[1]] for n in graph.graph.nodes
                             if n.target is torch.ops.graphoffload.hand_over.default
                             and param_of_grad_sum_key(n.args[2]) is None}
         # running sums whose CPU adds a run hands over to the next call (Offload.accumulate_on),
@@ -81,6 +81,10 @@ class Executor:
         # device-path write-backs that land after a run returns (Offload.overlap_next_step)
         self.carries_host_writes = any(n.target is torch.ops.graphoffload.carry_host_write.default
                                        for n in graph.graph.nodes)
+        # ZeRO stages 1-2 with overlap_next_step: the all-gathers of the updated rows that a run
+        # leaves to the start of the next (passes/zero.py), which synchronize() runs in between
+        self.deferred_gathers = _deferred_gathers(graph)
+        self.gathers_pending = False
 
     def place_host_state(self) -> None:
         """Place the offloaded optimizer state and master weights in host memory now, as the
@@ -206,6 +210,7 @@ class Executor:
                 profile.update(timer.seconds)
         if self.host_state is not None:
             self.host_state.record_versions(skip=set(self.params_in_flight()))
+        self.gathers_pending = self.deferred_gathers is not None
         return self.write_back(outputs)
 
     def failed_node(self, exc: BaseException) -> fx.Node | None:
@@ -250,6 +255,27 @@ class Executor:
         if self.offload_runtime is not None and self.offload_runtime.in_flight:
             self.offload_runtime.synchronize(keep)
             self.host_state.record_versions()
+        if self.gathers_pending:
+            self.run_deferred_gathers()
+
+    def run_deferred_gathers(self) -> None:
+        """Run the all-gathers the last run left to the next call (ZeRO stages 1-2 with
+        Offload.overlap_next_step), once its uploads have landed: every rank's parameters are then
+        the whole updated ones. A collective: every rank synchronizes alike. The next run gathers
+        again at its start, which changes nothing (the rows are packed from where they are)."""
+        gm, names = self.deferred_gathers
+        params = [self.placed_param(name, self.vals[placeholder]) for placeholder, name in names]
+        try:
+            with torch.no_grad():
+                gm(*params)
+        except Exception as exc:
+            if self.collective_failed is not None:
+                raise self.collective_failed(exc, "the all-gathers of the updated parameters that "
+                                                  "synchronize() runs") from exc
+            raise
+        self.gathers_pending = False
+        if self.host_state is not None:
+            self.host_state.record_versions()
 
     def write_back(self, outputs: list[Tensor]) -> Any:
         b = self.capture.bindings
@@ -272,3 +298,32 @@ class Executor:
         it = iter(user)
         leaves = [next(it) if c is TENSOR_SLOT else c for c in self.capture.out_constants]
         return pytree.tree_unflatten(leaves, self.capture.out_spec)
+
+
+def _deferred_gathers(graph: TrainGraph) -> tuple[fx.GraphModule, list[tuple[str, str]]] | None:
+    """The nodes `zero` tagged `meta["deferred_gather"]` (each bucket's packing of this rank's
+    rows, its all-gather and the copies into the whole parameters), copied into a graph of their
+    own whose inputs are the parameters they read, with those parameters' (placeholder, name):
+    the same nodes the step runs at its start, so synchronize() gathers exactly as it does."""
+    nodes = [n for n in graph.graph.nodes if "deferred_gather" in n.meta]
+    if not nodes:
+        return None
+    param_names = {s.name: s.target for s in graph.signature.inputs if s.kind == "param"}
+    tagged = set(nodes)
+    inputs = list(dict.fromkeys(i for n in nodes for i in n.all_input_nodes if i not in tagged))
+    if any(i.op != "placeholder" or i.name not in param_names for i in inputs):
+        raise GraphOffloadError(f"the deferred all-gathers read {[i.name for i in inputs]}, not parameters alone: "
+                                "a pass moved or rewired them; report this with the step")
+    sub = fx.Graph()
+    env = {i: sub.placeholder(i.name) for i in inputs}
+    for n in nodes:
+        env[n] = sub.node_copy(n, env.__getitem__)
+    sub.output(None)
+    return fx.GraphModule(torch.nn.Module(), sub), [(i.name, param_names[i.name]) for i in inputs]
+
+
+def _viewed(node: fx.Node) -> fx.Node:
+    """The placeholder a node views (ZeRO stages 1-2 upload into `slice` views of this rank's rows)."""
+    while node.op != "placeholder":
+        node = node.args[0]
+    return node

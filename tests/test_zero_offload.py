@@ -8,9 +8,11 @@ and `optimizer.state` holds `Shard(0)` DTensors whose local chunks are the host 
 3: the parameters too, DTensors of the rows the uploads write). One rank's graph is also compiled
 in a single process (`AsRank`) for the order of its waits and collectives. With
 `Offload(activations="auto")` under a budget below the keep-everything peak the plan recomputes or
-offloads saved activations and still trains as eager; with `Offload(overlap_next_step=True)` stage
-3's uploads are handed over to the next forward's gathers (parameters read after
-`step.synchronize()`), and stages 1-2 wait for theirs before the all-gather that reads them."""
+offloads saved activations and still trains as eager; with `Offload(overlap_next_step=True)` every
+stage's CPU-path uploads are handed over to the next forward's gathers (stages 1-2: the all-gathers
+of the updated rows, moved to the start of the next call), and the parameters read after
+`step.synchronize()` or through the model's `state_dict()` (which run the pending gathers) equal
+eager's."""
 
 from __future__ import annotations
 
@@ -69,11 +71,20 @@ def _trains_as_eager(rank, world, stage, offload, expect_mix=False, step_fn=gpt_
         mine = {k: v[rank * rows:(rank + 1) * rows] for k, v in batch.items()}
         step_fn(eager, opt_e, batch)   # the whole batch: the mean of the micro-batches' losses
         step(model, opt, mine)
-        if offload.overlap_next_step:   # stage 3: the rows' uploads run on past the call (handed over)
-            assert bool(step.last.executor.params_in_flight()) == (stage == 3 and offload.device_updates == "never")
-            step.synchronize()
-            assert not step.last.executor.params_in_flight()
-        for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+        read = dict(model.named_parameters())
+        if offload.overlap_next_step:   # the CPU path's uploads of the rows run on past the call (handed over)
+            executor = step.last.executor
+            handed = step.last.graph.notes_of("offload_optimizer", "handed_over")[0].fields["buckets"]
+            assert bool(executor.params_in_flight()) == (handed > 0)
+            # stages 1-2: every bucket's all-gather of the updated rows is left to the next call
+            assert executor.gathers_pending == (stage != 3)
+            if i == 1:   # the model's state_dict() synchronizes itself (uploads landed, rows gathered)
+                state = model.state_dict()
+                read = {name: state[name] for name in read}
+            else:
+                step.synchronize()
+            assert not executor.params_in_flight() and not executor.gathers_pending
+        for (name, p), q in zip(read.items(), eager.parameters()):
             err = ((_whole(p) - q).abs().max() / q.abs().max()).item()
             assert err <= RTOL, f"stage {stage} {offload}: {name} is {err:.3g} from eager at step {i}"
 
@@ -112,7 +123,7 @@ def _trains_as_eager(rank, world, stage, offload, expect_mix=False, step_fn=gpt_
     # ... and the host memory it measured, against one process offloading the whole model (all
     # on the CPU path: the host scratch the gradients land in depends on which buckets take it)
     share = None
-    if offload.device_updates == "never":
+    if offload.device_updates == "never" and not offload.overlap_next_step:
         alone = graphoffload.offload_compile(gpt_step, offload=Offload(device_updates="never"),
                                              config=graphoffload.CompileConfig(fuse_optimizer=FUSE))
         whole = copy.deepcopy(eager)
@@ -146,6 +157,8 @@ def _trains_as_eager(rank, world, stage, offload, expect_mix=False, step_fn=gpt_
     if stage == 3:   # (which gather packs which rows: the single-process test)
         assert min(waits) > max(uploads) and len(step.last.graph.notes_of("zero", "params")[0].fields["sharded"]) \
             == sum(1 for p in model.parameters() if isinstance(p, DTensor)) > 0
+    elif offload.overlap_next_step:   # the gathers moved to the start: before forward, so before every upload
+        assert max(gathers) < min(uploads)   # (their waits and packing: the single-process test)
     else:
         assert max(uploads) < min(gathers)   # (the order of each wait and its all-gather: the single-process test)
     if offload.activations == "auto":   # the budget made the planner move saved activations, and it is met
@@ -155,7 +168,7 @@ def _trains_as_eager(rank, world, stage, offload, expect_mix=False, step_fn=gpt_
         device_buckets = (device_buckets, fields["recompute"], fields["offload"])
     if offload.overlap_next_step:
         handed = step.last.graph.notes_of("offload_optimizer", "handed_over")[0].fields["buckets"]
-        assert handed == (cpu_buckets if stage == 3 else 0), (stage, handed)
+        assert handed == cpu_buckets, (stage, handed)
         device_buckets = (device_buckets, handed)
     return share, device_buckets
 
@@ -179,13 +192,35 @@ def _world2(rank, world, path):
         budget = int(0.8 * _keep_peak(stage, world))
         results.append(_trains_as_eager(rank, world, stage, Offload(device_updates="never", gpu_memory_budget=budget,
                                                                     activations="auto")))
-    # overlap_next_step: stage 3 hands the rows' uploads over to the next forward's gathers; stage 1
-    # waits for them before its all-gather and carries its device-path buckets' write-backs
+    # overlap_next_step: every stage hands the CPU path's uploads of the rows over to the next call,
+    # whose forward waits for them before its gathers (stages 1-2: the all-gathers of the updated rows,
+    # moved there); device-path buckets carry their write-backs
     results.append(_trains_as_eager(rank, world, 3, Offload(device_updates="never", overlap_next_step=True)))
-    results.append(_trains_as_eager(rank, world, 1, Offload(device_updates=2, calibration=FAST_DEVICE,
-                                                            overlap_next_step=True)))
+    for stage in (1, 2):
+        results.append(_trains_as_eager(rank, world, stage, Offload(device_updates="never", overlap_next_step=True)))
+        results.append(_trains_as_eager(rank, world, stage, Offload(device_updates=2, calibration=FAST_DEVICE,
+                                                                    overlap_next_step=True)))
     print(f"rank {rank}: (state bytes, host bytes) / one process's, device buckets: {results}")
     _bf16_dcp_resumes_bit_for_bit(rank, world, path)
+    _a_lone_synchronize_times_out(rank, world)
+
+
+def _a_lone_synchronize_times_out(rank, world):
+    """Stages 1-2 with overlap_next_step: synchronize() runs the gathers the last call left to the
+    next, a collective; a rank that synchronizes alone gets RankTimeoutError, not a hang."""
+    model = _gpt()
+    opt = _optimizer("adamw", model)
+    step = graphoffload.offload_compile(
+        gpt_step, offload=Offload(device_updates="never", overlap_next_step=True),
+        config=graphoffload.CompileConfig(fuse_optimizer=FUSE),
+        data_parallel=graphoffload.ZeRO(stage=1, bucket_numel=4096, timeout_s=3))
+    batch = _batches(world)[0]
+    rows = batch["input_ids"].shape[0] // world
+    step(model, opt, {k: v[rank * rows:(rank + 1) * rows] for k, v in batch.items()})
+    if rank == 0:
+        with pytest.raises(graphoffload.RankTimeoutError, match="synchronize"):
+            step.synchronize()
+    dist.barrier()
 
 
 def _bf16_dcp_resumes_bit_for_bit(rank, world, path):
@@ -410,12 +445,77 @@ def test_overlap_next_step_hands_stage_3_rows_to_the_next_forwards_gathers(one_p
         assert readers and all(at[wait] < at[u] for u in readers), wait
     assert graph.notes_of("offload_optimizer", "handed_over")[0].fields["buckets"] == len(waits)
 
-    graph = _compile_as(1, 1, Offload(device_updates="never", overlap_next_step=True), world=4)[1]
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_overlap_next_step_moves_stage_1_2_all_gathers_into_the_next_forward(stage, one_process_group):
+    """Offload(overlap_next_step=True) under ZeRO stages 1-2, rank 1 of 4: each bucket's all-gather
+    of the updated rows runs at the start of the next call, right before forward first reads any of
+    its parameters; each CPU-path bucket's upload of this rank's rows is handed over at the step's
+    end and waited for right before the gather packs those rows; no gather reads the rows after an
+    upload in the same call; the gathers' nodes are what synchronize() runs between calls."""
+    step, graph, model, opt, batch = _compile_as(1, stage, Offload(device_updates="never", overlap_next_step=True),
+                                                 world=4)
     nodes = list(graph.gm.graph.nodes)
-    assert not [n for n in nodes if n.target in (ops.hand_over.default, ops.wait_handed_over.default)]
-    cpu = len([n for n in nodes if n.target is ops.copy_to_device.default])
-    assert graph.notes_of("offload_optimizer", "read_after_update")[0].fields["buckets"] == cpu > 1
-    assert graph.notes_of("offload_optimizer", "handed_over")[0].fields["buckets"] == 0
+    at = {n: i for i, n in enumerate(nodes)}
+    handed = {n.args[2]: n for n in nodes if n.target is ops.hand_over.default}
+    waits = [n for n in nodes if n.target is ops.wait_handed_over.default]
+    uploads = [n for n in nodes if n.target is ops.copy_to_device.default]
+    assert len(handed) == len(waits) == len(uploads) == len(graph.notes_of("fuse_optimizer", "bucket")) > 1
+    assert not [n for n in nodes if n.target is ops.wait_device.default and n.args[0].target is ops.copy_to_device.default]
+    assert not graph.notes_of("offload_optimizer", "read_after_update")
+    assert graph.notes_of("offload_optimizer", "handed_over")[0].fields["buckets"] == len(waits)
+    gathers = [n for n in nodes if n.target is c10d.all_gather_into_tensor.default]
+    note = graph.notes_of("zero", "deferred_gathers")[0].fields
+    assert note["buckets"] == len(gathers) == graph.notes_of("zero", "shards")[0].fields["buckets"] > 1
+    assert note["kept"] == 0
+    spec = {s.name: s for s in graph.signature.inputs}
+    params = {n for n in nodes if n.op == "placeholder" and spec[n.name].kind == "param"}
+    for gather in gathers:   # before forward's first read of its parameters, before every update
+        packed = {v.args[0] for v in _packed(gather)}
+        first_read = min((u for p in packed for u in p.users if u.meta.get("phase") == "forward"), key=at.__getitem__)
+        assert at[gather] < at[first_read] and at[gather] < min(at[u] for u in uploads)
+        assert gather.meta["deferred_gather"] is not None
+        copies = [n for n in nodes if n.target is torch.ops.aten.copy_.default and n.args[0] in packed]
+        assert copies and all(at[gather] < at[c] < at[first_read] for c in copies)
+    for wait in waits:   # the rows' upload, handed over, waited for before any gather packs them
+        upload = handed[wait.args[1]].args[0]
+        rows = {v.args[0] for v in upload.args[3]}
+        assert upload.target is ops.copy_to_device.default and rows <= params
+        packing = [g for g in gathers if rows & {v.args[0] for v in _packed(g)}]
+        assert packing and all(at[wait] < min(at[v] for v in _packed(g)) for g in packing), wait
+        readers = [u for p in rows for u in p.users if u.meta.get("phase") != "optimizer"]
+        assert readers and all(at[wait] < at[u] for u in readers), wait
+    # synchronize()'s graph: the gathers' nodes alone, reading the parameters
+    gm, names = step.last.executor.deferred_gathers
+    sub = [n for n in gm.graph.nodes if n.op == "call_function"]
+    assert len(sub) == sum("deferred_gather" in n.meta for n in nodes) and \
+        sum(n.target is c10d.all_gather_into_tensor.default for n in sub) == len(gathers)
+    assert {name for _, name in names} == {spec[p.name].target for p in params if p.meta["val"].dim()}
+
+
+def test_overlap_next_step_keeps_the_gather_of_a_bucket_read_after_the_update(one_process_group):
+    """Stage 2 with overlap_next_step, rank 1 of 4, a step that reads weights after
+    optimizer.step() (tests/test_read_after_step.py's): the buckets holding those parameters
+    keep their all-gather after the update (the read sees the whole updated parameters) and their
+    uploads are waited for in the step; the other buckets' gathers still move to the next call."""
+    from test_read_after_step import norm_after_step
+
+    step, graph, model, opt, batch = _compile_as(1, 2, Offload(device_updates="never", overlap_next_step=True),
+                                                 norm_after_step, world=4)
+    nodes = list(graph.gm.graph.nodes)
+    at = {n: i for i, n in enumerate(nodes)}
+    note = graph.notes_of("zero", "deferred_gathers")[0].fields
+    assert note["kept"] > 0 and note["buckets"] > 0
+    spec = {s.name: s.target for s in graph.signature.inputs}
+    uploads = [n for n in nodes if n.target is ops.copy_to_device.default]
+    gathers = [n for n in nodes if n.target is c10d.all_gather_into_tensor.default]
+    kept = [g for g in gathers if "deferred_gather" not in g.meta]
+    assert len(kept) == note["kept"] and all(at[g] > max(at[u] for u in uploads) for g in kept)
+    read_after = {"tok.weight", "ln_f.weight", "blocks.1.mlp.0.weight"}
+    assert read_after <= {spec[v.args[0].name] for g in kept for v in _packed(g)}
+    handed = [{spec[v.args[0].name] for v in n.args[1]} for n in nodes if n.target is ops.hand_over.default]
+    assert handed and not any(read_after & params for params in handed)
+    assert graph.notes_of("offload_optimizer", "read_after_update")[0].fields["buckets"] == len(uploads) - len(handed)
 
 
 def test_the_plan_charges_the_bucket_collectives_on_the_link_and_counts_their_buffers(one_process_group):
@@ -462,7 +562,12 @@ def test_the_plan_charges_the_bucket_collectives_on_the_link_and_counts_their_bu
     # for every upload: the single-process test below checks the graph's waits)
     (3, Offload(device_updates="never"), gpt_step, True),
     (3, Offload(device_updates=2, calibration=FAST_DEVICE), gpt_step, True),
-], ids=["stage2-cpu", "stage1-hybrid", "stage1-grad-left-set", "stage3-cpu-sanitized", "stage3-hybrid-sanitized"])
+    # overlap_next_step, stages 1-2: the uploads handed over, the all-gathers at the next call's
+    # start; under the sanitizer a gather packing rows before their upload's wait sees NaN
+    (2, Offload(device_updates="never", overlap_next_step=True), gpt_step, True),
+    (1, Offload(device_updates=2, calibration=FAST_DEVICE, overlap_next_step=True), gpt_step, True),
+], ids=["stage2-cpu", "stage1-hybrid", "stage1-grad-left-set", "stage3-cpu-sanitized", "stage3-hybrid-sanitized",
+        "stage2-cpu-overlap-sanitized", "stage1-hybrid-overlap-sanitized"])
 def test_one_rank_with_bf16_parameters_offloads_as_plain_offload_bit_for_bit(stage, offload, step_fn, sanitize,
                                                                             one_process_group):
     """ZeRO over a group of one: the chunk is the whole parameter, so the step must do exactly what
@@ -489,6 +594,9 @@ def test_one_rank_with_bf16_parameters_offloads_as_plain_offload_bit_for_bit(sta
                 models[1].blocks[0].mlp[0].weight.mul_(0.5)
         losses = [step(m, o, batch) for step, m, o in zip(steps, models, opts)]
         assert torch.equal(*losses), (i, losses)
+        if offload.overlap_next_step:   # the uploads (and stages 1-2's gathers) run on past the call
+            for step in steps:
+                step.synchronize()
         for p, q in zip(*(m.parameters() for m in models)):
             assert torch.equal(_whole(p), q), i
             assert (p.grad is None) == (q.grad is None) and (p.grad is None or torch.equal(p.grad, q.grad))
