@@ -271,7 +271,10 @@ class Executor:
         except Exception as exc:
             if self.collective_failed is not None:
                 raise self.collective_failed(exc, "the all-gathers of the updated parameters that "
-                                                  "synchronize() runs") from exc
+                                                  "synchronize() runs (with ZeRO stages 1-2 and "
+                                                  "Offload(overlap_next_step=True), synchronize(), the model's "
+                                                  "forward and state_dict() between calls are collectives: "
+                                                  "every rank of the group must call them alike)") from exc
             raise
         self.gathers_pending = False
         if self.host_state is not None:
