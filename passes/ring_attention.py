@@ -25,7 +25,12 @@ the elementwise `FALLBACK` for an op without one:
   after its last gradient is produced), so every rank applies the same update.
   With `data_parallel=` (ZeRO over the other dimension of a mesh) the pass leaves the
   parameter gradients partial and lists them in a `deferred_gradients` note: the `zero` pass
-  reduces them over both groups in its own bucket collectives.
+  reduces them over both groups in its own bucket collectives. An accumulating call of
+  `accumulation_steps` has no update to read gradients, yet `zero` may reduce its gradients too
+  (host running sums, which it reduce-scatters every call): there the note lists the gradients
+  backward adds into the running sums of the parameters the window's update updates (capture's
+  `accumulation` note, `updated`), the ones the updating call's update reads, so both calls
+  tell `zero` the same thing.
 * **The loss** (`nll_loss_forward`, i.e. cross-entropy, with mean reduction) becomes the sum
   over local tokens, all-reduced with the token count: the mean over all tokens of all ranks,
   and its backward divides by the global count.
@@ -338,10 +343,8 @@ class _Sharder:
         for grad in self.buckets[last]:
             if self.spec(grad) == PARTIAL:
                 grads.append(grad)
-            elif isinstance(self.spec(grad), Shard):
-                raise UnsupportedError(f"sequence parallelism: the gradient {grad.name} of parameter "
-                                       f"{grad.meta.get('param')} is split along the sequence; parameters whose "
-                                       "shape follows the sequence length are not supported")
+            else:
+                self._refuse_split(grad)
         if not grads:
             return
         if self.defer_gradients:
@@ -380,6 +383,30 @@ class _Sharder:
         self.counts["buckets"] += 1
         self.counts["grads"] += len(grads)
 
+    def defer_summed_gradients(self, updated: tuple[str, ...]) -> None:
+        """An accumulating call under ZeRO: list the gradients that backward adds into the running
+        sums (`sum.add_(grad)`, as capture binds the sums) of the parameters the window's update
+        updates. Each is a partial sum over this group (a whole one, added into a sum that is
+        partial, was refused by the walk), left as it is: with device sums the sums stay partial
+        until the updating call, with host sums `zero` reduces each call's over both groups."""
+        signature = self.train_graph.signature
+        for s in sorted(self.grad_sums, key=self.position.__getitem__):
+            if signature.input(s.name).target not in updated:
+                continue
+            for add in s.users:
+                if add.target is not aten.add_.Tensor or add.args[0] is not s or not isinstance(add.args[1], fx.Node):
+                    continue
+                grad = add.args[1]
+                self._refuse_split(grad)
+                if self.spec(grad) == PARTIAL:
+                    self.deferred.append(grad.name)
+
+    def _refuse_split(self, grad: fx.Node) -> None:
+        if isinstance(self.spec(grad), Shard):
+            raise UnsupportedError(f"sequence parallelism: the gradient {grad.name} of parameter "
+                                   f"{grad.meta.get('param')} is split along the sequence; parameters whose "
+                                   "shape follows the sequence length are not supported")
+
     def finish(self, output: fx.Node) -> None:
         """Partial step outputs are all-reduced; sharded ones stay this rank's part."""
         outs = list(output.args[0])
@@ -397,6 +424,9 @@ def ring_attention(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
         return graph
     sharder = _Sharder(graph, sp, defer_gradients=ctx.config.data_parallel is not None)
     sharder.run()
+    window = graph.notes_of("capture", "accumulation")
+    if sharder.defer_gradients and window and not window[0].fields["update"]:
+        sharder.defer_summed_gradients(window[0].fields["updated"])
     c = sharder.counts
     graph.note("ring_attention", f"rank {sharder.rank} of {sharder.world}, {sp.layout} layout: the sequence of "
                f"{sharder.seq} tokens is split into {sharder.seq // sharder.world} per rank")

@@ -224,7 +224,11 @@ def _accumulates_as_eager(rank, mesh, stage, offload=None):
     """accumulation_steps=K: each rank's running sums are its partial sums over its sequence part
     of its micro-batches; the updating call reduces them over both groups, once per update, and
     the accumulating calls run no gradient collective (their only one: the loss's, over sp).
-    With `offload=` too (ZeRO-Offload), the updating call updates the rank's chunks on the host."""
+    With `offload=` too (ZeRO-Offload), the updating call updates the rank's chunks on the host.
+    With `Offload(accumulate_on="host")` every call reduces its gradients over both groups (per
+    bucket a reduce-scatter over dp, then an all-reduce of this rank's part over sp) and adds
+    this rank's chunk into its host sum, so no call holds a sum on the device."""
+    host = offload is not None and offload.accumulate_on == "host"
     dp_rank = mesh["dp"].get_local_rank()
     eager = _llama().double()
     model = copy.deepcopy(eager)
@@ -239,11 +243,31 @@ def _accumulates_as_eager(rank, mesh, stage, offload=None):
             opt_e.step()
             opt_e.zero_grad()
         step(model, opt, {k: v[2 * dp_rank:2 * dp_rank + 2] for k, v in batch.items()})
-        targets = [n.target for n in step.graphs["final"].graph.nodes]
+        final = step.last.stages["final"]
+        targets = [n.target for n in final.graph.nodes]
         gradient_collectives = sum(targets.count(t) for t in (c10d.reduce_scatter_tensor.default,
                                                               c10d.all_reduce_coalesced.default))
-        assert targets.count(c10d.all_reduce.default) == (1 if i % K < K - 1 else 1 + gradient_collectives)
-        assert (gradient_collectives > 0) == (i % K == K - 1), (i, gradient_collectives)
+        if host:   # this call's collectives by group: per bucket dp then sp, and the loss's over sp
+            (sums,) = final.notes_of("zero", "host_sums")
+            (two,) = final.notes_of("zero", "two_dimensions")
+            (deferred,) = final.notes_of("ring_attention", "deferred_gradients")
+            assert sums.fields["update"] == (i % K == K - 1) and not two.fields["whole_over_sequence_parallel"]
+            # the gradients ring attention left partial: those the update reads, on both calls
+            assert len(deferred.fields["gradients"]) == sums.fields["sums"] > 0, (i, deferred.fields, sums.fields)
+            assert not any(s.kind == "grad_sum" and not s.host for s in final.signature.inputs)
+            groups = {two.fields["data_parallel_group"]: "dp", two.fields["sequence_parallel_group"]: "sp"}
+            by_group: dict = {}
+            for n in final.graph.nodes:
+                if n.op == "call_function" and n.target in (c10d.all_reduce_coalesced.default, c10d.all_reduce.default,
+                                                            c10d.reduce_scatter_tensor.default):
+                    key = (n.target, groups[n.args[-1]])
+                    by_group[key] = by_group.get(key, 0) + 1
+            buckets = sums.fields["buckets"]
+            assert buckets > 1 and by_group == {(c10d.reduce_scatter_tensor.default, "dp"): buckets,
+                                                (c10d.all_reduce.default, "sp"): buckets + 1}, (i, by_group)
+        else:
+            assert targets.count(c10d.all_reduce.default) == (1 if i % K < K - 1 else 1 + gradient_collectives)
+            assert (gradient_collectives > 0) == (i % K == K - 1), (i, gradient_collectives)
     assert (offload is not None) == any(s.host for s in step.last.stages["final"].signature.inputs)   # state on the host
     for (name, p), q in zip(model.named_parameters(), eager.parameters()):
         err = ((_full(p) - q).abs().max() / q.abs().max()).item()
@@ -415,6 +439,7 @@ def _mesh_2x2(rank, world, path):
     # ZeRO-Offload, with a parameter read off the split sequence too (its gradient whole over sp)
     _train_and_compare(rank, mesh, 2, "full", torch.float64, _penalized_hf_step, offload=graphoffload.Offload())
     _accumulates_as_eager(rank, mesh, 2, offload=graphoffload.Offload())   # ... accumulating
+    _accumulates_as_eager(rank, mesh, 2, offload=graphoffload.Offload(accumulate_on="host"))   # ... into host sums
     _skips_as_eager(rank, mesh, 2, scaler=True)    # a GradScaler
     _skips_as_eager(rank, mesh, 2, scaler=False)   # skip_nonfinite=True
     _skips_as_eager(rank, mesh, 1, scaler=True)    # stage 1 with a GradScaler
