@@ -66,7 +66,13 @@ of the chunk to the host and an add of the sum there, as for host sums without Z
 chunks move to the host with it. The cost is a reduce-scatter per micro-batch, k per window,
 where device sums reduce once per update. `Offload(accumulate_on="auto")` picks one of the two for
 the whole step (the step's trial compiles, passes/host_accumulation.py `StepSums`): the config
-this pass sees says "device" or "host", and the choice is noted (`sum_choice`).
+this pass sees says "device" or "host", and the choice is noted (`sum_choice`). With
+`sequence_parallel=` each call's gradients are partial sums over sp too, so every call reduces
+them over both groups (reduce-scatter over dp, this rank's part all-reduced over sp): sums kept
+partial over sp would have to be reduced over sp on the updating call, but they are added on the
+host after that call's collectives, so the reduction would need them back on the device, which
+host sums exist to avoid. Ring attention's `deferred_gradients` note says
+which gradients are partial on the accumulating call as on the updating one.
 
 **Clipping** (`clip_grad_norm_`, L2, in its per-tensor or foreach form): the step's norms of the
 gradients are pointed at this rank's chunks of the averages (on stage 1 too, which holds every

@@ -227,8 +227,8 @@ def _accumulates_as_eager(rank, mesh, stage, offload=None):
     With `offload=` too (ZeRO-Offload), the updating call updates the rank's chunks on the host.
     With `Offload(accumulate_on="host")` every call reduces its gradients over both groups (per
     bucket a reduce-scatter over dp, then an all-reduce of this rank's part over sp) and adds
-    this rank's chunk into its host sum, so no call holds a sum on the device."""
-    host = offload is not None and offload.accumulate_on == "host"
+    this rank's chunk into its host sum, so no call holds a sum on the device ("auto": where the
+    step's one choice, the `sum_choice` note, puts them)."""
     dp_rank = mesh["dp"].get_local_rank()
     eager = _llama().double()
     model = copy.deepcopy(eager)
@@ -247,6 +247,8 @@ def _accumulates_as_eager(rank, mesh, stage, offload=None):
         targets = [n.target for n in final.graph.nodes]
         gradient_collectives = sum(targets.count(t) for t in (c10d.reduce_scatter_tensor.default,
                                                               c10d.all_reduce_coalesced.default))
+        choice = final.notes_of("zero", "sum_choice")
+        host = (choice[0].fields["where"] if choice else offload.accumulate_on if offload else "device") == "host"
         if host:   # this call's collectives by group: per bucket dp then sp, and the loss's over sp
             (sums,) = final.notes_of("zero", "host_sums")
             (two,) = final.notes_of("zero", "two_dimensions")
