@@ -9,7 +9,10 @@ together (stage 1 with clip_grad_norm_); the gradient collectives per bucket are
 group; a DCP checkpoint of the stage 2 run loads back on the same mesh. A GradScaler whose overflow
 comes from one sp rank's part of a gradient row another dp rank holds, and skip_nonfinite=True
 with one dp rank's loss inf, skip the step on all four ranks as eager does (stages 1, 2 and 3;
-with accumulation_steps and with offload=). Groups that are not the two
+with accumulation_steps and with offload=). With offload= and accumulation_steps the running sums
+are on the device, or this rank's chunks on the host (every call reducing over both groups), or
+where `accumulate_on="auto"` puts them under a budget above and one between its trial peaks.
+Groups that are not the two
 dimensions of one mesh are refused before anything is traced (on 4 ranks, and as a pure check
 without processes), and so is a first call that one rank never makes (`RankTimeoutError`)."""
 
@@ -275,6 +278,27 @@ def _accumulates_as_eager(rank, mesh, stage, offload=None):
         err = ((_full(p) - q).abs().max() / q.abs().max()).item()
         assert err <= (FP64_RTOL if offload is None else RTOL), \
             f"rank {rank} stage {stage} accumulating {offload}: {name} is {err:.3g} from eager"
+    return step
+
+
+def _accumulates_as_eager_choosing_the_sums(rank, mesh):
+    """ZeRO-Offload with accumulation_steps on the mesh, stage 2: `accumulate_on="auto"` under a
+    budget above both trial peaks (device sums, as `"device"`), explicit host sums, and "auto" under
+    a budget between the two peaks (host sums). Each peak is the max over all four ranks, so every
+    rank makes the same choice; each run trains two windows as eager (`_accumulates_as_eager`)."""
+    def choice(budget):
+        step = _accumulates_as_eager(rank, mesh, 2, offload=graphoffload.Offload(accumulate_on="auto",
+                                                                                  gpu_memory_budget=budget))
+        notes = [v.graph.notes_of("zero", "sum_choice") for v in step._variants.values()]
+        assert len(notes) == 2 and notes[0] == notes[1], notes   # both variants carry the one choice
+        return notes[0][0].fields
+
+    above = choice(1 << 40)
+    assert above["where"] == "device" and above["host_peak"] < above["device_peak"], above
+    _accumulates_as_eager(rank, mesh, 2, offload=graphoffload.Offload(accumulate_on="host"))
+    between = choice((above["device_peak"] + above["host_peak"]) // 2)
+    assert between["where"] == "host" and (between["device_peak"], between["host_peak"]) == \
+        (above["device_peak"], above["host_peak"]), (between, above)
 
 
 POISONED = 1   # the step whose batch is not finite
@@ -440,8 +464,7 @@ def _mesh_2x2(rank, world, path):
     _accumulates_as_eager(rank, mesh, 2)
     # ZeRO-Offload, with a parameter read off the split sequence too (its gradient whole over sp)
     _train_and_compare(rank, mesh, 2, "full", torch.float64, _penalized_hf_step, offload=graphoffload.Offload())
-    _accumulates_as_eager(rank, mesh, 2, offload=graphoffload.Offload())   # ... accumulating
-    _accumulates_as_eager(rank, mesh, 2, offload=graphoffload.Offload(accumulate_on="host"))   # ... into host sums
+    _accumulates_as_eager_choosing_the_sums(rank, mesh)   # ... accumulating, device, host and "auto" sums
     _skips_as_eager(rank, mesh, 2, scaler=True)    # a GradScaler
     _skips_as_eager(rank, mesh, 2, scaler=False)   # skip_nonfinite=True
     _skips_as_eager(rank, mesh, 1, scaler=True)    # stage 1 with a GradScaler
