@@ -238,3 +238,12 @@ class CompileConfig:
         if self.subgroup_numel <= 0:
             raise ValueError(f"subgroup_numel must be positive, got {self.subgroup_numel}")
         object.__setattr__(self, "disable_passes", tuple(self.disable_passes))
+
+    @property
+    def host_sums_under_zero(self) -> bool:
+        """Whether ZeRO keeps the running gradient sums as this rank's chunks in host memory
+        (`data_parallel=`, `offload=Offload(accumulate_on="host")`, `accumulation_steps` > 1; "auto"
+        reaches the passes as the step's choice): `zero` then reduces every call's gradients itself
+        (passes/zero.py says why), and `ring_attention` leaves the adds into the sums to it."""
+        return self.data_parallel is not None and self.offload is not None \
+            and self.offload.accumulate_on == "host" and self.accumulation_steps > 1

@@ -64,11 +64,15 @@ class _Sharder:
     """The walk over the graph: each node's `Spec`, the shards and all-reduces it inserted.
     What it does at a node is the node's rule (`ring_attention_rules.rule_for`)."""
 
-    def __init__(self, train_graph: TrainGraph, sp: Any, defer_gradients: bool = False):
+    def __init__(self, train_graph: TrainGraph, sp: Any, defer_gradients: bool = False, host_sums: bool = False):
         self.train_graph = train_graph
         # with ZeRO (`data_parallel=`) over the other dimension of a mesh, the parameter
         # gradients' partial sums are left to the `zero` pass, which reduces them over both groups
         self.defer_gradients = defer_gradients
+        # ZeRO's host sums (`CompileConfig.host_sums_under_zero`): `zero` replaces each add into a
+        # running sum by its own reduction of the gradient and a host add, so those adds are left as
+        # they are, whatever the gradient's spec (a gradient whole over sp too)
+        self.host_sums = host_sums
         self.deferred: list[str] = []
         self.graph = train_graph.graph
         self.sp = sp
@@ -225,6 +229,10 @@ class _Sharder:
                 self.specs[node] = self.output_specs[source][position]
                 node.meta["val"] = source.meta["val"][position]
             return
+        summed = self._summed_gradient(node)
+        if summed is not None:
+            self.specs[node] = self.spec(summed)
+            return
         rule = rule_for(node.target)
         ids = node.args[rule.seed_index] if rule.seed_index is not None and len(node.args) > rule.seed_index \
             else None
@@ -244,6 +252,17 @@ class _Sharder:
         if rule.rewrite is not None:
             return rule.rewrite(self, node)
         self.propagate(node)
+
+    def _summed_gradient(self, node: fx.Node) -> fx.Node | None:
+        """With ZeRO's host sums: the gradient a running sum's add adds (the accumulating call's
+        `sum.add_(grad)`, the updating call's `grad + sum`, as capture binds the sums), else None."""
+        if not self.host_sums or node.kwargs or len(node.args) != 2:
+            return None
+        if node.target is aten.add_.Tensor and node.args[0] in self.grad_sums and isinstance(node.args[1], fx.Node):
+            return node.args[1]
+        if node.target is aten.add.Tensor and node.args[1] in self.grad_sums and isinstance(node.args[0], fx.Node):
+            return node.args[0]
+        return None
 
     def propagate(self, node: fx.Node) -> None:
         """The rule's standard propagation: partial inputs kept (linear ops) or all-reduced,
@@ -386,9 +405,10 @@ class _Sharder:
     def defer_summed_gradients(self, updated: tuple[str, ...]) -> None:
         """An accumulating call under ZeRO: list the gradients that backward adds into the running
         sums (`sum.add_(grad)`, as capture binds the sums) of the parameters the window's update
-        updates. Each is a partial sum over this group (a whole one, added into a sum that is
-        partial, was refused by the walk), left as it is: with device sums the sums stay partial
-        until the updating call, with host sums `zero` reduces each call's over both groups."""
+        updates, those that are partial sums over this group, left as they are: with device sums
+        the sums stay partial until the updating call (a whole gradient added into one was refused by
+        the walk), with host sums `zero` reduces each call's over both groups (a whole one, of a
+        parameter read off the split sequence, sent by sp rank 0 alone)."""
         signature = self.train_graph.signature
         for s in sorted(self.grad_sums, key=self.position.__getitem__):
             if signature.input(s.name).target not in updated:
@@ -422,7 +442,8 @@ def ring_attention(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
     sp = ctx.config.sequence_parallel
     if sp is None:
         return graph
-    sharder = _Sharder(graph, sp, defer_gradients=ctx.config.data_parallel is not None)
+    sharder = _Sharder(graph, sp, defer_gradients=ctx.config.data_parallel is not None,
+                       host_sums=ctx.config.host_sums_under_zero)
     sharder.run()
     window = graph.notes_of("capture", "accumulation")
     if sharder.defer_gradients and window and not window[0].fields["update"]:

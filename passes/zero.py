@@ -618,14 +618,6 @@ def _accumulating_stage_3(graph: TrainGraph, dp: Any, updated: tuple[str, ...]) 
     return graph
 
 
-def host_sums_under_zero(ctx: PassContext) -> bool:
-    """Whether the running gradient sums are this rank's chunks in host memory
-    (`Offload(accumulate_on="host")` with `accumulation_steps`): every call reduce-scatters its
-    gradients and only this rank's chunk reaches a sum (the module docstring says why)."""
-    offload = ctx.config.offload
-    return offload is not None and offload.accumulate_on == "host" and ctx.config.accumulation_steps > 1
-
-
 def _chunk_sum(emit: _Emitter, s: fx.Node, it: _Item, world: int, rank: int) -> None:
     """Make the running-sum placeholder `s` (and the `zero_` that clears it) this rank's chunk's
     shape; `offload_optimizer` then moves it to the host (fp32)."""
@@ -835,7 +827,7 @@ def _zero(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
     if dp is None:
         return graph
     window = graph.notes_of("capture", "accumulation")
-    host_sums = host_sums_under_zero(ctx) and bool(window)
+    host_sums = ctx.config.host_sums_under_zero and bool(window)
     if window and not window[0].fields["update"]:
         summed = _host_sum_items(graph) if host_sums else None   # before stage 3 makes parameters rows
         if dp.stage == 3:

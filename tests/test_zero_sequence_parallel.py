@@ -223,7 +223,7 @@ def _dcp_round_trip(rank, mesh, model, opt, path):
 K = 2   # accumulation_steps
 
 
-def _accumulates_as_eager(rank, mesh, stage, offload=None):
+def _accumulates_as_eager(rank, mesh, stage, offload=None, step_fn=hf_step):
     """accumulation_steps=K: each rank's running sums are its partial sums over its sequence part
     of its micro-batches; the updating call reduces them over both groups, once per update, and
     the accumulating calls run no gradient collective (their only one: the loss's, over sp).
@@ -231,17 +231,20 @@ def _accumulates_as_eager(rank, mesh, stage, offload=None):
     With `Offload(accumulate_on="host")` every call reduces its gradients over both groups (per
     bucket a reduce-scatter over dp, then an all-reduce of this rank's part over sp) and adds
     this rank's chunk into its host sum, so no call holds a sum on the device ("auto": where the
-    step's one choice, the `sum_choice` note, puts them)."""
+    step's one choice, the `sum_choice` note, puts them). With `_penalized_hf_step` (host sums only:
+    with device sums ring attention refuses a whole gradient added into a partial sum) lm_head's
+    gradient is whole over sp on every call, sent by sp rank 0 alone."""
+    penalized = step_fn is _penalized_hf_step
     dp_rank = mesh["dp"].get_local_rank()
     eager = _llama().double()
     model = copy.deepcopy(eager)
     opt_e, opt = (torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1) for m in (eager, model))
-    step = graphoffload.offload_compile(hf_step, accumulation_steps=K, offload=offload,
+    step = graphoffload.offload_compile(step_fn, accumulation_steps=K, offload=offload,
                                         sequence_parallel=graphoffload.SequenceParallel(group=mesh["sp"]),
                                         data_parallel=graphoffload.ZeRO(stage=stage, group=mesh["dp"],
                                                                         bucket_numel=8192))
     for i, batch in enumerate(_batches(2) + _batches(2)[::-1]):   # two windows
-        (eager(**batch).loss / K).backward()
+        ((eager(**batch).loss + (_penalty(eager) if penalized else 0)) / K).backward()
         if i % K == K - 1:
             opt_e.step()
             opt_e.zero_grad()
@@ -256,9 +259,10 @@ def _accumulates_as_eager(rank, mesh, stage, offload=None):
             (sums,) = final.notes_of("zero", "host_sums")
             (two,) = final.notes_of("zero", "two_dimensions")
             (deferred,) = final.notes_of("ring_attention", "deferred_gradients")
-            assert sums.fields["update"] == (i % K == K - 1) and not two.fields["whole_over_sequence_parallel"]
-            # the gradients ring attention left partial: those the update reads, on both calls
-            assert len(deferred.fields["gradients"]) == sums.fields["sums"] > 0, (i, deferred.fields, sums.fields)
+            whole = two.fields["whole_over_sequence_parallel"]
+            assert sums.fields["update"] == (i % K == K - 1) and whole == (("lm_head.weight",) if penalized else ())
+            # the gradients ring attention left partial, and the whole one: those the update reads, on both calls
+            assert len(deferred.fields["gradients"]) + len(whole) == sums.fields["sums"] > 1, (i, deferred.fields)
             assert not any(s.kind == "grad_sum" and not s.host for s in final.signature.inputs)
             groups = {two.fields["data_parallel_group"]: "dp", two.fields["sequence_parallel_group"]: "sp"}
             by_group: dict = {}
@@ -268,8 +272,9 @@ def _accumulates_as_eager(rank, mesh, stage, offload=None):
                     key = (n.target, groups[n.args[-1]])
                     by_group[key] = by_group.get(key, 0) + 1
             buckets = sums.fields["buckets"]
+            # (penalized: lm_head's sequence part summed over sp where the penalty's gradient meets it)
             assert buckets > 1 and by_group == {(c10d.reduce_scatter_tensor.default, "dp"): buckets,
-                                                (c10d.all_reduce.default, "sp"): buckets + 1}, (i, by_group)
+                                                (c10d.all_reduce.default, "sp"): buckets + 1 + penalized}, (i, by_group)
         else:
             assert targets.count(c10d.all_reduce.default) == (1 if i % K < K - 1 else 1 + gradient_collectives)
             assert (gradient_collectives > 0) == (i % K == K - 1), (i, gradient_collectives)
@@ -283,7 +288,8 @@ def _accumulates_as_eager(rank, mesh, stage, offload=None):
 
 def _accumulates_as_eager_choosing_the_sums(rank, mesh):
     """ZeRO-Offload with accumulation_steps on the mesh, stage 2: `accumulate_on="auto"` under a
-    budget above both trial peaks (device sums, as `"device"`), explicit host sums, and "auto" under
+    budget above both trial peaks (device sums, as `"device"`), explicit host sums (with a parameter
+    read off the split sequence too: its gradient whole over sp), and "auto" under
     a budget between the two peaks (host sums). Each peak is the max over all four ranks, so every
     rank makes the same choice; each run trains two windows as eager (`_accumulates_as_eager`)."""
     def choice(budget):
@@ -295,7 +301,7 @@ def _accumulates_as_eager_choosing_the_sums(rank, mesh):
 
     above = choice(1 << 40)
     assert above["where"] == "device" and above["host_peak"] < above["device_peak"], above
-    _accumulates_as_eager(rank, mesh, 2, offload=graphoffload.Offload(accumulate_on="host"))
+    _accumulates_as_eager(rank, mesh, 2, offload=graphoffload.Offload(accumulate_on="host"), step_fn=_penalized_hf_step)
     between = choice((above["device_peak"] + above["host_peak"]) // 2)
     assert between["where"] == "host" and (between["device_peak"], between["host_peak"]) == \
         (above["device_peak"], above["host_peak"]), (between, above)
