@@ -55,7 +55,9 @@ groups once per update; or, with `offload=` and `Offload(accumulate_on="host")`,
 its gradients over both groups (reduce-scatter over dp, this rank's part all-reduced over sp) and
 adds this rank's chunk into its host sum. An accumulating call has no update to say which
 gradients are partial over sp, so ring attention lists those backward adds into the running sums
-of the parameters the window's update updates (the ones the updating call's update reads). The state is sharded over dp alone: `Shard(0)` DTensors over a 1-D dp
+of the parameters the window's update updates (the ones the updating call's update reads); a
+gradient whole over sp (a parameter read off the split sequence) is sent by sp rank 0 alone, as on
+an updating call (with device sums it is refused: the sums hold partial sums). The state is sharded over dp alone: `Shard(0)` DTensors over a 1-D dp
 mesh, the same on the ranks of an sp group (not a 2-D mesh DTensor with `Replicate()` over sp);
 DCP saves and loads it on the same mesh (tests/test_zero_sequence_parallel.py). `offload=` works
 with it too, as without `sequence_parallel=`, and so do a GradScaler and skip_nonfinite=True: their
