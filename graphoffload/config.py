@@ -6,7 +6,6 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from graphoffload.calibration import Calibration
-from graphoffload.errors import UnsupportedError
 
 
 @dataclass(frozen=True)
@@ -242,34 +241,12 @@ class CompileConfig:
         if self.subgroup_numel <= 0:
             raise ValueError(f"subgroup_numel must be positive, got {self.subgroup_numel}")
         object.__setattr__(self, "disable_passes", tuple(self.disable_passes))
-        if self.data_parallel is not None:
-            if self.offload is not None:   # stages 1, 2 and 3 alike, with sequence_parallel= too
-                self._check_zero_offload()
 
-    def _check_zero_offload(self) -> None:
-        """ZeRO with offload= (ZeRO-Offload, stages 1, 2 and 3) covers each rank's chunk of a step
-        that updates every call or every k-th (`accumulation_steps`, running sums on the device or,
-        as this rank's chunks, on the host), `activations="auto"` and `overlap_next_step` included;
-        what it does not cover yet is refused here, before anything is traced.
-
-        Running sums on the host (`accumulate_on="host"`) are this rank's chunks: every call
-        reduce-scatters its gradients and adds this rank's chunk into a host sum (passes/zero.py).
-        `"auto"` is one choice for the whole step (all sums on the device, or all on the host), made by
-        the step from trial compiles of its accumulating variant (api.py, passes/host_accumulation.py
-        `StepSums`): a per-bucket placement would change each bucket's collectives, which the
-        per-bucket model does not cover. Host sums with `sequence_parallel=` are refused (their
-        gradients would have to be reduced over both groups every call, and the accumulating call does
-        not yet know which gradients ring attention left partial over sp), so "auto" is too there."""
-        if self.accumulation_steps > 1 and self.offload.accumulate_on == "auto" and self.sequence_parallel is not None:
-            raise UnsupportedError(
-                "ZeRO data parallelism with sequence_parallel=, offload=, "
-                f"accumulation_steps={self.accumulation_steps} and Offload(accumulate_on='auto') is not supported yet: "
-                "'auto' chooses between running sums on the device and on the host, and host sums are not supported "
-                "with sequence_parallel= yet; use Offload(accumulate_on='device'), or drop sequence_parallel=")
-        if self.accumulation_steps > 1 and self.offload.accumulate_on == "host" and self.sequence_parallel is not None:
-            raise UnsupportedError(
-                "ZeRO data parallelism with sequence_parallel=, offload=, "
-                f"accumulation_steps={self.accumulation_steps} and Offload(accumulate_on='host') is not supported "
-                "yet (each micro-batch's gradients would have to be reduced over both mesh dimensions before their "
-                "chunks reach the host sums); use "
-                "Offload(accumulate_on='device'), or drop sequence_parallel=")
+    @property
+    def host_sums_under_zero(self) -> bool:
+        """Whether ZeRO keeps the running gradient sums as this rank's chunks in host memory
+        (`data_parallel=`, `offload=Offload(accumulate_on="host")`, `accumulation_steps` > 1; "auto"
+        reaches the passes as the step's choice): `zero` then reduces every call's gradients itself
+        (passes/zero.py says why), and `ring_attention` leaves the adds into the sums to it."""
+        return self.data_parallel is not None and self.offload is not None \
+            and self.offload.accumulate_on == "host" and self.accumulation_steps > 1

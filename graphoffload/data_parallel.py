@@ -51,7 +51,13 @@ anything is traced): the ranks of an sp group split one micro-batch's sequence, 
 pass reduces over both groups (stage 1: one all-reduce per bucket over a group of all the
 mesh's ranks; stages 2-3: the reduce-scatter over dp, then this rank's part all-reduced over sp).
 `accumulation_steps` works too: the running sums stay each rank's partial sums, reduced over both
-groups once per update. The state is sharded over dp alone: `Shard(0)` DTensors over a 1-D dp
+groups once per update; or, with `offload=` and `Offload(accumulate_on="host")`, every call reduces
+its gradients over both groups (reduce-scatter over dp, this rank's part all-reduced over sp) and
+adds this rank's chunk into its host sum. An accumulating call has no update to say which
+gradients are partial over sp, so ring attention lists those backward adds into the running sums
+of the parameters the window's update updates (the ones the updating call's update reads); a
+gradient whole over sp (a parameter read off the split sequence) is sent by sp rank 0 alone, as on
+an updating call (with device sums it is refused: the sums hold partial sums). The state is sharded over dp alone: `Shard(0)` DTensors over a 1-D dp
 mesh, the same on the ranks of an sp group (not a 2-D mesh DTensor with `Replicate()` over sp);
 DCP saves and loads it on the same mesh (tests/test_zero_sequence_parallel.py). `offload=` works
 with it too, as without `sequence_parallel=`, and so do a GradScaler and skip_nonfinite=True: their
@@ -61,10 +67,8 @@ both groups; the loss is ring attention's mean over the sp group's tokens).
 `Offload(accumulate_on="auto")` with accumulation_steps is one choice for the whole step, not per
 bucket (a bucket's placement would change its collectives: device sums reduced once per update,
 host sums, this rank's chunks, every call): device sums when the accumulating call's predicted peak
-with them fits the budget, else host sums (api.py, passes/host_accumulation.py `StepSums`).
-
-Not yet: host sums (so also "auto") with sequence_parallel=, refused with an `UnsupportedError`
-that says so.
+with them fits the budget, else host sums (api.py, passes/host_accumulation.py `StepSums`), with
+`sequence_parallel=` too (its trial peaks the max over both dimensions' ranks).
 """
 
 from __future__ import annotations

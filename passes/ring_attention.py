@@ -25,7 +25,12 @@ the elementwise `FALLBACK` for an op without one:
   after its last gradient is produced), so every rank applies the same update.
   With `data_parallel=` (ZeRO over the other dimension of a mesh) the pass leaves the
   parameter gradients partial and lists them in a `deferred_gradients` note: the `zero` pass
-  reduces them over both groups in its own bucket collectives.
+  reduces them over both groups in its own bucket collectives. An accumulating call of
+  `accumulation_steps` has no update to read gradients, yet `zero` may reduce its gradients too
+  (host running sums, which it reduce-scatters every call): there the note lists the gradients
+  backward adds into the running sums of the parameters the window's update updates (capture's
+  `accumulation` note, `updated`), the ones the updating call's update reads, so both calls
+  tell `zero` the same thing.
 * **The loss** (`nll_loss_forward`, i.e. cross-entropy, with mean reduction) becomes the sum
   over local tokens, all-reduced with the token count: the mean over all tokens of all ranks,
   and its backward divides by the global count.
@@ -59,11 +64,15 @@ class _Sharder:
     """The walk over the graph: each node's `Spec`, the shards and all-reduces it inserted.
     What it does at a node is the node's rule (`ring_attention_rules.rule_for`)."""
 
-    def __init__(self, train_graph: TrainGraph, sp: Any, defer_gradients: bool = False):
+    def __init__(self, train_graph: TrainGraph, sp: Any, defer_gradients: bool = False, host_sums: bool = False):
         self.train_graph = train_graph
         # with ZeRO (`data_parallel=`) over the other dimension of a mesh, the parameter
         # gradients' partial sums are left to the `zero` pass, which reduces them over both groups
         self.defer_gradients = defer_gradients
+        # ZeRO's host sums (`CompileConfig.host_sums_under_zero`): `zero` replaces each add into a
+        # running sum by its own reduction of the gradient and a host add, so those adds are left as
+        # they are, whatever the gradient's spec (a gradient whole over sp too)
+        self.host_sums = host_sums
         self.deferred: list[str] = []
         self.graph = train_graph.graph
         self.sp = sp
@@ -220,6 +229,10 @@ class _Sharder:
                 self.specs[node] = self.output_specs[source][position]
                 node.meta["val"] = source.meta["val"][position]
             return
+        summed = self._summed_gradient(node)
+        if summed is not None:
+            self.specs[node] = self.spec(summed)
+            return
         rule = rule_for(node.target)
         ids = node.args[rule.seed_index] if rule.seed_index is not None and len(node.args) > rule.seed_index \
             else None
@@ -239,6 +252,17 @@ class _Sharder:
         if rule.rewrite is not None:
             return rule.rewrite(self, node)
         self.propagate(node)
+
+    def _summed_gradient(self, node: fx.Node) -> fx.Node | None:
+        """With ZeRO's host sums: the gradient a running sum's add adds (the accumulating call's
+        `sum.add_(grad)`, the updating call's `grad + sum`, as capture binds the sums), else None."""
+        if not self.host_sums or node.kwargs or len(node.args) != 2:
+            return None
+        if node.target is aten.add_.Tensor and node.args[0] in self.grad_sums and isinstance(node.args[1], fx.Node):
+            return node.args[1]
+        if node.target is aten.add.Tensor and node.args[1] in self.grad_sums and isinstance(node.args[0], fx.Node):
+            return node.args[0]
+        return None
 
     def propagate(self, node: fx.Node) -> None:
         """The rule's standard propagation: partial inputs kept (linear ops) or all-reduced,
@@ -338,10 +362,8 @@ class _Sharder:
         for grad in self.buckets[last]:
             if self.spec(grad) == PARTIAL:
                 grads.append(grad)
-            elif isinstance(self.spec(grad), Shard):
-                raise UnsupportedError(f"sequence parallelism: the gradient {grad.name} of parameter "
-                                       f"{grad.meta.get('param')} is split along the sequence; parameters whose "
-                                       "shape follows the sequence length are not supported")
+            else:
+                self._refuse_split(grad)
         if not grads:
             return
         if self.defer_gradients:
@@ -380,6 +402,31 @@ class _Sharder:
         self.counts["buckets"] += 1
         self.counts["grads"] += len(grads)
 
+    def defer_summed_gradients(self, updated: tuple[str, ...]) -> None:
+        """An accumulating call under ZeRO: list the gradients that backward adds into the running
+        sums (`sum.add_(grad)`, as capture binds the sums) of the parameters the window's update
+        updates, those that are partial sums over this group, left as they are: with device sums
+        the sums stay partial until the updating call (a whole gradient added into one was refused by
+        the walk), with host sums `zero` reduces each call's over both groups (a whole one, of a
+        parameter read off the split sequence, sent by sp rank 0 alone)."""
+        signature = self.train_graph.signature
+        for s in sorted(self.grad_sums, key=self.position.__getitem__):
+            if signature.input(s.name).target not in updated:
+                continue
+            for add in s.users:
+                if add.target is not aten.add_.Tensor or add.args[0] is not s or not isinstance(add.args[1], fx.Node):
+                    continue
+                grad = add.args[1]
+                self._refuse_split(grad)
+                if self.spec(grad) == PARTIAL:
+                    self.deferred.append(grad.name)
+
+    def _refuse_split(self, grad: fx.Node) -> None:
+        if isinstance(self.spec(grad), Shard):
+            raise UnsupportedError(f"sequence parallelism: the gradient {grad.name} of parameter "
+                                   f"{grad.meta.get('param')} is split along the sequence; parameters whose "
+                                   "shape follows the sequence length are not supported")
+
     def finish(self, output: fx.Node) -> None:
         """Partial step outputs are all-reduced; sharded ones stay this rank's part."""
         outs = list(output.args[0])
@@ -395,8 +442,12 @@ def ring_attention(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
     sp = ctx.config.sequence_parallel
     if sp is None:
         return graph
-    sharder = _Sharder(graph, sp, defer_gradients=ctx.config.data_parallel is not None)
+    sharder = _Sharder(graph, sp, defer_gradients=ctx.config.data_parallel is not None,
+                       host_sums=ctx.config.host_sums_under_zero)
     sharder.run()
+    window = graph.notes_of("capture", "accumulation")
+    if sharder.defer_gradients and window and not window[0].fields["update"]:
+        sharder.defer_summed_gradients(window[0].fields["updated"])
     c = sharder.counts
     graph.note("ring_attention", f"rank {sharder.rank} of {sharder.world}, {sp.layout} layout: the sequence of "
                f"{sharder.seq} tokens is split into {sharder.seq // sharder.world} per rank")

@@ -77,7 +77,13 @@ of the chunk to the host and an add of the sum there, as for host sums without Z
 chunks move to the host with it. The cost is a reduce-scatter per micro-batch, k per window,
 where device sums reduce once per update. `Offload(accumulate_on="auto")` picks one of the two for
 the whole step (the step's trial compiles, passes/host_accumulation.py `StepSums`): the config
-this pass sees says "device" or "host", and the choice is noted (`sum_choice`).
+this pass sees says "device" or "host", and the choice is noted (`sum_choice`). With
+`sequence_parallel=` each call's gradients are partial sums over sp too, so every call reduces
+them over both groups (reduce-scatter over dp, this rank's part all-reduced over sp): sums kept
+partial over sp would have to be reduced over sp on the updating call, but they are added on the
+host after that call's collectives, so the reduction would need them back on the device, which
+host sums exist to avoid. Ring attention's `deferred_gradients` note says
+which gradients are partial on the accumulating call as on the updating one.
 
 **Clipping** (`clip_grad_norm_`, L2, in its per-tensor or foreach form): the step's norms of the
 gradients are pointed at this rank's chunks of the averages (on stage 1 too, which holds every
@@ -642,14 +648,6 @@ def _accumulating_stage_3(graph: TrainGraph, dp: Any, updated: tuple[str, ...]) 
     return graph
 
 
-def host_sums_under_zero(ctx: PassContext) -> bool:
-    """Whether the running gradient sums are this rank's chunks in host memory
-    (`Offload(accumulate_on="host")` with `accumulation_steps`): every call reduce-scatters its
-    gradients and only this rank's chunk reaches a sum (the module docstring says why)."""
-    offload = ctx.config.offload
-    return offload is not None and offload.accumulate_on == "host" and ctx.config.accumulation_steps > 1
-
-
 def _chunk_sum(emit: _Emitter, s: fx.Node, it: _Item, world: int, rank: int) -> None:
     """Make the running-sum placeholder `s` (and the `zero_` that clears it) this rank's chunk's
     shape; `offload_optimizer` then moves it to the host (fp32)."""
@@ -684,21 +682,28 @@ def _host_sum_items(graph: TrainGraph) -> tuple[list[_Item], dict[str, tuple[fx.
     return items, adds
 
 
-def _accumulating_host_sums(graph: TrainGraph, dp: Any, items: list[_Item],
+def _accumulating_host_sums(graph: TrainGraph, ctx: PassContext, items: list[_Item],
                             adds: dict[str, tuple[fx.Node, fx.Node]]) -> TrainGraph:
     """An accumulating call with host sums (`Offload(accumulate_on="host")`): each bucket's
     gradients reduce-scattered right after its last one, as the updating call's are, and this
     rank's chunk of each average added into its running sum (made chunk-shaped) in place of the
-    whole gradient; `offload_optimizer` turns each add into a copy to the host and an add there."""
+    whole gradient; `offload_optimizer` turns each add into a copy to the host and an add there.
+    With `sequence_parallel=` this rank's part is all-reduced over sp too, as on the updating
+    call, so every call's chunk is the sum over both groups (ring attention lists the gradients
+    it left partial on this call as on that one)."""
+    dp = ctx.config.data_parallel
     g = graph.graph
     rank, world = dp.rank, dp.world_size
+    sp_group, whole_over_sp = _sequence_parallel_group(graph, ctx, items)
+    sent_by_one = {it.grad for it in whole_over_sp}
     position = {n: i for i, n in enumerate(g.nodes)}
     buckets = _layout(items, position, dp.bucket_numel, world)
     emit = _Emitter(g)
     for bucket in buckets:
         last = max((it.grad for it in bucket.items), key=position.__getitem__)
         with g.inserting_before(last.next):
-            averaged = _reduce_gradients(emit, bucket, 2, rank, world, dp.group_name)
+            sent = _sent_by_sp_rank_0(emit, ctx, bucket, sent_by_one)
+            averaged = _reduce_gradients(emit, bucket, 2, rank, world, dp.group_name, sp_group, ctx.mesh_group, sent)
         for it in bucket.items:
             s, add = adds[it.name]
             local = averaged[it.grad][0]
@@ -708,15 +713,29 @@ def _accumulating_host_sums(graph: TrainGraph, dp: Any, items: list[_Item],
             g.erase_node(add)
     g.lint()
     _note_host_sums(graph, items, buckets, world, rank, update=False)
+    if sp_group is not None:
+        _note_two_dimensions(graph, ctx, 2, sp_group, whole_over_sp)
     return graph
 
 
-def _lift_host_sums(graph: TrainGraph) -> dict[str, fx.Node]:
+def _sent_by_sp_rank_0(emit: _Emitter, ctx: PassContext, bucket: _Bucket,
+                       sent_by_one: set[fx.Node]) -> dict[fx.Node, fx.Node]:
+    """A gradient whole over sp: sp rank 0 sends it, the others zeros, so the sum over sp is it
+    (exactly, for any sp size). Returns grad -> what this rank sends in its place."""
+    if ctx.config.sequence_parallel is None or ctx.config.sequence_parallel.rank == 0:
+        return {}
+    return {it.grad: emit(aten.zeros_like.default, (it.grad,), it.grad, param=(it.name,))
+            for it in bucket.items if it.grad in sent_by_one}
+
+
+def _lift_host_sums(graph: TrainGraph) -> tuple[dict[str, fx.Node], dict[str, str]]:
     """The updating call with host sums: drop each device add `grad + sum` that made a gradient
     final (capture's hook), so the bucket collectives reduce the last micro-batch's gradient alone;
-    `zero` adds this rank's chunk of the sum to its chunk after the reduction. Returns name -> sum."""
+    `zero` adds this rank's chunk of the sum to its chunk after the reduction. Returns name -> sum,
+    and each dropped add's node name -> the gradient's (what ring attention's `deferred_gradients`
+    named is now that gradient)."""
     placeholders = graph.placeholders()
-    sums = {}
+    sums, lifted = {}, {}
     for spec in graph.signature.inputs:
         if spec.kind != "grad_sum":
             continue
@@ -730,10 +749,11 @@ def _lift_host_sums(graph: TrainGraph) -> dict[str, fx.Node]:
                 f"{spec.target} other than as `gradient + sum` (at {_line(other) if other else 'no line'}); use "
                 "Offload(accumulate_on='device')")
         final = finals[0]
+        lifted[final.name] = final.args[0].name
         final.replace_all_uses_with(final.args[0])
         graph.graph.erase_node(final)
         sums[spec.target] = s
-    return sums
+    return sums, lifted
 
 
 def _note_host_sums(graph: TrainGraph, items: list[_Item], buckets: list[_Bucket], world: int, rank: int,
@@ -767,24 +787,48 @@ def _note_params(graph: TrainGraph, gathers: GatherReport, local: int, total: in
                gathered_numel=gathered_numel, volume_vs_ddp=ratio)
 
 
-def _sequence_parallel_group(graph: TrainGraph, ctx: PassContext,
-                             items: list[_Item]) -> tuple[str | None, list[_Item]]:
+def _sequence_parallel_group(graph: TrainGraph, ctx: PassContext, items: list[_Item],
+                             renamed: dict[str, str] | None = None) -> tuple[str | None, list[_Item]]:
     """With `sequence_parallel=`: the group over which `ring_attention` left the gradients the
     update reads as partial sums (its `deferred_gradients` note), which this pass reduces over
     it besides the data-parallel group (None without sequence parallelism), and the items whose
     gradients it did not leave partial: whole already on every rank of the group (a parameter read
     off the split sequence, e.g. by a penalty on the loss, alone or besides a read on it, whose
-    partial part ring attention summed where the two meet), so one rank of the group sends them."""
+    partial part ring attention summed where the two meet), so one rank of the group sends them.
+    `renamed`: gradient nodes this pass replaced since ring attention named them (`_lift_host_sums`)."""
     if ctx.config.sequence_parallel is None:
         return None, []
     notes = graph.notes_of("ring_attention", "deferred_gradients")
-    deferred = set(notes[0].fields["gradients"]) if notes else set()
+    renamed = renamed or {}
+    deferred = {renamed.get(name, name) for name in notes[0].fields["gradients"]} if notes else set()
     if ctx.config.data_parallel.stage == 1 and ctx.mesh_group is None:
         raise UnsupportedError("ZeRO stage 1 with sequence_parallel= all-reduces the gradients over both dimensions' "
                                "ranks: the pass needs PassContext(mesh_group=...), the name of a group over them "
                                "(offload_compile makes one)")
     group = notes[0].fields["group"] if notes else ctx.config.sequence_parallel.group_name
     return group, [it for it in items if it.grad.name not in deferred]
+
+
+def _note_two_dimensions(graph: TrainGraph, ctx: PassContext, stage: int, sp_group: str,
+                         whole_over_sp: list[_Item]) -> None:
+    """The `two_dimensions` note: how each bucket's gradients are reduced over both groups
+    (`stage`: how they are reduced, 2 for host sums whatever the ZeRO stage)."""
+    dp = ctx.config.data_parallel
+    world = dp.world_size
+    order = ("the bucket all-reduced over both dimensions' ranks at once (one collective)" if stage == 1
+             else "the bucket reduce-scattered over the data-parallel group, then this rank's part "
+             "all-reduced over the sequence-parallel group (two collectives)")
+    graph.note("zero", f"two dimensions: gradients are partial sums over the sequence-parallel group "
+               f"{sp_group!r} ({ctx.config.sequence_parallel.world_size} ranks) and per-micro-batch over the "
+               f"data-parallel group ({world} ranks); per bucket {order}, then divided by {world}"
+               + (f"; {len(whole_over_sp)} gradients whole over the sequence-parallel group (read off the split "
+                  "sequence), sent by its rank 0 alone" if whole_over_sp else ""),
+               "two_dimensions", sequence_parallel_group=sp_group, data_parallel_group=dp.group_name,
+               whole_over_sequence_parallel=tuple(it.name for it in whole_over_sp),
+               mesh_group=ctx.mesh_group, sequence_parallel_world=ctx.config.sequence_parallel.world_size,
+               data_parallel_world=world,
+               gradient_collectives=(("all_reduce_coalesced", "mesh"),)
+               if stage == 1 else (("reduce_scatter_tensor", "dp"), ("all_reduce", "sp")))
 
 
 def _refuse_kept_gradient(items: list[_Item], output: fx.Node) -> None:
@@ -813,13 +857,13 @@ def _zero(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
     if dp is None:
         return graph
     window = graph.notes_of("capture", "accumulation")
-    host_sums = host_sums_under_zero(ctx) and bool(window)
+    host_sums = ctx.config.host_sums_under_zero and bool(window)
     if window and not window[0].fields["update"]:
         summed = _host_sum_items(graph) if host_sums else None   # before stage 3 makes parameters rows
         if dp.stage == 3:
             graph = _accumulating_stage_3(graph, dp, window[0].fields["updated"])
         if summed is not None and summed[0]:
-            graph = _accumulating_host_sums(graph, dp, *summed)
+            graph = _accumulating_host_sums(graph, ctx, *summed)
         return _agree_on_counting_a_micro_batch(graph, dp.group_name)
     kernels = update_kernels_to_rewrite(graph, "zero", "shard")
     if not kernels:
@@ -828,11 +872,11 @@ def _zero(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
     rank, world, group = dp.rank, dp.world_size, dp.group_name
     output = next(n for n in g.nodes if n.op == "output")
     skip_flag = _skip_flag(graph, output)
-    sums = _lift_host_sums(graph) if host_sums else {}
+    sums, lifted = _lift_host_sums(graph) if host_sums else ({}, {})
     items, clip, checks, skip_norm = _items(kernels, output, dp.stage, skip_flag)
     if sums:
         _refuse_kept_gradient(items, output)
-    sp_group, whole_over_sp = _sequence_parallel_group(graph, ctx, items)
+    sp_group, whole_over_sp = _sequence_parallel_group(graph, ctx, items, lifted)
     sent_by_one = {it.grad for it in whole_over_sp}   # (gradients whole over sp)
     position = {n: i for i, n in enumerate(g.nodes)}
     sharded = _stage_3_params(items, position, world, rank) if dp.stage == 3 else []
@@ -860,10 +904,7 @@ def _zero(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
     for bucket in buckets:
         last = max((it.grad for it in bucket.items), key=position.__getitem__)
         with g.inserting_before(last.next):   # (inserting_after would put each new node first)
-            # a gradient whole over sp: sp rank 0 sends it, the others zeros, so the sum over sp is it
-            # (exactly, for any sp size)
-            sent = {it.grad: emit(aten.zeros_like.default, (it.grad,), it.grad, param=(it.name,))
-                    for it in bucket.items if it.grad in sent_by_one and ctx.config.sequence_parallel.rank != 0}
+            sent = _sent_by_sp_rank_0(emit, ctx, bucket, sent_by_one)
             averaged = _reduce_gradients(emit, bucket, 2 if sums else dp.stage, rank, world, group, sp_group,
                                          ctx.mesh_group, sent)
         for it in bucket.items if sums else ():
@@ -924,20 +965,7 @@ def _zero(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
                params=len(items), local_numel=local, numel=total, state_numel=state_numel,
                bucket_parts=tuple(b.part for b in buckets), padded_numel=padded)
     if sp_group is not None:
-        order = ("the bucket all-reduced over both dimensions' ranks at once (one collective)" if dp.stage == 1
-                 else "the bucket reduce-scattered over the data-parallel group, then this rank's part "
-                 "all-reduced over the sequence-parallel group (two collectives)")
-        graph.note("zero", f"two dimensions: gradients are partial sums over the sequence-parallel group "
-                   f"{sp_group!r} ({ctx.config.sequence_parallel.world_size} ranks) and per-micro-batch over the "
-                   f"data-parallel group ({world} ranks); per bucket {order}, then divided by {world}"
-                   + (f"; {len(whole_over_sp)} gradients whole over the sequence-parallel group (read off the split "
-                      "sequence), sent by its rank 0 alone" if whole_over_sp else ""),
-                   "two_dimensions", sequence_parallel_group=sp_group, data_parallel_group=group,
-                   whole_over_sequence_parallel=tuple(it.name for it in whole_over_sp),
-                   mesh_group=ctx.mesh_group, sequence_parallel_world=ctx.config.sequence_parallel.world_size,
-                   data_parallel_world=world,
-                   gradient_collectives=(("all_reduce_coalesced", "mesh"),)
-                   if dp.stage == 1 else (("reduce_scatter_tensor", "dp"), ("all_reduce", "sp")))
+        _note_two_dimensions(graph, ctx, 2 if sums else dp.stage, sp_group, whole_over_sp)
     if dp.stage == 3:
         _note_params(graph, gathers, local, total, padded)
     elif ctx.config.offload is not None and ctx.config.offload.overlap_next_step:

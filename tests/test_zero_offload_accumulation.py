@@ -20,7 +20,8 @@ call) and only this rank's chunk reaches its running sum, an fp32 host input of 
 clipped (the norms taken on the host, `host_grad_norm_`) and resumed mid-window from chunk sums,
 all as eager. `accumulate_on="auto"` is one whole-step choice from trial peaks (single process: a
 budget between the peaks picks host sums, one above both device sums, each bit for bit as the
-explicit option); host sums and "auto" with `sequence_parallel=` are refused before anything is traced."""
+explicit option); host sums and "auto" are made with `sequence_parallel=` too (trained on a mesh in
+tests/test_zero_sequence_parallel.py)."""
 
 from __future__ import annotations
 
@@ -239,31 +240,15 @@ def test_zero_offload_with_accumulation_steps_trains_as_eager_world2():
     run_ranks(_world2, 2, deadline_s=400)
 
 
-@pytest.mark.parametrize("stage", [1, 3])
-def test_auto_sums_under_zero_with_sequence_parallel_are_refused_before_tracing(stage):
-    # "auto" may choose host sums, which sequence_parallel= does not support yet under ZeRO
-    with pytest.raises(graphoffload.UnsupportedError,
-                       match=r"sequence_parallel=, offload=, accumulation_steps=2 and Offload\(accumulate_on='auto'\) "
-                             r"is not supported yet: .*host sums are not supported with sequence_parallel=.*"
-                             r"accumulate_on='device'"):
-        graphoffload.offload_compile(train_step, accumulation_steps=2, offload=Offload(accumulate_on="auto"),
-                                     data_parallel=graphoffload.ZeRO(stage=stage),
-                                     sequence_parallel=graphoffload.SequenceParallel())
-    # without sequence_parallel= (or without accumulation, where accumulate_on is ignored) both are made
-    for where in ("auto", "host"):
-        graphoffload.offload_compile(train_step, offload=Offload(accumulate_on=where),
-                                     data_parallel=graphoffload.ZeRO(stage=stage))
-        graphoffload.offload_compile(train_step, accumulation_steps=2, offload=Offload(accumulate_on=where),
-                                     data_parallel=graphoffload.ZeRO(stage=stage))
-
-
-def test_host_sums_under_zero_with_sequence_parallel_are_refused_before_tracing():
-    with pytest.raises(graphoffload.UnsupportedError,
-                       match=r"sequence_parallel=, offload=, accumulation_steps=2 and Offload\(accumulate_on='host'\) "
-                             r"is not supported yet.*accumulate_on='device'"):
-        graphoffload.offload_compile(train_step, accumulation_steps=2, offload=Offload(accumulate_on="host"),
-                                     data_parallel=graphoffload.ZeRO(stage=2),
-                                     sequence_parallel=graphoffload.SequenceParallel())
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_host_and_auto_sums_under_zero_are_made_with_sequence_parallel_too(stage):
+    # host sums with sequence_parallel= reduce every call's gradients over both mesh dimensions
+    # (trained on a 2 x 2 mesh in tests/test_zero_sequence_parallel.py); "auto" may choose them
+    for sp in (None, graphoffload.SequenceParallel()):
+        for where in ("auto", "host"):
+            step = graphoffload.offload_compile(train_step, accumulation_steps=2, offload=Offload(accumulate_on=where),
+                                                data_parallel=graphoffload.ZeRO(stage=stage), sequence_parallel=sp)
+            assert step.config.offload.accumulate_on == where and step.config.sequence_parallel is sp
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])

@@ -9,7 +9,10 @@ together (stage 1 with clip_grad_norm_); the gradient collectives per bucket are
 group; a DCP checkpoint of the stage 2 run loads back on the same mesh. A GradScaler whose overflow
 comes from one sp rank's part of a gradient row another dp rank holds, and skip_nonfinite=True
 with one dp rank's loss inf, skip the step on all four ranks as eager does (stages 1, 2 and 3;
-with accumulation_steps and with offload=). Groups that are not the two
+with accumulation_steps and with offload=). With offload= and accumulation_steps the running sums
+are on the device, or this rank's chunks on the host (every call reducing over both groups), or
+where `accumulate_on="auto"` puts them under a budget above and one between its trial peaks.
+Groups that are not the two
 dimensions of one mesh are refused before anything is traced (on 4 ranks, and as a pure check
 without processes), and so is a first call that one rank never makes (`RankTimeoutError`)."""
 
@@ -220,35 +223,88 @@ def _dcp_round_trip(rank, mesh, model, opt, path):
 K = 2   # accumulation_steps
 
 
-def _accumulates_as_eager(rank, mesh, stage, offload=None):
+def _accumulates_as_eager(rank, mesh, stage, offload=None, step_fn=hf_step):
     """accumulation_steps=K: each rank's running sums are its partial sums over its sequence part
     of its micro-batches; the updating call reduces them over both groups, once per update, and
     the accumulating calls run no gradient collective (their only one: the loss's, over sp).
-    With `offload=` too (ZeRO-Offload), the updating call updates the rank's chunks on the host."""
+    With `offload=` too (ZeRO-Offload), the updating call updates the rank's chunks on the host.
+    With `Offload(accumulate_on="host")` every call reduces its gradients over both groups (per
+    bucket a reduce-scatter over dp, then an all-reduce of this rank's part over sp) and adds
+    this rank's chunk into its host sum, so no call holds a sum on the device ("auto": where the
+    step's one choice, the `sum_choice` note, puts them). With `_penalized_hf_step` (host sums only:
+    with device sums ring attention refuses a whole gradient added into a partial sum) lm_head's
+    gradient is whole over sp on every call, sent by sp rank 0 alone."""
+    penalized = step_fn is _penalized_hf_step
     dp_rank = mesh["dp"].get_local_rank()
     eager = _llama().double()
     model = copy.deepcopy(eager)
     opt_e, opt = (torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1) for m in (eager, model))
-    step = graphoffload.offload_compile(hf_step, accumulation_steps=K, offload=offload,
+    step = graphoffload.offload_compile(step_fn, accumulation_steps=K, offload=offload,
                                         sequence_parallel=graphoffload.SequenceParallel(group=mesh["sp"]),
                                         data_parallel=graphoffload.ZeRO(stage=stage, group=mesh["dp"],
                                                                         bucket_numel=8192))
     for i, batch in enumerate(_batches(2) + _batches(2)[::-1]):   # two windows
-        (eager(**batch).loss / K).backward()
+        ((eager(**batch).loss + (_penalty(eager) if penalized else 0)) / K).backward()
         if i % K == K - 1:
             opt_e.step()
             opt_e.zero_grad()
         step(model, opt, {k: v[2 * dp_rank:2 * dp_rank + 2] for k, v in batch.items()})
-        targets = [n.target for n in step.graphs["final"].graph.nodes]
+        final = step.last.stages["final"]
+        targets = [n.target for n in final.graph.nodes]
         gradient_collectives = sum(targets.count(t) for t in (c10d.reduce_scatter_tensor.default,
                                                               c10d.all_reduce_coalesced.default))
-        assert targets.count(c10d.all_reduce.default) == (1 if i % K < K - 1 else 1 + gradient_collectives)
-        assert (gradient_collectives > 0) == (i % K == K - 1), (i, gradient_collectives)
+        choice = final.notes_of("zero", "sum_choice")
+        host = (choice[0].fields["where"] if choice else offload.accumulate_on if offload else "device") == "host"
+        if host:   # this call's collectives by group: per bucket dp then sp, and the loss's over sp
+            (sums,) = final.notes_of("zero", "host_sums")
+            (two,) = final.notes_of("zero", "two_dimensions")
+            (deferred,) = final.notes_of("ring_attention", "deferred_gradients")
+            whole = two.fields["whole_over_sequence_parallel"]
+            assert sums.fields["update"] == (i % K == K - 1) and whole == (("lm_head.weight",) if penalized else ())
+            # the gradients ring attention left partial, and the whole one: those the update reads, on both calls
+            assert len(deferred.fields["gradients"]) + len(whole) == sums.fields["sums"] > 1, (i, deferred.fields)
+            assert not any(s.kind == "grad_sum" and not s.host for s in final.signature.inputs)
+            groups = {two.fields["data_parallel_group"]: "dp", two.fields["sequence_parallel_group"]: "sp"}
+            by_group: dict = {}
+            for n in final.graph.nodes:
+                if n.op == "call_function" and n.target in (c10d.all_reduce_coalesced.default, c10d.all_reduce.default,
+                                                            c10d.reduce_scatter_tensor.default):
+                    key = (n.target, groups[n.args[-1]])
+                    by_group[key] = by_group.get(key, 0) + 1
+            buckets = sums.fields["buckets"]
+            # (penalized: lm_head's sequence part summed over sp where the penalty's gradient meets it)
+            assert buckets > 1 and by_group == {(c10d.reduce_scatter_tensor.default, "dp"): buckets,
+                                                (c10d.all_reduce.default, "sp"): buckets + 1 + penalized}, (i, by_group)
+        else:
+            assert targets.count(c10d.all_reduce.default) == (1 if i % K < K - 1 else 1 + gradient_collectives)
+            assert (gradient_collectives > 0) == (i % K == K - 1), (i, gradient_collectives)
     assert (offload is not None) == any(s.host for s in step.last.stages["final"].signature.inputs)   # state on the host
     for (name, p), q in zip(model.named_parameters(), eager.parameters()):
         err = ((_full(p) - q).abs().max() / q.abs().max()).item()
         assert err <= (FP64_RTOL if offload is None else RTOL), \
             f"rank {rank} stage {stage} accumulating {offload}: {name} is {err:.3g} from eager"
+    return step
+
+
+def _accumulates_as_eager_choosing_the_sums(rank, mesh):
+    """ZeRO-Offload with accumulation_steps on the mesh, stage 2: `accumulate_on="auto"` under a
+    budget above both trial peaks (device sums, as `"device"`), explicit host sums (with a parameter
+    read off the split sequence too: its gradient whole over sp), and "auto" under
+    a budget between the two peaks (host sums). Each peak is the max over all four ranks, so every
+    rank makes the same choice; each run trains two windows as eager (`_accumulates_as_eager`)."""
+    def choice(budget):
+        step = _accumulates_as_eager(rank, mesh, 2, offload=graphoffload.Offload(accumulate_on="auto",
+                                                                                  gpu_memory_budget=budget))
+        notes = [v.graph.notes_of("zero", "sum_choice") for v in step._variants.values()]
+        assert len(notes) == 2 and notes[0] == notes[1], notes   # both variants carry the one choice
+        return notes[0][0].fields
+
+    above = choice(1 << 40)
+    assert above["where"] == "device" and above["host_peak"] < above["device_peak"], above
+    _accumulates_as_eager(rank, mesh, 2, offload=graphoffload.Offload(accumulate_on="host"), step_fn=_penalized_hf_step)
+    between = choice((above["device_peak"] + above["host_peak"]) // 2)
+    assert between["where"] == "host" and (between["device_peak"], between["host_peak"]) == \
+        (above["device_peak"], above["host_peak"]), (between, above)
 
 
 POISONED = 1   # the step whose batch is not finite
@@ -414,7 +470,7 @@ def _mesh_2x2(rank, world, path):
     _accumulates_as_eager(rank, mesh, 2)
     # ZeRO-Offload, with a parameter read off the split sequence too (its gradient whole over sp)
     _train_and_compare(rank, mesh, 2, "full", torch.float64, _penalized_hf_step, offload=graphoffload.Offload())
-    _accumulates_as_eager(rank, mesh, 2, offload=graphoffload.Offload())   # ... accumulating
+    _accumulates_as_eager_choosing_the_sums(rank, mesh)   # ... accumulating, device, host and "auto" sums
     _skips_as_eager(rank, mesh, 2, scaler=True)    # a GradScaler
     _skips_as_eager(rank, mesh, 2, scaler=False)   # skip_nonfinite=True
     _skips_as_eager(rank, mesh, 1, scaler=True)    # stage 1 with a GradScaler
