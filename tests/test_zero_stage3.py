@@ -348,19 +348,6 @@ def test_what_stage_3_cannot_do_yet_is_refused_before_anything_changes(step_fn, 
     assert not any(isinstance(p, DTensor) for p in model.parameters())
 
 
-def test_stage_3_with_accumulation_and_offload_places_the_sums_on_the_device_or_host_not_auto():
-    # together they train as eager on 2 ranks (tests/test_zero_offload_accumulation.py), the running
-    # sums on the device or, as this rank's chunks, on the host; "auto" is refused before anything is traced
-    for where in ("device", "host"):
-        graphoffload.CompileConfig(data_parallel=graphoffload.ZeRO(stage=3), accumulation_steps=2,
-                                   offload=graphoffload.Offload(accumulate_on=where))
-    with pytest.raises(graphoffload.UnsupportedError,
-                       match=r"ZeRO data parallelism with offload=, accumulation_steps=2 and Offload\(accumulate_on='auto'\) "
-                             r"is not supported yet"):
-        graphoffload.CompileConfig(data_parallel=graphoffload.ZeRO(stage=3), accumulation_steps=2,
-                                   offload=graphoffload.Offload(accumulate_on="auto"))
-
-
 def test_parameters_swapped_after_stage_3_sharded_them_are_refused(one_process_group):
     step, model, opt = _compile_deep(3)
     sharded = model.layers[3].weight
