@@ -677,5 +677,17 @@ def test_stage_3_replays_read_the_backward_gathered_parameters_and_train_as_eage
         while wait.target is not c10d.wait_tensor.default:
             wait = wait.args[0]
         assert position[wait.args[0]] < position[wait] < position[node], (node.name, wait.name)
+    if link == "slow":   # a restarted job re-applies the plan from the cache, the moved gathers too (AsRank: a
+        # group name the cache key holds alike on both compiles)
+        offload = Offload(device_updates="never", gpu_memory_budget=budget, activations="auto", **extra)
+        made = []
+        for _ in range(2):
+            fresh = _gpt()
+            made.append(graphoffload.offload_compile(
+                gpt_step, offload=offload, config=graphoffload.CompileConfig(fuse_optimizer=FUSE),
+                data_parallel=AsRank(stage=3, bucket_numel=4096, as_rank=0, as_world=1)).compile(
+                    fresh, _optimizer("adamw", fresh), batches[0]))
+        assert made[1].notes_of("offload_optimizer", "activations_reused") and _replays_reading_parameters(made[1])
+        assert [n.name for n in made[1].graph.nodes] == [n.name for n in made[0].graph.nodes]
     print(f"{link}: budget {budget}, predicted peak {fields['peak_bytes']}, recompute {fields['recompute']}, "
           f"offload {fields['offload']}, {len(reads)} replayed reads of gathered parameters")
