@@ -41,6 +41,9 @@ FUSE = graphoffload.FuseOptimizer(bucket_numel=2048)
 # a calibration whose device update is much faster than the CPU's, so the planner puts every
 # bucket it may on the device: a budget below the all-device plan's peak forces a mix
 FAST_DEVICE = dataclasses.replace(BALANCED, cpu_update_params_per_s=1e6, cpu_update_params_per_s_under_copy=5e5)
+# a link so slow that an offloaded activation stalls backward far longer than a replay takes:
+# under a tight budget the activation planner recomputes
+SLOW_LINK = dataclasses.replace(BALANCED, h2d_bytes_per_s=1e6, d2h_bytes_per_s=1e6)
 
 
 def _step(stage: int, offload: Offload, step_fn=gpt_step) -> graphoffload.CompiledStep:
@@ -60,7 +63,7 @@ def _state_bytes(host) -> int:
     return host.arena.allocated_bytes - sum(aligned_bytes(t.shape, t.dtype) for t in host.scratch.values())
 
 
-def _trains_as_eager(rank, world, stage, offload, expect_mix=False, step_fn=gpt_step):
+def _trains_as_eager(rank, world, stage, offload, expect_mix=False, step_fn=gpt_step, expect_weight_replays=False):
     eager = _gpt()
     model = copy.deepcopy(eager)
     opt_e, opt = _optimizer("adamw", eager), _optimizer("adamw", model)
@@ -154,6 +157,10 @@ def _trains_as_eager(rank, world, stage, offload, expect_mix=False, step_fn=gpt_
         assert fields["recompute"] + fields["offload"] > 0 and fields["peak_bytes"] <= offload.gpu_memory_budget
         assert step.memory("final").peak <= offload.gpu_memory_budget
         device_buckets = (device_buckets, fields["recompute"], fields["offload"])
+        if expect_weight_replays:   # stage 3: replays read weights from backward's gathers
+            reads = _replays_reading_parameters(step.last.graph)
+            assert any(c.meta["gathered"] == "backward" and c.meta["val"].dim() == 2 for _, c in reads), (rank, fields)
+            device_buckets = (*device_buckets, len(reads))
     if offload.overlap_next_step:
         handed = step.last.graph.notes_of("offload_optimizer", "handed_over")[0].fields["buckets"]
         assert handed == (cpu_buckets if stage == 3 else 0), (stage, handed)
@@ -176,10 +183,13 @@ def _world2(rank, world, path):
     for stage in (1, 3):
         results.append(_trains_as_eager(rank, world, stage, Offload(device_updates="never"), step_fn=_clip_step))
     # activations="auto" under a budget below every-activation-kept: recomputed or offloaded per rank
-    for stage in (2, 3):
-        budget = int(0.8 * _keep_peak(stage, world))
-        results.append(_trains_as_eager(rank, world, stage, Offload(device_updates="never", gpu_memory_budget=budget,
-                                                                    activations="auto")))
+    results += [_trains_as_eager(rank, world, 2, Offload(device_updates="never", activations="auto",
+                                                         gpu_memory_budget=int(0.8 * _keep_peak(2, world))))]
+    # stage 3 at 0.7x over a slow link: replays of regions that read weights, from backward's gathers
+    results += [_trains_as_eager(rank, world, 3, Offload(device_updates="never", activations="auto",
+                                                         calibration=SLOW_LINK,
+                                                         gpu_memory_budget=int(0.7 * _keep_peak(3, world))),
+                                 expect_weight_replays=True)]
     # overlap_next_step: stage 3 hands the rows' uploads over to the next forward's gathers; stage 1
     # waits for them before its all-gather and carries its device-path buckets' write-backs
     results.append(_trains_as_eager(rank, world, 3, Offload(device_updates="never", overlap_next_step=True)))
@@ -644,7 +654,7 @@ def test_stage_3_replays_read_the_backward_gathered_parameters_and_train_as_eage
     replay reads its parameters from backward's gather (forward's is freed by then), that
     gather's wait placed before the replay and after its launch; the predicted peak meets the
     budget and three steps train as eager (fp32 master weights: within RTOL)."""
-    cal = dataclasses.replace(BALANCED, h2d_bytes_per_s=1e6, d2h_bytes_per_s=1e6) if link == "slow" else None
+    cal = SLOW_LINK if link == "slow" else None
     extra = {"calibration": cal} if cal is not None else {}
     batches = _batches(1, rows=8)
     model = _gpt()
