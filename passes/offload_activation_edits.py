@@ -9,7 +9,7 @@ module records those edits against a snapshot of the graph taken before the plan
 dtypes and devices by their name), and re-applies them to the same graph (`apply`), node by
 node, at the same positions and under the same names, so offload_plan_cache can keep a plan on
 disk and offload_optimizer can skip the search. It knows nothing of the planner's internals:
-any edit that adds nodes, rewires arguments or sets meta is recorded the same way.
+any edit that adds nodes, moves them, rewires arguments or sets meta is recorded the same way.
 
 `record` refuses (`NotRecordable`) what it cannot write down faithfully (an erased node, a
 constant it cannot name); `apply` refuses (`EditsMismatch`) a graph the edits do not fit (a node
@@ -252,6 +252,12 @@ def apply(graph: TrainGraph, edits: dict, pass_name: str) -> TrainGraph:
             raise EditsMismatch(f"fx named a re-made node {node.name}, not {name}")
         node.meta = {k: decode(v, nodes) for k, v in made["meta"].items()}
         nodes[name] = prev = node
+    prev = None
+    for name in order:   # nodes the planner moved (stage 3's backward gathers ahead of a replay)
+        node = nodes.get(name)
+        if node is not None and prev is not None and node.prev is not prev and name not in new:
+            prev.append(node)
+        prev = node
     if [n.name for n in g.nodes] != order:
         raise EditsMismatch("the re-made nodes did not land where they were recorded")
     for name, (args, kwargs) in edits["args"].items():

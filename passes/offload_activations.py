@@ -104,6 +104,7 @@ from graphoffload.graph import InputSpec, TrainGraph, fill_missing_meta, placeho
 from graphoffload.memory import MemoryProfile, analyze_memory, block_bytes, format_bytes
 from graphoffload.ops.host_transfer import assign_streams
 from graphoffload.ops.rng import draws_random_numbers
+from graphoffload.passes import offload_activation_gathers
 from graphoffload.passes.offload_cost_model import estimate_seconds
 from graphoffload.passes.offload_planner import Event, Prediction, StepCosts, StepModel
 
@@ -140,9 +141,13 @@ class Region:
     rewired: tuple[str, ...]   # replayed nodes whose backward readers read the replay instead
     freed: tuple[tuple[int, int, int, int], ...]   # (storage, bytes, last forward access, first backward access)
     seconds: float             # the replay's compute time
+    # stage 3: backward gathers the replay needs earlier, each (bytes, from, until): live from
+    # the replay on instead of from their wait (offload_activation_gathers)
+    held: tuple[tuple[int, int, int], ...] = ()
 
     def bytes_live_at(self, position: int) -> int:
-        return sum(n for _, n, last, first in self.freed if last < position < first)
+        freed = sum(n for _, n, last, first in self.freed if last < position < first)
+        return max(0, freed - sum(n for n, start, until in self.held if start <= position < until))
 
 
 @dataclass(frozen=True)
@@ -191,8 +196,9 @@ def _whole_storage(val: object) -> bool:
 class _Step:
     """The graph's storages, where backward begins, and what is available where."""
 
-    def __init__(self, graph: TrainGraph, storages: StorageMap | None = None):
+    def __init__(self, graph: TrainGraph, storages: StorageMap | None = None, regather: bool = True):
         self.storages = storages or StorageMap(graph.graph)
+        self.regather = regather   # stage 3: replays may read a parameter's backward copy
         self.position = self.storages.position
         self.nodes = self.storages.nodes
         backward = [self.position[n] for n in self.storages.nodes if n.meta.get("phase") == "backward"]
@@ -203,6 +209,15 @@ class _Step:
         self._drawing: dict[fx.Node, bool] = {}   # draws_random_numbers per node: every chain asks
         self._bytes: dict[fx.Node, int | None] = {}
         self._backward_read: dict[fx.Node, bool] = {}
+        self._regathered: dict[fx.Node, fx.Node] | None = None
+
+    def regathered(self, node: fx.Node) -> bool:
+        """Whether `node` is a stage 3 parameter's forward copy that a replay reads as its
+        backward copy instead (offload_activation_gathers: gathered again for backward, the
+        gather moved ahead of the replay if need be)."""
+        if self._regathered is None:
+            self._regathered = offload_activation_gathers.backward_copies(self.nodes) if self.regather else {}
+        return node in self._regathered
 
     def available(self, node: fx.Node, at: int) -> bool:
         """Whether `node`'s value is on the device, unchanged, at position `at` anyway."""
@@ -247,8 +262,10 @@ class _Step:
             return writers
 
         def remade(i: fx.Node) -> bool:
-            if sid in self.of(i) or not self.available(i, at):
+            if sid in self.of(i):
                 return True   # what is on the device at `at` only because of the value being moved is not
+            if not self.available(i, at):
+                return not self.regathered(i)   # (a stage 3 parameter: read from its backward copy)
             return self.position[i] >= horizon[0] and _forward_value(i)
 
         def expand(node: fx.Node) -> bool:
@@ -392,7 +409,19 @@ class _Step:
         if not freed:
             return None
         return Region(seed.name, tuple(n.name for n in chain), at, tuple(rewired), tuple(freed),
-                      sum(seconds.get(n, 0.0) for n in chain))
+                      sum(seconds.get(n, 0.0) for n in chain), self._held(chain, at))
+
+    def _held(self, chain: list[fx.Node], at: int) -> tuple[tuple[int, int, int], ...]:
+        """The backward gathers a replay of `chain` at `at` moves ahead of their waits (a stage 3
+        parameter read from its backward copy): each buffer's bytes, live from `at` to its wait."""
+        if self._regathered is None:
+            self.regathered(chain[0])
+        if not self._regathered:
+            return ()
+        waits = {offload_activation_gathers.wait_of(self._regathered[i]) for n in chain
+                 for i in n.all_input_nodes if i in self._regathered}
+        return tuple(sorted((block_bytes(w.meta["val"]), at, self.position[w]) for w in waits
+                            if self.position[w] > at))
 
     def seeds(self) -> dict[str, int]:
         """The saved activations a recompute may start from: the name of the node backward reads
@@ -470,7 +499,7 @@ class _Step:
                     continue
                 if i in block:
                     wanted.append(i)
-                elif not self.available(i, at):
+                elif not self.available(i, at) and not self.regathered(i):
                     return None
             for a in written_args(node):
                 if any(st.creator[s] not in block for s in self.of(a)):
@@ -603,6 +632,7 @@ class _Edit:
     created: list[fx.Node]
     rewired: list[tuple[fx.Node, fx.Node, fx.Node]]    # (reader, value it read, value it reads now)
     host_input: bool = False
+    regathers: bool = False    # a replay reading stage 3 backward copies (their gathers placed for it)
 
     def undo(self, graph: TrainGraph, specs: list[InputSpec], gone: set[fx.Node]) -> None:
         """`gone`: the nodes undone edits erased (a later replay may have rewired one of an
@@ -615,6 +645,8 @@ class _Edit:
         gone.update(self.created)
         if self.host_input:
             specs.pop()
+        if self.regathers:   # the backward gathers back where no remaining replay needs them earlier
+            offload_activation_gathers.place(graph.graph)
 
 
 @dataclass(frozen=True)
@@ -719,6 +751,9 @@ def _recompute(graph: TrainGraph, region: Region) -> _Edit:
     name = f"activations ({region.seed})"
     copies: dict[fx.Node, fx.Node] = {}
     created: list[fx.Node] = []
+    # a stage 3 parameter is read from its backward copy (forward's is freed after forward)
+    regathered = offload_activation_gathers.backward_copies(nodes)
+    reads = {i: regathered[i] for n in chain for i in n.all_input_nodes if i in regathered}
     random = [n for n in chain if draws_random_numbers(n)]
     if random:
         device = tensor_vals(random[0])[0].device
@@ -735,7 +770,7 @@ def _recompute(graph: TrainGraph, region: Region) -> _Edit:
                 copy = g.call_function(aten.empty_strided.default, (list(val.shape), list(val.stride())),
                                        {"dtype": val.dtype, "layout": val.layout, "device": val.device})
             else:
-                copy = g.node_copy(node, lambda n: copies.get(n, n))
+                copy = g.node_copy(node, lambda n: copies.get(n, reads.get(n, n)))
             copy.meta = {key: node.meta[key] for key in ("val", "stack_trace") if key in node.meta}
             copies[node] = copy
             created.append(copy)
@@ -752,7 +787,9 @@ def _recompute(graph: TrainGraph, region: Region) -> _Edit:
         for reader in [u for u in value.users if u.meta.get("phase") == "backward" and u not in made]:
             reader.replace_input_with(value, copies[value])
             rewired.append((reader, value, copies[value]))
-    return _Edit(created, rewired)
+    if reads:   # each backward copy gathered before the replay reads it
+        offload_activation_gathers.place(g)
+    return _Edit(created, rewired, regathers=bool(reads))
 
 
 @dataclass(frozen=True)
@@ -810,6 +847,8 @@ def plan_activations(graph: TrainGraph, budget: int, cal: Calibration, device: t
     blocks = forward_blocks(graph)
     # copies of the graph as it is now, one per further plan (a copy's notes are its own)
     blocks_first, every, retry = graph.deferred_copy(), graph.deferred_copy(), graph.deferred_copy()
+    # stage 3: a plan whose replays read no backward-gathered parameter, should those strand the peak
+    unmoved = graph.deferred_copy() if offload_activation_gathers.backward_copies(list(graph.graph.nodes)) else None
     plans, steps = [], {}
     if blocks:   # every block's replay (checkpointing's policy) first, the greedy after it if need be
         plans.append(_plan(blocks_first(), budget, cal, device, schedule, planned, merge=True, blocks=blocks,
@@ -835,6 +874,13 @@ def plan_activations(graph: TrainGraph, budget: int, cal: Calibration, device: t
         plans.append(_plan(retry(), budget, cal, device, schedule, planned, merge=False,
                            strategy="greedy, separate replays"))
         steps[plans[-1].strategy] = step_of(plans[-1])
+    if unmoved is not None and all(p.peak > budget for p in plans):
+        # a replay reading a parameter's backward copy holds that bucket from the replay on:
+        # choices that each lowered the peak can together strand it higher than the plan whose
+        # replays read only what is on the device anyway (stage 3 before backward copies were read)
+        plans.append(_plan(unmoved(), budget, cal, device, schedule, planned, merge=True,
+                           strategy="greedy, no early gathers", regather=False))
+        steps[plans[-1].strategy] = step_of(plans[-1])
     fits = [p for p in plans if p.peak <= budget]
     # the shortest predicted step; on a tie (the replays hide alike) the lower peak, which leaves
     # more room for what the analysis does not see, then the greedy's
@@ -852,13 +898,14 @@ def plan_activations(graph: TrainGraph, budget: int, cal: Calibration, device: t
 
 def _plan(graph: TrainGraph, budget: int, cal: Calibration, device: torch.device, schedule: Prediction | None,
           planned: Sequence[str], merge: bool, blocks: Sequence[tuple[str, ...]] = (), bound: float | None = None,
-          strategy: str = "greedy", every_block: bool = False) -> ActivationPlan:
+          strategy: str = "greedy", every_block: bool = False, regather: bool = True) -> ActivationPlan:
     """One plan; `merge`: recomputes extend the chosen replays they overlap; `blocks`
     (forward_blocks' units): whole blocks replayed first, most bytes live at the peak per second
     of their compute first, until the budget is met (`every_block`: every block, as
     checkpointing every block does, each kept unless it raises the peak), the greedy after
     them; `bound`: give up (the plan left over the budget) once the plan adds more than this to
-    the predicted step."""
+    the predicted step; `regather`: under ZeRO stage 3, replays may read parameters from their
+    backward gathers (offload_activation_gathers), else only what is on the device anyway."""
     profile = analyze_memory(graph)
     keep_peak = profile.peak
     choices: dict[str, str] = {}
@@ -928,7 +975,7 @@ def _plan(graph: TrainGraph, budget: int, cal: Calibration, device: torch.device
 
     pending = list(blocks)
     while pending and (every_block or profile.peak > budget):
-        step = _Step(graph, storages or StorageMap(graph.graph, cache=cache))
+        step = _Step(graph, storages or StorageMap(graph.graph, cache=cache), regather)
         time_nodes(step)
         at = profile.nodes.index(profile.peak_node)
         options = []
@@ -966,7 +1013,7 @@ def _plan(graph: TrainGraph, budget: int, cal: Calibration, device: torch.device
                    peak_after=profile.peak)
     abandoned = False
     while profile.peak > budget:
-        step = _Step(graph, storages or StorageMap(graph.graph, cache=cache))
+        step = _Step(graph, storages or StorageMap(graph.graph, cache=cache), regather)
         time_nodes(step)
         seeds = step.seeds()
         if first:
@@ -1043,7 +1090,7 @@ def _plan(graph: TrainGraph, budget: int, cal: Calibration, device: torch.device
                         replays.add(counter, rep)
                     again = True
                     break
-                step = _Step(graph, StorageMap(graph.graph, cache=cache))   # the same positions as before the edit
+                step = _Step(graph, StorageMap(graph.graph, cache=cache), regather)   # the same positions as before the edit
                 continue
             chosen, profile = best, after
             if how == "recompute":

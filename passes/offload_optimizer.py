@@ -66,8 +66,8 @@ from graphoffload.passes.offload_planner import SWEEPS, BucketCost, Prediction, 
 from graphoffload.passes.offload_plan_cache import (activation_key, load_activations, load_plan, plan_key, plan_path,
                                                     store_activations, store_plan)
 from graphoffload import aliasing, memory
-from graphoffload.passes import (host_accumulation, offload_activation_edits, offload_activations, offload_cost_model,
-                                 offload_planner, update_kernels)
+from graphoffload.passes import (host_accumulation, offload_activation_edits, offload_activation_gathers,
+                                 offload_activations, offload_cost_model, offload_planner, update_kernels)
 from graphoffload.passes.offload_activation_edits import EditsMismatch, NotRecordable
 from graphoffload.ops.host_transfer import assign_streams
 from graphoffload.passes.host_accumulation import (HostNorm, accumulate_on_host, candidate_groups, check_on_host,
@@ -737,8 +737,8 @@ class _Decisions:
 
 
 # the code the activation planning runs: a change to any of it is another key in the plan cache
-_PLANNING_CODE = (sys.modules[__name__], offload_activations, offload_planner, offload_cost_model,
-                  offload_activation_edits, host_accumulation, update_kernels, memory, aliasing)
+_PLANNING_CODE = (sys.modules[__name__], offload_activations, offload_activation_gathers, offload_planner,
+                  offload_cost_model, offload_activation_edits, host_accumulation, update_kernels, memory, aliasing)
 
 
 def _activation_cache_key(graph: TrainGraph, ctx: PassContext) -> str | None:

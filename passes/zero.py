@@ -625,7 +625,7 @@ def _stage_3_params(items: list[_Item], position: dict[fx.Node, int], world: int
     return sharded
 
 
-def _accumulating_stage_3(graph: TrainGraph, dp: Any, updated: tuple[str, ...]) -> TrainGraph:
+def _accumulating_stage_3(graph: TrainGraph, dp: Any, updated: tuple[str, ...], whole: bool) -> TrainGraph:
     """Stage 3's accumulating call (`accumulation_steps=k`; no update in its graph): the
     parameters the window's update updates (`updated`, from capture's `accumulation` note; but
     0-dim ones) are this rank's rows here too, as on the updating call, and are gathered for
@@ -640,7 +640,7 @@ def _accumulating_stage_3(graph: TrainGraph, dp: Any, updated: tuple[str, ...]) 
         graph.note("zero", "accumulating call: no parameter to shard")
         return graph
     classify_reads(sharded, {n: i for i, n in enumerate(g.nodes)})
-    gathers = gather_for_use(_Emitter(g), g, sharded, dp.world_size, dp.group_name, dp.bucket_numel)
+    gathers = gather_for_use(_Emitter(g), g, sharded, dp.world_size, dp.group_name, dp.bucket_numel, whole)
     g.lint()
     total = sum(p.numel for p in sharded)
     local = sum(math.prod(p.local_shape) for p in sharded)
@@ -787,6 +787,14 @@ def _note_params(graph: TrainGraph, gathers: GatherReport, local: int, total: in
                gathered_numel=gathered_numel, volume_vs_ddp=ratio)
 
 
+def _whole_backward_buckets(ctx: PassContext) -> bool:
+    """Stage 3 with `Offload(activations="auto")`: backward gathers each forward bucket whole (its
+    biases too), so the activation planner's replays of forward find every parameter they read
+    gathered again (zero_params, offload_activation_gathers)."""
+    offload = ctx.config.offload
+    return offload is not None and offload.activations == "auto"
+
+
 def _sequence_parallel_group(graph: TrainGraph, ctx: PassContext, items: list[_Item],
                              renamed: dict[str, str] | None = None) -> tuple[str | None, list[_Item]]:
     """With `sequence_parallel=`: the group over which `ring_attention` left the gradients the
@@ -861,7 +869,7 @@ def _zero(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
     if window and not window[0].fields["update"]:
         summed = _host_sum_items(graph) if host_sums else None   # before stage 3 makes parameters rows
         if dp.stage == 3:
-            graph = _accumulating_stage_3(graph, dp, window[0].fields["updated"])
+            graph = _accumulating_stage_3(graph, dp, window[0].fields["updated"], _whole_backward_buckets(ctx))
         if summed is not None and summed[0]:
             graph = _accumulating_host_sums(graph, ctx, *summed)
         return _agree_on_counting_a_micro_batch(graph, dp.group_name)
@@ -928,7 +936,7 @@ def _zero(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
     padded = sum(b.part for b in buckets) * world
     copied = 0
     if dp.stage == 3:   # parameters: gathered before forward and backward read them (zero_params)
-        gathers = gather_for_use(emit, g, sharded, world, group, dp.bucket_numel)
+        gathers = gather_for_use(emit, g, sharded, world, group, dp.bucket_numel, _whole_backward_buckets(ctx))
     else:   # parameters: gathered after the last update, in bucket order (or deferred: below)
         last_kernel = max((k.node for k in kernels), key=position.__getitem__)
         offload = ctx.config.offload

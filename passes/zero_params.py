@@ -12,7 +12,9 @@ and backward still need whole parameters, so the pass gathers them, per bucket o
   (prefetch: the next bucket's collective overlaps this bucket's compute); every read of the
   parameter in forward reads the gathered copy, which dies after its last forward read.
 * **Backward**: the same buckets gathered again, in the order backward first reads them, with
-  only the parameters backward reads (a linear's weight for the input's gradient; not its bias),
+  only the parameters backward reads (a linear's weight for the input's gradient; not its bias;
+  with `Offload(activations="auto")` the whole bucket, so the activation planner's replays of
+  forward regions find every parameter they read gathered again: offload_activation_gathers),
   prefetched likewise; but when backward first reads the bucket forward read last (the last
   layer), forward's copies of it are kept for backward instead (as FSDP2 keeps its root
   module's parameters): one gather fewer, one bucket held from forward into backward. What backward read of the forward's copy is recomputed from the new one:
@@ -145,33 +147,47 @@ def _pack(emit: Emit, bucket: list[ShardedParam], world: int, group: str) -> fx.
 
 
 def _unpack(emit: Emit, bucket: list[ShardedParam], launched: fx.Node, world: int,
-            like: fx.Node) -> dict[ShardedParam, fx.Node]:
-    """Wait for the bucket's gather; each whole parameter from every rank's padded chunk."""
+            like: fx.Node, copy: str) -> dict[ShardedParam, fx.Node]:
+    """Wait for the bucket's gather; each whole parameter from every rank's padded chunk, marked
+    `meta["gathered"] = copy` ("forward" | "backward"): the activation planner's replays read a
+    parameter's backward copy in place of forward's freed one (offload_activation_gathers)."""
     gathered = emit(c10d.wait_tensor.default, (launched,), like)
+    if copy == "backward":   # where it was placed: a replay may move it earlier, an undo back
+        gathered.meta["gather_home"] = like.name
     by_rank = emit(aten.view.default, (gathered, [world, sum(p.part for p in bucket)]), like)
     whole, offset = {}, 0
     for p in bucket:
         whole[p] = whole_from_gathered(emit, by_rank, offset, p.part, p.shape, p.chunk_rows, world, p.name, like)
+        whole[p].meta["gathered"] = copy
         offset += p.part
     return whole
 
 
 def _gather_in_order(emit: Emit, graph: fx.Graph, buckets: list[list[ShardedParam]], first: list[fx.Node],
-                     world: int, group: str, kept: dict[ShardedParam, fx.Node] | None = None
+                     world: int, group: str, copy: str, kept: dict[ShardedParam, fx.Node] | None = None
                      ) -> dict[ShardedParam, fx.Node]:
     """Per bucket, in order: its gather's wait and unpacking right before `first[i]`, its
     first read, and the next bucket's gather launched right after (one bucket ahead). With
-    `kept`, the first bucket is not gathered: its whole parameters are `kept`'s."""
+    `kept`, the first bucket is not gathered: its whole parameters are `kept`'s. `copy`: which
+    ("forward" | "backward"); a backward launch and wait record where they were placed
+    (`meta["gather_home"]`, the name of the node they precede)."""
     whole: dict[ShardedParam, fx.Node] = dict(kept or {})
     launched = None
     for i, bucket in enumerate(buckets):
         with graph.inserting_before(first[i]):
             if i or not kept:
                 if launched is None:
-                    launched = _pack(emit, bucket, world, group)
-                whole.update(_unpack(emit, bucket, launched, world, first[i]))
-            launched = _pack(emit, buckets[i + 1], world, group) if i + 1 < len(buckets) else None
+                    launched = _launch(emit, bucket, world, group, first[i], copy)
+                whole.update(_unpack(emit, bucket, launched, world, first[i], copy))
+            launched = _launch(emit, buckets[i + 1], world, group, first[i], copy) if i + 1 < len(buckets) else None
     return whole
+
+
+def _launch(emit: Emit, bucket: list[ShardedParam], world: int, group: str, before: fx.Node, copy: str) -> fx.Node:
+    launched = _pack(emit, bucket, world, group)
+    if copy == "backward":
+        launched.meta["gather_home"] = before.name
+    return launched
 
 
 def _is_view(node: fx.Node) -> bool:
@@ -230,10 +246,12 @@ def _recompute_backward_reads(graph: fx.Graph, p: ShardedParam, forward_whole: f
 
 
 def gather_for_use(emit: Emit, graph: fx.Graph, params: list[ShardedParam], world: int, group: str,
-                   bucket_numel: int) -> GatherReport:
+                   bucket_numel: int, whole_buckets: bool = False) -> GatherReport:
     """Make every sharded parameter's placeholder this rank's chunk and gather the whole
     parameter before forward and again before backward reads it (see the module docstring).
-    `classify_reads` must have run (it refuses what cannot be sharded before anything changes)."""
+    `classify_reads` must have run (it refuses what cannot be sharded before anything changes).
+    `whole_buckets`: a bucket backward reads is gathered again whole, with the parameters
+    backward does not read (a linear's bias), for replays of forward in backward to read."""
     fake_mode = emit.fake_mode
     for p in params:   # from here the placeholder holds this rank's rows
         val = p.node.meta["val"]
@@ -244,7 +262,7 @@ def gather_for_use(emit: Emit, graph: fx.Graph, params: list[ShardedParam], worl
     read_in_forward = sorted((p for p in params if p.forward), key=lambda p: position[p.forward[0]])
     buckets = greedy_buckets(read_in_forward, lambda p: p.numel, bucket_numel, key=lambda p: p.node.meta["val"].dtype)
     first = [min((p.forward[0] for p in b), key=position.__getitem__) for b in buckets]
-    forward = _gather_in_order(emit, graph, buckets, first, world, group)
+    forward = _gather_in_order(emit, graph, buckets, first, world, group, "forward")
     for p, whole in forward.items():
         for user in p.forward:
             user.replace_input_with(p.node, whole)
@@ -259,15 +277,17 @@ def gather_for_use(emit: Emit, graph: fx.Graph, params: list[ShardedParam], worl
         if reads:
             backward_first[p] = min(reads, key=position.__getitem__)
     unbucketed = [p for p in params if p in backward_first and p not in forward]   # never read in forward
-    back_buckets = [[p for p in b if p in backward_first] for b in buckets] + [[p] for p in unbucketed]
+    back_buckets = [b if whole_buckets and any(p in backward_first for p in b) else
+                    [p for p in b if p in backward_first] for b in buckets] + [[p] for p in unbucketed]
     back_buckets = [b for b in back_buckets if b]
-    back_buckets.sort(key=lambda b: min(position[backward_first[p]] for p in b))
-    back_first = [min((backward_first[p] for p in b), key=position.__getitem__) for b in back_buckets]
+    back_buckets.sort(key=lambda b: min(position[backward_first[p]] for p in b if p in backward_first))
+    back_first = [min((backward_first[p] for p in b if p in backward_first), key=position.__getitem__)
+                  for b in back_buckets]
     # backward usually first reads the bucket forward read last: its forward copies are kept for
     # it (as FSDP2 keeps its root module's parameters) rather than freed and gathered again
     kept = {p: forward[p] for p in back_buckets[0]} if back_buckets and buckets and \
         set(back_buckets[0]) <= set(buckets[-1]) else {}
-    backward = _gather_in_order(emit, graph, back_buckets, back_first, world, group, kept)
+    backward = _gather_in_order(emit, graph, back_buckets, back_first, world, group, "backward", kept)
     position = {n: i for i, n in enumerate(graph.nodes)}
     recomputed = 0
     for p in params:

@@ -23,6 +23,7 @@ import operator
 import pytest
 import torch
 import torch.distributed as dist
+from torch import fx
 from torch.distributed.tensor import DTensor, Shard
 from ring_dist import run_ranks
 from steps import clipped_step, zero_first_step
@@ -42,6 +43,9 @@ FUSE = graphoffload.FuseOptimizer(bucket_numel=2048)
 # a calibration whose device update is much faster than the CPU's, so the planner puts every
 # bucket it may on the device: a budget below the all-device plan's peak forces a mix
 FAST_DEVICE = dataclasses.replace(BALANCED, cpu_update_params_per_s=1e6, cpu_update_params_per_s_under_copy=5e5)
+# a link so slow that an offloaded activation stalls backward far longer than a replay takes:
+# under a tight budget the activation planner recomputes
+SLOW_LINK = dataclasses.replace(BALANCED, h2d_bytes_per_s=1e6, d2h_bytes_per_s=1e6)
 
 
 def _step(stage: int, offload: Offload, step_fn=gpt_step) -> graphoffload.CompiledStep:
@@ -61,7 +65,7 @@ def _state_bytes(host) -> int:
     return host.arena.allocated_bytes - sum(aligned_bytes(t.shape, t.dtype) for t in host.scratch.values())
 
 
-def _trains_as_eager(rank, world, stage, offload, expect_mix=False, step_fn=gpt_step):
+def _trains_as_eager(rank, world, stage, offload, expect_mix=False, step_fn=gpt_step, expect_weight_replays=False):
     eager = _gpt()
     model = copy.deepcopy(eager)
     opt_e, opt = _optimizer("adamw", eager), _optimizer("adamw", model)
@@ -166,6 +170,10 @@ def _trains_as_eager(rank, world, stage, offload, expect_mix=False, step_fn=gpt_
         assert fields["recompute"] + fields["offload"] > 0 and fields["peak_bytes"] <= offload.gpu_memory_budget
         assert step.memory("final").peak <= offload.gpu_memory_budget
         device_buckets = (device_buckets, fields["recompute"], fields["offload"])
+        if expect_weight_replays:   # stage 3: replays read weights from backward's gathers
+            reads = _replays_reading_parameters(step.last.graph)
+            assert any(c.meta["gathered"] == "backward" and c.meta["val"].dim() == 2 for _, c in reads), (rank, fields)
+            device_buckets = (*device_buckets, len(reads))
     if offload.overlap_next_step:
         handed = step.last.graph.notes_of("offload_optimizer", "handed_over")[0].fields["buckets"]
         assert handed == cpu_buckets, (stage, handed)
@@ -188,10 +196,13 @@ def _world2(rank, world, path):
     for stage in (1, 3):
         results.append(_trains_as_eager(rank, world, stage, Offload(device_updates="never"), step_fn=_clip_step))
     # activations="auto" under a budget below every-activation-kept: recomputed or offloaded per rank
-    for stage in (2, 3):
-        budget = int(0.8 * _keep_peak(stage, world))
-        results.append(_trains_as_eager(rank, world, stage, Offload(device_updates="never", gpu_memory_budget=budget,
-                                                                    activations="auto")))
+    results += [_trains_as_eager(rank, world, 2, Offload(device_updates="never", activations="auto",
+                                                         gpu_memory_budget=int(0.8 * _keep_peak(2, world))))]
+    # stage 3 at 0.7x over a slow link: replays of regions that read weights, from backward's gathers
+    results += [_trains_as_eager(rank, world, 3, Offload(device_updates="never", activations="auto",
+                                                         calibration=SLOW_LINK,
+                                                         gpu_memory_budget=int(0.7 * _keep_peak(3, world))),
+                                 expect_weight_replays=True)]
     # overlap_next_step: every stage hands the CPU path's uploads of the rows over to the next call,
     # whose forward waits for them before its gathers (stages 1-2: the all-gathers of the updated rows,
     # moved there); device-path buckets carry their write-backs
@@ -734,3 +745,67 @@ def _state_equal(a, b) -> bool:
         a, b = (x.to_local() if isinstance(x, DTensor) else x for x in (a, b))
         return a.dtype == b.dtype and torch.equal(a, b)
     return a == b
+
+
+def _replays_reading_parameters(graph) -> list[tuple[fx.Node, fx.Node]]:
+    """(replayed node, the stage 3 parameter copy it reads) for every activation replay's read of
+    a gathered parameter."""
+    return [(n, i) for n in graph.graph.nodes if str(n.meta.get("recompute", "")).startswith("activations")
+            for i in n.all_input_nodes if i.meta.get("gathered")]
+
+
+@pytest.mark.parametrize("link", ["measured", "slow"])
+def test_stage_3_replays_read_the_backward_gathered_parameters_and_train_as_eager(link, one_process_group):
+    """Stage 3 + ZeRO-Offload + `activations="auto"` under 0.6x (0.7x with a slow link, where
+    offloads stall and the plan must recompute) of the keep-everything peak, 8 rows a step so
+    activations outweigh the parameters: the plan recomputes regions that read weights, each
+    replay reads its parameters from backward's gather (forward's is freed by then), that
+    gather's wait placed before the replay and after its launch; the predicted peak meets the
+    budget and three steps train as eager (fp32 master weights: within RTOL)."""
+    cal = SLOW_LINK if link == "slow" else None
+    extra = {"calibration": cal} if cal is not None else {}
+    batches = _batches(1, rows=8)
+    model = _gpt()
+    kept = _step(3, Offload(device_updates="never", activations="auto", gpu_memory_budget=1 << 40, **extra)).compile(
+        model, _optimizer("adamw", model), batches[0])
+    budget = int((0.7 if link == "slow" else 0.6) * kept.notes_of("offload_optimizer", "offloaded")[0]
+                 .fields["device_peak_bytes"])
+    eager = _gpt()
+    model = copy.deepcopy(eager)
+    opt_e, opt = _optimizer("adamw", eager), _optimizer("adamw", model)
+    step = _step(3, Offload(device_updates="never", gpu_memory_budget=budget, activations="auto", **extra))
+    for i, batch in enumerate(batches):
+        gpt_step(eager, opt_e, batch)
+        step(model, opt, batch)
+        for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+            err = ((_whole(p) - q).abs().max() / q.abs().max()).item()
+            assert err <= RTOL, f"{name} is {err:.3g} from eager at step {i}"
+    graph = step.last.graph
+    fields = graph.notes_of("offload_optimizer", "activations")[0].fields
+    assert fields["recompute"] > 0 and fields["peak_bytes"] <= budget, fields
+    assert step.memory("final").peak <= budget
+    reads = _replays_reading_parameters(graph)
+    assert reads and all(copy_.meta["gathered"] == "backward" for _, copy_ in reads), reads
+    if link == "slow":   # nothing offloaded: the budget is met by replays alone, weights read among them
+        assert fields["offload"] == 0 and any(copy_.meta["param"][0].endswith("weight") and
+                                              copy_.meta["val"].dim() == 2 for _, copy_ in reads), fields
+    position = {n: i for i, n in enumerate(graph.graph.nodes)}
+    for node, copy_ in reads:
+        wait = copy_
+        while wait.target is not c10d.wait_tensor.default:
+            wait = wait.args[0]
+        assert position[wait.args[0]] < position[wait] < position[node], (node.name, wait.name)
+    if link == "slow":   # a restarted job re-applies the plan from the cache, the moved gathers too (AsRank: a
+        # group name the cache key holds alike on both compiles)
+        offload = Offload(device_updates="never", gpu_memory_budget=budget, activations="auto", **extra)
+        made = []
+        for _ in range(2):
+            fresh = _gpt()
+            made.append(graphoffload.offload_compile(
+                gpt_step, offload=offload, config=graphoffload.CompileConfig(fuse_optimizer=FUSE),
+                data_parallel=AsRank(stage=3, bucket_numel=4096, as_rank=0, as_world=1)).compile(
+                    fresh, _optimizer("adamw", fresh), batches[0]))
+        assert made[1].notes_of("offload_optimizer", "activations_reused") and _replays_reading_parameters(made[1])
+        assert [n.name for n in made[1].graph.nodes] == [n.name for n in made[0].graph.nodes]
+    print(f"{link}: budget {budget}, predicted peak {fields['peak_bytes']}, recompute {fields['recompute']}, "
+          f"offload {fields['offload']}, {len(reads)} replayed reads of gathered parameters")
