@@ -9,7 +9,9 @@ scheduling passes share this one implementation.
 from __future__ import annotations
 
 import operator
+from bisect import bisect_left
 from collections import defaultdict
+from itertools import islice
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -128,10 +130,13 @@ class _NodeFacts(NamedTuple):
 class StorageCache:
     """Node facts shared by the StorageMaps of one graph as it is edited: a planner that
     rebuilds the map after each edit of a graph of thousands of nodes reads again only the
-    nodes the edit made or rewired. Maps built with it are the maps built without it."""
+    nodes the edit made or rewired, and takes from the last map built what comes before the
+    first node an edit changed (`StorageMap._shared_prefix`). Maps built with it are the maps
+    built without it."""
 
     def __init__(self) -> None:
         self.entries: dict[fx.Node, _NodeFacts] = {}
+        self.last: StorageMap | None = None   # the map built last with this cache
         # id(tensor) -> (the tensor, held so the id stays its own; its allocator bytes), for the
         # memory analysis of each map (graphoffload.memory)
         self.sizes: dict[int, tuple[object, int]] = {}
@@ -156,13 +161,21 @@ class StorageMap:
         self._facts: dict[int, _OpFacts | None] = {}
         entries = {} if cache is None else cache.entries
         self._node_facts = self._all_facts(entries)
-        ids, storages_of = self.ids, self._storages_of
-        for node, facts in zip(self.nodes, self._node_facts):
-            ids[node] = storages_of(node, facts.layout)
         self.accesses: dict[int, list[Access]] = defaultdict(list)
+        last = cache.last if cache is not None and accesses else None
+        start = 0 if last is None or last.graph is not graph else self._shared_prefix(last)
+        ids, storages_of = self.ids, self._storages_of
+        for node, facts in zip(self.nodes[start:], self._node_facts[start:]):
+            ids[node] = storages_of(node, facts.layout)
         if accesses:
-            self._record_accesses()
+            if start:
+                self._record_accesses_after(last, start)
+            else:
+                self._record_accesses(0, self.accesses)
         self.output_reads = {s for inp in graph.output_node().all_input_nodes for s in self.of(inp)}
+        self.graph = graph
+        if cache is not None and accesses:
+            cache.last = self
 
     def _all_facts(self, entries: dict[fx.Node, _NodeFacts]) -> list[_NodeFacts]:
         """Every node's facts, the cached entry where it is still valid (_NodeFacts): a planner
@@ -189,13 +202,44 @@ class StorageMap:
             _written(node, facts) if facts is not None and facts.writes else None, node.all_input_nodes)
         return found
 
-    def _record_accesses(self) -> None:
+    def _shared_prefix(self, last: StorageMap) -> int:
+        """Take over from `last` (an earlier map of this graph) the storage ids of the nodes
+        before the first node that differs from its (in place or facts), and the storages they
+        create: a node's ids and accesses depend only on its facts and on the ids of the nodes
+        before it, so those are what a build from the start would give. Returns that position."""
+        old_nodes, old_facts, nodes, facts = last.nodes, last._node_facts, self.nodes, self._node_facts
+        start, end = 0, min(len(nodes), len(old_nodes))
+        while start < end and nodes[start] is old_nodes[start] and facts[start] is old_facts[start]:
+            start += 1
+        if start:
+            self.ids.update(islice(last.ids.items(), start))   # in node order, as they were made
+            made = bisect_left(last.creator, start, key=last.position.__getitem__)
+            self.creator.extend(last.creator[:made])
+        return start
+
+    def _record_accesses_after(self, last: StorageMap, start: int) -> None:
+        """The accesses of the nodes from `start` on, after `last`'s accesses of the nodes before
+        it (_shared_prefix): each storage's list is `last`'s up to `start` (the same list where
+        nothing is added to it; `last` is left as it was) and then the new ones."""
+        tail: dict[int, list[Access]] = defaultdict(list)
+        self._record_accesses(start, tail)
+        accesses, position, made = self.accesses, operator.itemgetter(0), len(self.creator)
+        for s, old in last.accesses.items():
+            if s >= made:
+                continue   # made from `start` on: numbered anew
+            added = tail.pop(s, None)
+            if old[-1][0] >= start:
+                old = old[:bisect_left(old, start, key=position)]
+            accesses[s] = old + added if added else old
+        accesses.update(tail)
+
+    def _record_accesses(self, start: int, accesses: dict[int, list[Access]]) -> None:
         # a planner rebuilds the map after every edit of a graph of thousands of nodes, so the
         # common node (writes nothing) takes the short path, in plain loops: each storage's list
         # gets one access per node, whatever order the node's storages are visited in
-        ids, creator, accesses = self.ids, self.creator, self.accesses
+        ids, creator = self.ids, self.creator
         get, access = ids.get, _new_access
-        for i, (node, facts) in enumerate(zip(self.nodes, self._node_facts)):
+        for i, node, facts in zip(range(start, len(self.nodes)), self.nodes[start:], self._node_facts[start:]):
             if facts.written is None:
                 marked: dict[int, bool] = {}   # storage -> created by this node
                 for inp in facts.inputs:
@@ -263,6 +307,10 @@ class StorageMap:
             src = self.ids.get(alias) if alias is not None else None
             ids.append(src[0] if src and src[0] is not None else self._new(node))
         return ids
+
+    def written_by(self, node: fx.Node) -> list[fx.Node]:
+        """The argument nodes `node` writes into (written_args, as read when the map was built)."""
+        return self._node_facts[self.position[node]].written or []
 
     def of(self, node: fx.Node) -> list[int]:
         """Storages a node's value(s) live in."""

@@ -92,13 +92,15 @@ import math
 import operator
 from bisect import bisect_right, insort
 from heapq import heappop, heappush
+from itertools import repeat
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
+from functools import cached_property
 
 import torch
 from torch import fx
 
-from graphoffload.aliasing import StorageCache, StorageMap, written_args
+from graphoffload.aliasing import StorageCache, StorageMap
 from graphoffload.calibration import Calibration
 from graphoffload.graph import InputSpec, TrainGraph, fill_missing_meta, placeholder_name, tensor_vals
 from graphoffload.memory import MemoryProfile, analyze_memory, block_bytes, format_bytes
@@ -148,6 +150,11 @@ class Region:
     def bytes_live_at(self, position: int) -> int:
         freed = sum(n for _, n, last, first in self.freed if last < position < first)
         return max(0, freed - sum(n for n, start, until in self.held if start <= position < until))
+
+    @cached_property
+    def nbytes(self) -> int:
+        """Every freed storage's bytes (asked for each time its seed is ranked again)."""
+        return sum(n for _, n, _, _ in self.freed)
 
 
 @dataclass(frozen=True)
@@ -257,7 +264,7 @@ class _Step:
             if writers[0] is not creator or any(self.position[w] >= self.backward_start for w in writers):
                 return None
             for w in writers:   # writing nothing but this storage: replaying them is pure
-                if not _replayable(w) or any(o not in (s,) for a in written_args(w) for o in self.of(a)):
+                if not _replayable(w) or any(o not in (s,) for a in self.written(w) for o in self.of(a)):
                     return None
             return writers
 
@@ -276,7 +283,7 @@ class _Step:
             if node.target is operator.getitem:   # one output of a multi-output op (a layer norm's, attention's)
                 source = node.args[0]
                 writers = [a.node for a in self.storages.accesses[sids[0]] if a.writes]
-                if not _replayable(source) or written_args(source):
+                if not _replayable(source) or self.written(source):
                     return False
                 if writers != [source]:   # a view among a list of them (split's): on its input
                     if self.storages.creator[sids[0]] is source or not self.of(source):
@@ -284,7 +291,7 @@ class _Step:
                 nodes = [source, node]
             elif not _replayable(node):
                 return False
-            elif self.storages.creator[sids[0]] is not node and not written_args(node):
+            elif self.storages.creator[sids[0]] is not node and not self.written(node):
                 nodes = [node]   # a view: replayed on its input, made again first if need be
             else:
                 nodes = storage_chain(sids[0])
@@ -375,6 +382,10 @@ class _Step:
             found = self._backward_read[node] = any(u.meta.get("phase") == "backward" for u in node.users)
             return found
 
+    def written(self, node: fx.Node) -> list[fx.Node]:
+        """The argument nodes `node` writes into (aliasing.written_args, read off the map)."""
+        return self.storages.written_by(node)
+
     def of(self, node: fx.Node) -> list[int]:
         try:
             return self._of[node]
@@ -385,31 +396,7 @@ class _Step:
     def _region(self, seed: fx.Node, chain: list[fx.Node], at: int, seconds: dict[fx.Node, float]) -> Region | None:
         """What replaying `chain` right before `at` frees: every storage it makes whose backward
         readers all come at or after `at` and read it through the chain's nodes alone."""
-        st, members = self.storages, set(chain)
-        holders: dict[int, list[fx.Node]] = {}
-        for n in chain:
-            sids = self.of(n)
-            for s in sids:
-                holders.setdefault(s, [])
-            if len(sids) == 1:
-                holders[sids[0]].append(n)
-        freed, rewired = [], []
-        for s, held in holders.items():
-            if st.creator[s] not in members:
-                continue
-            facts = self._facts(s)
-            if facts is None or facts[0] < at or not facts[2] <= members:
-                continue
-            # the bytes of the first of them whose value is a tensor
-            nbytes = next((b for b in map(self._value_bytes, held) if b is not None), None)
-            if nbytes is None:
-                continue
-            freed.append((s, nbytes, facts[1], facts[0]))
-            rewired += [n.name for n in held if self._read_in_backward(n)]
-        if not freed:
-            return None
-        return Region(seed.name, tuple(n.name for n in chain), at, tuple(rewired), tuple(freed),
-                      sum(seconds.get(n, 0.0) for n in chain), self._held(chain, at))
+        return _Freed(self, at).region(seed, chain, seconds)
 
     def _held(self, chain: list[fx.Node], at: int) -> tuple[tuple[int, int, int], ...]:
         """The backward gathers a replay of `chain` at `at` moves ahead of their waits (a stage 3
@@ -448,10 +435,10 @@ class _Step:
         later = [a for a in st.accesses[sid] if a.position >= self.backward_start]
         seeds = list(dict.fromkeys(i for a in later for i in a.node.all_input_nodes
                                    if sid in st.of(i) and self.position[i] < self.backward_start))
-        found = []
+        found, freed = [], _Freed(self, later[0].position)   # carried from each chain to the next, longer one
         for chain in self._grow(sid, seeds, later[0].position):
             if self._draws_replayable(chain):
-                region = self._region(seeds[0], chain, later[0].position, seconds)
+                region = freed.region(seeds[0], chain, seconds)
                 if region is not None:
                     found.append(region)
         return found
@@ -501,7 +488,7 @@ class _Step:
                     wanted.append(i)
                 elif not self.available(i, at) and not self.regathered(i):
                     return None
-            for a in written_args(node):
+            for a in self.written(node):
                 if any(st.creator[s] not in block for s in self.of(a)):
                     return None
         ordered = sorted(chain, key=self.position.__getitem__)
@@ -547,6 +534,80 @@ class _Step:
             found.append(SavedActivation(value.name, nbytes, max(a.position for a in forward), first, prefetch_at,
                                          nbytes / cal.d2h_bytes_per_s + h2d))
         return found
+
+
+class _Freed:
+    """What replaying a chain of forward nodes right before position `at` frees, carried from a
+    chain to the longer chains grown from it (_Step._grow: each adds nodes, none leaves): the
+    chains grown from one seed were each worked out from scratch, a fifth of the planner's time
+    on the 24-block GPT. A storage the chain makes is freed when its creator is in the chain,
+    its backward readers all come at or after `at` and read it through the chain's nodes alone
+    (_Step._facts), and a node of the chain holding it alone has a tensor value (its bytes). The
+    first two, once true, stay true as the chain grows, and whether backward writes it or reads
+    it before `at` does not depend on the chain; so each storage is decided once, and a region
+    lists what is freed in the order a pass over its chain in graph order meets them."""
+
+    def __init__(self, step: _Step, at: int):
+        self.step, self.at = step, at
+        self.members: set[fx.Node] = set()
+        self.first: dict[int, tuple[int, int]] = {}        # storage -> (position, index) of its first holder
+        self.held: dict[int, list[tuple[int, fx.Node]]] = {}   # storage -> (position, node) holding it alone
+        self.pending: dict[int, tuple[int, int, frozenset]] = {}   # storages not decided yet -> their facts
+        self.freeing: dict[int, tuple[int, int, frozenset]] = {}   # storages freed once held as a tensor
+        # storage in `freeing` -> its entry in Region.freed (None: no tensor holds it yet) and the
+        # names of its holders backward reads; dropped when a node joins its holders
+        self.entries: dict[int, tuple[tuple[int, int, int, int] | None, list[str]]] = {}
+
+    def _add(self, node: fx.Node) -> None:
+        step = self.step
+        self.members.add(node)
+        position = step.position[node]
+        sids = step.of(node)
+        for j, s in enumerate(sids):
+            first = self.first.get(s)
+            if first is None:
+                self.first[s] = (position, j)
+                facts = step._facts(s)
+                if facts is not None and facts[0] >= self.at:
+                    self.pending[s] = facts
+            elif (position, j) < first:
+                self.first[s] = (position, j)
+        if len(sids) == 1:
+            insort(self.held.setdefault(sids[0], []), (position, node), key=operator.itemgetter(0))
+            self.entries.pop(sids[0], None)
+
+    def region(self, seed: fx.Node, chain: list[fx.Node], seconds: dict[fx.Node, float]) -> Region | None:
+        """The region replaying `chain` (graph order; every chain asked before is part of it)."""
+        members = self.members
+        for n in chain:
+            if n not in members:
+                self._add(n)
+        creator = self.step.storages.creator
+        for s, facts in list(self.pending.items()):
+            if creator[s] in members and facts[2] <= members:
+                self.freeing[s] = self.pending.pop(s)
+        freed, rewired, entries = [], [], self.entries
+        for s in sorted(self.freeing, key=self.first.__getitem__):
+            entry = entries.get(s)
+            if entry is None:
+                entry = entries[s] = self._entry(s)
+            if entry[0] is not None:
+                freed.append(entry[0])
+                rewired += entry[1]
+        if not freed:
+            return None
+        # (summed in graph order, as a pass over the chain would: a float sum depends on its order)
+        return Region(seed.name, tuple(n.name for n in chain), self.at, tuple(rewired), tuple(freed),
+                      sum(map(seconds.get, chain, repeat(0.0))), self.step._held(chain, self.at))
+
+    def _entry(self, s: int) -> tuple[tuple[int, int, int, int] | None, list[str]]:
+        held = [n for _, n in self.held.get(s, ())]
+        # the bytes of the first of them whose value is a tensor
+        nbytes = next((b for b in map(self.step._value_bytes, held) if b is not None), None)
+        if nbytes is None:
+            return None, []
+        facts = self.freeing[s]
+        return (s, nbytes, facts[1], facts[0]), [n.name for n in held if self.step._read_in_backward(n)]
 
 
 def forward_blocks(graph: TrainGraph) -> tuple[tuple[str, ...], ...]:
@@ -669,7 +730,8 @@ class _Replays:
 
     def __init__(self) -> None:
         self.chosen: dict[int, _Replay] = {}
-        self.log: list[frozenset[str]] = []   # the nodes of each replay added or undone, in turn
+        # the key and the nodes of each replay added or undone, in turn
+        self.log: list[tuple[int, frozenset[str]]] = []
 
     @property
     def version(self) -> int:
@@ -677,17 +739,30 @@ class _Replays:
 
     def add(self, key: int, replay: _Replay) -> None:
         self.chosen[key] = replay
-        self.log.append(frozenset(replay.region.nodes))
+        self.log.append((key, frozenset(replay.region.nodes)))
 
     def pop(self, key: int) -> _Replay:
         replay = self.chosen.pop(key)
-        self.log.append(frozenset(replay.region.nodes))
+        self.log.append((key, frozenset(replay.region.nodes)))
         return replay
 
     def unchanged_for(self, nodes: set[str], since: int) -> bool:
         """Whether no replay added or undone since `version` was `since` replays any of `nodes`:
         then the chosen replays that overlap `nodes` are the ones that did then."""
-        return all(nodes.isdisjoint(changed) for changed in self.log[since:])
+        return all(nodes.isdisjoint(changed) for _, changed in self.log[since:])
+
+    def overlapping(self, nodes: set[str], since: int, then: tuple[int, ...]) -> tuple[int, ...]:
+        """The keys of the chosen replays that replay some of `nodes` (in the order they were
+        chosen), from `then`, those that did when `version` was `since`: a key is never chosen
+        again once undone (a replay restored gets a new one), so it is those less the ones
+        undone since, and the ones chosen since that overlap."""
+        found = set(then)
+        for key, changed in self.log[since:]:
+            if key not in self.chosen:
+                found.discard(key)
+            elif not nodes.isdisjoint(changed):
+                found.add(key)
+        return tuple(sorted(found))
 
 def _replay(graph: TrainGraph, seeds: Sequence[str], names: set[str], seconds: dict[fx.Node, float],
             cache: StorageCache | None = None) -> tuple[Region, _Edit] | None:
@@ -954,14 +1029,20 @@ def _plan(graph: TrainGraph, budget: int, cal: Calibration, device: torch.device
             # the chosen replays it overlaps (and so their nodes) are those it overlapped then
             extensions[id(region)] = (replays.version, found[1])
             return found[1]
-        over = tuple(k for k, rep in replays.chosen.items() if merge and not nodes.isdisjoint(nodes_of(rep.region)))
+        if found is not None:
+            over = replays.overlapping(nodes, found[0], found[1][1])
+            if over == found[1][1]:   # the same chosen replays: the same nodes covered
+                extensions[id(region)] = (replays.version, found[1])
+                return found[1]
+        else:
+            over = tuple(k for k, rep in replays.chosen.items() if merge and not nodes.isdisjoint(nodes_of(rep.region)))
         if not over:
             result = region.seconds, ()
         else:
             covered = set().union(*(replays.chosen[k].region.nodes for k in over))
             # fsum: exact, so the result does not depend on the set's order (string hashes, and
             # so the order, differ between processes; a plan must not)
-            result = math.fsum(named.get(n, 0.0) for n in nodes - covered), over
+            result = math.fsum(map(named.get, nodes - covered, repeat(0.0))), over
         extensions[id(region)] = (replays.version, result)
         return result
 
@@ -1162,7 +1243,7 @@ def _lowered(before: MemoryProfile, after: MemoryProfile) -> bool:
 
 
 def _bytes(what: Region | SavedActivation) -> int:
-    return sum(n for _, n, _, _ in what.freed) if isinstance(what, Region) else what.nbytes
+    return what.nbytes
 
 
 def _key(option: tuple) -> tuple:

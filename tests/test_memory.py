@@ -198,3 +198,45 @@ def test_storage_map_accesses_match_a_plain_reading_of_the_graph():
     assert {s: [tuple(a) for a in acc] for s, acc in m.accesses.items() if acc} == expected
     mul = next(n for n in m.nodes if n.target == torch.ops.aten.mul_.Tensor)
     assert any(a.node is mul and a.writes for a in m.accesses[m.of(mul)[0]])
+
+
+def test_storage_map_sharing_the_last_maps_prefix_equals_a_fresh_one_and_leaves_it_as_it_was():
+    # a map built with a StorageCache takes from the last map what comes before the first node
+    # an edit changed; a storage made there that the edit reads later gets a list of its own
+    # (the last map, still read by whoever holds it, keeps its accesses), and after the edit is
+    # undone the map is the one before it again
+    from graphoffload.aliasing import StorageCache, StorageMap, written_args
+
+    def fn(a):
+        b = a.clone()
+        b.mul_(2)                  # writes b
+        c = torch.relu(b)
+        d = c * 3
+        return [d.sum()]
+
+    graph = hand_graph(fn, torch.randn(64))
+    g = graph.graph
+
+    def facts(m):
+        return dict(m.ids), list(m.creator), [(s, list(acc)) for s, acc in m.accesses.items()], m.output_reads
+
+    cache = StorageCache()
+    first = StorageMap(g, cache=cache)
+    before = facts(first)
+    assert before == facts(StorageMap(g))
+    clone = next(n for n in g.nodes if n.target == torch.ops.aten.clone.default)
+    mul = next(n for n in g.nodes if n.target == torch.ops.aten.mul.Tensor)
+    with g.inserting_before(mul):   # a late reader of b's storage, made near the end
+        late = g.call_function(torch.ops.aten.add.Tensor, (clone, mul.args[0]))
+    late.meta["val"] = clone.meta["val"] + mul.args[0].meta["val"]
+    mul.replace_input_with(mul.args[0], late)
+    edited = StorageMap(g, cache=cache)
+    assert facts(edited) == facts(StorageMap(g))
+    assert facts(first) == before    # the last map is left as it was
+    sid = edited.of(clone)[0]
+    assert [a.node for a in edited.accesses[sid]][-1] is late
+    assert edited.written_by(next(n for n in g.nodes if n.target == torch.ops.aten.mul_.Tensor)) == [clone]
+    assert all(edited.written_by(n) == written_args(n) for n in edited.nodes)
+    mul.replace_input_with(late, late.args[1])   # the edit undone
+    g.erase_node(late)
+    assert facts(StorageMap(g, cache=cache)) == before
