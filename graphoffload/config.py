@@ -139,7 +139,8 @@ class Offload:
             collective per micro-batch); "auto" is one choice for the whole step: device sums when the
             accumulating call's predicted peak with them (a trial compile) fits `gpu_memory_budget`
             (or there is no budget), else host sums (zero note `sum_choice`). With
-            `sequence_parallel=` too, "host" and "auto" are refused when the step is made.
+            `sequence_parallel=` too, host sums reduce every call's chunks over both mesh
+            dimensions, and "auto" takes its trial peaks as the max over all the mesh's ranks.
     """
 
     gpu_memory_budget: int | str | None = None

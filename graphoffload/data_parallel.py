@@ -41,7 +41,8 @@ combined on the accumulating calls as well, so every rank counts the same calls 
 host memory, still `Shard(0)` DTensors in `optimizer.state` (`as_shard`; runtime/host_state.py);
 stage 3's host updates upload into the rank's rows, which its parameters' DTensors hold.
 ZeRO-Offload accumulates too, its sums on the device as above, the updating call updating the
-rank's chunks from its host state.
+rank's chunks from its host state; or, with `Offload(accumulate_on="host")`, its sums this rank's
+chunks in host memory, every call reduce-scattering its gradients (passes/zero.py).
 
 With `sequence_parallel=` too (stages 1, 2 and 3) the two groups are the two dimensions of a
 device mesh, `ZeRO(group=mesh["dp"])` and `SequenceParallel(group=mesh["sp"])` (`OverGroup`
