@@ -140,6 +140,7 @@ from graphoffload.data_parallel import shard_rows
 from graphoffload.diagnostics import user_line_of_stack_trace
 from graphoffload.errors import UnsupportedError
 from graphoffload.graph import TrainGraph, fake_mode_of, fake_value
+from graphoffload.torch_private import recording_created_nodes
 from graphoffload.passes.gradient_norms import norm_of_norms
 from graphoffload.passes.update_kernels import UpdateKernel, update_kernels_to_rewrite
 from graphoffload.passes.zero_params import (GatherReport, ShardedParam, classify_reads, gather_for_use,
@@ -949,13 +950,12 @@ def _zero(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
         for b, (bucket, first) in enumerate(zip(buckets, before)):
             if first is None:
                 continue
-            made = set(g.nodes)
-            with g.inserting_before(first):   # packed from the rows the parameter holds at that point
+            # packed from the rows the parameter holds at that point
+            with recording_created_nodes(graph.gm) as made, g.inserting_before(first):
                 rows = {it.param: _local_rows(emit, it, it.param, world, rank) for it in bucket.items}
                 copied += _gather_parameters(emit, bucket, rows, world, group)
-            for node in g.nodes:
-                if node not in made:
-                    node.meta["deferred_gather"] = b
+            for node in made:
+                node.meta["deferred_gather"] = b
         deferred = sum(first is not None for first in before)
     g.lint()
     written = written_placeholders(g)
