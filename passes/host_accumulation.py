@@ -117,7 +117,7 @@ def move_sums_to_host(graph: TrainGraph, specs: list[InputSpec], only: frozenset
 
 
 # what the refusals of a host sum say of accumulate_on="auto", which can lead to them under ZeRO
-_AUTO_HINT = ("Without ZeRO, accumulate_on='auto' keeps such a sum on the device by itself; under ZeRO, 'auto' "
+AUTO_SUMS_HINT = ("Without ZeRO, accumulate_on='auto' keeps such a sum on the device by itself; under ZeRO, 'auto' "
               "places every sum alike and chooses the host when device sums do not fit gpu_memory_budget")
 
 
@@ -127,7 +127,7 @@ def _refuse(name: str, reader: fx.Node, what: str) -> UnsupportedError:
         f"Offload(accumulate_on='host') cannot keep the running gradient sum of {name} on the host: {what} "
         f"({getattr(reader.target, '__name__', reader.target)}{f', {where}' if where else ''}). Use "
         "Offload(accumulate_on='device') for this step (host sums support clip_grad_norm_ and a GradScaler; other "
-        f"reads need the accumulated gradient on the device). {_AUTO_HINT}")
+        f"reads need the accumulated gradient on the device). {AUTO_SUMS_HINT}")
 
 
 @dataclass
@@ -414,7 +414,7 @@ def combine_host_flags(g: fx.Graph, flag: fx.Node, host_flags: list[fx.Node], ti
             "Offload(accumulate_on='host') cannot check the accumulated gradients for infs on the host: the step reads "
             f"the GradScaler's found_inf ({getattr(first.target, '__name__', first.target)}"
             f"{f', {where}' if where else ''}) before the host checks are done. Use Offload(accumulate_on='device') "
-            f"for this step. {_AUTO_HINT}")
+            f"for this step. {AUTO_SUMS_HINT}")
     meta = {k: flag.meta[k] for k in ("stack_trace",) if k in flag.meta}
     with g.inserting_before(first):
         values, moved = list(fetched_flags), []

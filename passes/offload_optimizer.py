@@ -70,8 +70,8 @@ from graphoffload.passes import (host_accumulation, offload_activation_edits, of
                                  offload_activations, offload_cost_model, offload_planner, update_kernels)
 from graphoffload.passes.offload_activation_edits import EditsMismatch, NotRecordable
 from graphoffload.ops.host_transfer import assign_streams
-from graphoffload.passes.host_accumulation import (HostNorm, accumulate_on_host, candidate_groups, check_on_host,
-                                                   combine_host_flags, drain_host_sums, drain_on_host, lift_check,
+from graphoffload.passes.host_accumulation import (AUTO_SUMS_HINT, HostNorm, accumulate_on_host, candidate_groups,
+                                                   check_on_host, combine_host_flags, drain_host_sums, drain_on_host, lift_check,
                                                    move_sums_to_host, norm_on_host, place_sums, read_on_device,
                                                    wait_for_sums)
 from graphoffload.passes.update_kernels import UpdateKernel, find_update_kernels, update_kernels_to_rewrite
@@ -883,8 +883,8 @@ def _run(graph: TrainGraph, ctx: PassContext, assignment: tuple[tuple[str, ...],
             raise UnsupportedError(
                 f"Offload(accumulate_on='host') cannot check {names_of[b][0]}'s accumulated gradient for infs on the "
                 "host: that needs its bucket's gradients final inside backward and nothing else reading them (the "
-                "step returns or keeps a gradient). Use Offload(accumulate_on='device') or, without ZeRO, 'auto' for "
-                "this step")
+                "step returns or keeps a gradient). Use Offload(accumulate_on='device') for this step. "
+                + AUTO_SUMS_HINT)
         if norms and early[b] is None:
             where = user_line_of_stack_trace(norms[0].reduction.meta.get("stack_trace"))
             raise UnsupportedError(
@@ -892,7 +892,7 @@ def _run(graph: TrainGraph, ctx: PassContext, assignment: tuple[tuple[str, ...],
                 f"gradient on the host{f' ({where})' if where else ''}: that needs its bucket's update to wait past "
                 "backward for the global norm, its gradients final inside backward and nothing else reading them "
                 "(the step returns or keeps a gradient, or does more than clip them). Use "
-                "Offload(accumulate_on='device') or, without ZeRO, 'auto' for this step")
+                "Offload(accumulate_on='device') for this step. " + AUTO_SUMS_HINT)
     read_after = [_first_read_after_update(k, storages) for k in kernels]
     causes = {b: _why_after_backward(storages, k, found) for b, (k, found) in enumerate(zip(kernels, early))
               if found is not None}   # read before the loop below erases the kernels
