@@ -515,10 +515,12 @@ class CompiledStep:
         the dtype of the state this step offloads (graphoffload/checkpoint.py)."""
         ref = weakref.ref(self)
 
-        def offloaded(param: Tensor) -> bool:
+        def offloaded() -> set[int]:   # the ids of the parameters whose state the step offloads now
             step = ref()
-            return step is not None and step._last is not None and any(
-                param is p for p in step._last.capture.bindings.params.values())
+            if step is None or step._last is None:
+                return set()
+            return {id(p) for p in step._last.capture.bindings.params.values()}
+
         for opt in bindings.optimizers:
             if opt in self._keeping_dtypes:
                 continue
