@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from ring_dist import run_ranks
+from helpers import whole as _full
 from graphoffload.data_parallel import shard_rows
 from steps import clipped_step, train_step, zero_first_step
 from test_zero_accumulation import K, WINDOWS, _collectives, _expected, _gpt, _optimizer, _windows
@@ -46,10 +47,6 @@ RTOL = 2e-5
 CPU = Offload(device_updates="never")
 HOST = Offload(device_updates="never", accumulate_on="host")
 c10d = torch.ops._c10d_functional
-
-
-def _full(t):
-    return t.full_tensor() if isinstance(t, DTensor) else t
 
 
 def _rel(got, want) -> float:
