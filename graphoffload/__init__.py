@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING
 from graphoffload import ops  # noqa: F401  (the graphoffload:: op vocabulary, declared before any layer uses it)
 from graphoffload.config import CompileConfig, FuseOptimizer, Offload
 from graphoffload.data_parallel import ZeRO
-from graphoffload.errors import (CaptureError, GraphOffloadError, PartialUpdateError, PassError,
-                                 RankFailedMidUpdateError, RankTimeoutError, RingTimeoutError, StateError, StepRunError,
+from graphoffload.errors import (CaptureError, GraphOffloadError, HostSumsUnsupportedError, PartialUpdateError,
+                                 PassError, RankFailedMidUpdateError, RankTimeoutError, RingTimeoutError, StateError, StepRunError,
                                  UnsupportedError)
 from graphoffload.graph import GraphSignature, InputSpec, Note, OutputSpec, TrainGraph
 from graphoffload.memory import MemoryProfile, analyze_memory
@@ -50,7 +50,8 @@ def __dir__() -> list[str]:
 
 
 __all__ = [
-    "CaptureError", "CompileConfig", "CompiledStep", "FuseOptimizer", "GraphOffloadError", "GraphSignature", "InputSpec",
+    "CaptureError", "CompileConfig", "CompiledStep", "FuseOptimizer", "GraphOffloadError", "GraphSignature",
+    "HostSumsUnsupportedError", "InputSpec",
     "MemoryProfile", "Note", "Offload", "OutputSpec", "PartialUpdateError", "Pass", "PassContext", "PassError",
     "PassManager", "RankFailedMidUpdateError", "RankTimeoutError", "RingTimeoutError", "SequenceParallel", "StateError", "StepRunError",
     "TrainGraph", "UnsupportedError", "ZeRO",

@@ -23,7 +23,8 @@ from graphoffload import inspection, timeline
 from graphoffload.capture import Accumulation, Capture, StepBindings, capture_step, find_bindings
 from graphoffload.checkpoint import keep_offloaded_dtypes, load_optimizer_state_exactly
 from graphoffload.config import CompileConfig, Offload
-from graphoffload.errors import PartialUpdateError, RankFailedMidUpdateError, RankTimeoutError, StateError
+from graphoffload.errors import (HostSumsUnsupportedError, PartialUpdateError, RankFailedMidUpdateError, RankTimeoutError,
+                                 StateError, describe)
 from graphoffload.graph import TrainGraph
 from graphoffload.groups import MeshRankFailed, check_mesh, mesh_step_group
 from graphoffload.interruption import InterruptionGuard, Snapshot
@@ -101,6 +102,14 @@ def _sums_at(offload: Offload, where: str) -> Offload:
     whose sums "auto" moves to the host without ZeRO."""
     strided = where == "host" and offload.device_updates not in ("auto", "never")
     return dataclasses.replace(offload, accumulate_on=where, device_updates="never" if strided else offload.device_updates)
+
+
+def _with_sums(config: CompileConfig, sums: StepSums | None) -> CompileConfig:
+    """`config` with `accumulate_on="auto"` resolved to `sums`, the step's choice under ZeRO: the one
+    place it is resolved, for the capture's config and the passes' alike."""
+    if sums is None:
+        return config
+    return dataclasses.replace(config, offload=_sums_at(config.offload, sums.where))
 
 
 def _remove_hooks(handles: list[Any]) -> None:
@@ -226,49 +235,85 @@ class CompiledStep:
         inputs = (key[1], key[2])
         if inputs not in self._step_sums:
             budget = offload.budget_bytes()
-            peaks = (None, None) if budget is None else self._trial_peaks(args, kwargs)
-            choice = self._step_sums[inputs] = choose_step_sums(budget, *peaks)
+            device_peak, host_peak, refused = (None, None, None) if budget is None else self._trial_peaks(args, kwargs)
+            choice = choose_step_sums(budget, device_peak, host_peak, refused)
+            if choice.where == "host":   # (on every rank alike: the peaks are their max over the ranks)
+                # the updating call must take host sums too, or "auto" keeps them on the device
+                choice = choose_step_sums(budget, device_peak, host_peak, self._host_sums_refusal(args, kwargs))
+            self._step_sums[inputs] = choice
             log.info("%s: %s", self._name, choice.describe())
         return self._step_sums[inputs]
 
-    def _trial_peaks(self, args: tuple, kwargs: dict) -> tuple[int, int]:
+    def _trial_peaks(self, args: tuple, kwargs: dict) -> tuple[int, int | None, str | None]:
         """The accumulating variant's predicted device peak (graph liveness plus what the CUDA
         allocator holds beside it) with every running sum on the device and with every sum on the
         host: one capture, the passes run on two copies of it under trial options (no budget to
         fail on, activations kept, nothing cached), then dropped with the state the capture made.
-        Each is the max over the ranks (and both mesh dimensions), so every rank chooses alike."""
+        Each is the max over the ranks (and both mesh dimensions), so every rank chooses alike. The
+        third value says why host sums are refused (`HostSumsUnsupportedError` on some rank; its
+        host peak is then None), else None."""
         capture = capture_step(self.fn, args, kwargs, self.config, self._accumulation[False])
         device = capture.bindings.device
+        peaks, refused = [], None
         try:
-            peaks = []
             for where in ("device", "host"):
-                trial = dataclasses.replace(_sums_at(self.config.offload, where), gpu_memory_budget=None,
-                                            activations="keep", plan_cache=False, replan_after=0)
-                graph, _ = self.pass_manager.run(capture.graph.copy(), self._pass_context(device, offload=trial))
+                trial = self._trial_offload(where)
+                try:
+                    graph, _ = self.pass_manager.run(capture.graph.copy(), self._pass_context(device, offload=trial))
+                except HostSumsUnsupportedError as e:
+                    refused = describe(e)
+                    peaks.append(-1)
+                    continue
                 peaks.append(analyze_memory(graph).peak + sum(unseen_device_bytes(graph.graph, device).values()))
         finally:
             capture.discard_created_state()
-        groups = [ref() for ref in self._step_groups]
-        group = groups[-1] if groups else None   # the data-parallel group, or the mesh's over both dimensions
-        if group is not None and dist.get_world_size(group) > 1:
-            on = device if dist.get_backend(group) == "nccl" else torch.device("cpu")
-            both = torch.tensor(peaks, dtype=torch.int64, device=on)
-            dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
-            peaks = [int(p) for p in both.tolist()]
-        return peaks[0], peaks[1]
+        device_peak, host_peak, any_refused = self._max_over_ranks([*peaks, refused is not None], device)
+        if any_refused:
+            return device_peak, None, refused or "host sums refused on another rank of the group"
+        return device_peak, host_peak, None
 
-    def _with_sums(self, sums: StepSums | None) -> CompileConfig:
-        """The config with `accumulate_on="auto"` resolved to the step's choice under ZeRO."""
-        if sums is None:
-            return self.config
-        return dataclasses.replace(self.config, offload=_sums_at(self.config.offload, sums.where))
+    def _host_sums_refusal(self, args: tuple, kwargs: dict) -> str | None:
+        """Why the updating variant refuses host sums (`HostSumsUnsupportedError`, as the
+        `Offload(accumulate_on="host")` compile of this step would raise on its updating call), on
+        any rank of the group, else None: one trial compile of it with every sum on the host, under
+        the trial options of `_trial_peaks`, dropped with the state its capture made."""
+        capture = capture_step(self.fn, args, kwargs, _with_sums(self.config, StepSums("host", None)),
+                               self._accumulation[True])
+        refused = None
+        try:
+            self.pass_manager.run(capture.graph, self._pass_context(capture.bindings.device,
+                                                                    offload=self._trial_offload("host")))
+        except HostSumsUnsupportedError as e:
+            refused = describe(e)
+        finally:
+            capture.discard_created_state()
+        (any_refused,) = self._max_over_ranks([refused is not None], capture.bindings.device)
+        return (refused or "host sums refused on another rank of the group") if any_refused else None
+
+    def _trial_offload(self, where: str) -> Offload:
+        """The offload options of a trial compile with every running sum `where`: no budget to fail
+        on, activations kept, nothing cached or re-planned."""
+        return dataclasses.replace(_sums_at(self.config.offload, where), gpu_memory_budget=None,
+                                   activations="keep", plan_cache=False, replan_after=0)
+
+    def _max_over_ranks(self, values: list[int], device: torch.device) -> list[int]:
+        """`values`, each the max over the ranks of the step's group (the data-parallel group, or
+        the mesh's over both dimensions): a collective, so every rank calls it at the same point."""
+        groups = [ref() for ref in self._step_groups]
+        group = groups[-1] if groups else None
+        if group is None or dist.get_world_size(group) == 1:
+            return [int(v) for v in values]
+        on = device if dist.get_backend(group) == "nccl" else torch.device("cpu")
+        both = torch.tensor([int(v) for v in values], dtype=torch.int64, device=on)
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+        return [int(v) for v in both.tolist()]
 
     def _probe(self, args: tuple, kwargs: dict, update: bool, placement: SumPlacement | None,
                sums: StepSums | None = None) -> None:
         """Compile the other variant of an accumulating step only for its predicted peaks under
         each candidate placement of the running sums (recorded in `placement`); its graph is
         dropped, and the optimizer state its capture created with it, so nothing changes."""
-        capture = capture_step(self.fn, args, kwargs, self._with_sums(sums), self._accumulation[update])
+        capture = capture_step(self.fn, args, kwargs, _with_sums(self.config, sums), self._accumulation[update])
         try:
             self.pass_manager.run(capture.graph, self._pass_context(capture.bindings.device, sums=sums,
                                                                     grad_sum_placement=placement))
@@ -298,7 +343,7 @@ class CompiledStep:
             self._probe(args, kwargs, True, placement)
             if accumulation.update:
                 self._probe(args, kwargs, False, placement)
-        config = self._with_sums(sums)
+        config = _with_sums(self.config, sums)
         capture = capture_step(self.fn, args, kwargs, config, accumulation)
         log.info("captured %s: %.2f s, %d nodes", self._name, time.perf_counter() - start,
                  len(capture.graph.graph.nodes))
@@ -360,9 +405,7 @@ class CompiledStep:
         running sums live under ZeRO, resolved into it; `offload`: these options instead) and, with
         both `data_parallel=` and `sequence_parallel=`, the name of the step's group over both
         dimensions' ranks."""
-        config = self._pass_config()
-        if sums is not None:
-            offload = _sums_at(config.offload, sums.where)
+        config = _with_sums(self._pass_config(), sums)
         if offload is not None:
             config = dataclasses.replace(config, offload=offload)
         mesh = self._step_groups[2]() if len(self._step_groups) == 3 else None
@@ -472,10 +515,12 @@ class CompiledStep:
         the dtype of the state this step offloads (graphoffload/checkpoint.py)."""
         ref = weakref.ref(self)
 
-        def offloaded(param: Tensor) -> bool:
+        def offloaded() -> set[int]:   # the ids of the parameters whose state the step offloads now
             step = ref()
-            return step is not None and step._last is not None and any(
-                param is p for p in step._last.capture.bindings.params.values())
+            if step is None or step._last is None:
+                return set()
+            return {id(p) for p in step._last.capture.bindings.params.values()}
+
         for opt in bindings.optimizers:
             if opt in self._keeping_dtypes:
                 continue

@@ -10,7 +10,7 @@ which goes through it, does not round the fp32 master weights and moments of a b
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Set as AbstractSet
 from typing import Any
 
 import torch
@@ -35,9 +35,10 @@ def load_optimizer_state_exactly(opt: torch.optim.Optimizer, state: dict[str, An
                                 for k, v in state["state"][saved_id].items()}
 
 
-def keep_offloaded_dtypes(opt: torch.optim.Optimizer, offloaded: Callable[[Tensor], bool]) -> list[Any]:
-    """Hook `opt.load_state_dict` so that the floating state of each parameter `offloaded(param)`
-    names keeps the dtype it was saved in: it puts back the saved tensor wherever the load cast it
+def keep_offloaded_dtypes(opt: torch.optim.Optimizer, offloaded: Callable[[], AbstractSet[int]]) -> list[Any]:
+    """Hook `opt.load_state_dict` so that the floating state of each parameter whose id is in
+    `offloaded()` (asked once per load, so a load is linear in the parameters) keeps the dtype it
+    was saved in: it puts back the saved tensor wherever the load cast it
     to the parameter's dtype (an offloading step keeps fp32 master weights and moments for a bf16
     model; cast, their low bits would be gone). The step then places the tensor in its host
     memory, as after `load_optimizer_state_exactly`; a tensor already there (DCP loads in place
@@ -53,9 +54,10 @@ def keep_offloaded_dtypes(opt: torch.optim.Optimizer, offloaded: Callable[[Tenso
             return
         saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
         params = [p for g in optimizer.param_groups for p in g["params"]]
+        ids = offloaded()
         for saved_id, param in zip(saved_ids, params):
             saved = state_dict["state"].get(saved_id)
-            if saved is None or not offloaded(param):
+            if saved is None or id(param) not in ids:
                 continue
             state = optimizer.state[param]
             for key, value in saved.items():

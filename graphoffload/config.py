@@ -138,7 +138,9 @@ class Offload:
             its gradients and adds this rank's chunk into the host sum (no sums on the device, a
             collective per micro-batch); "auto" is one choice for the whole step: device sums when the
             accumulating call's predicted peak with them (a trial compile) fits `gpu_memory_budget`
-            (or there is no budget), else host sums (zero note `sum_choice`). With
+            (or there is no budget), else host sums (zero note `sum_choice`), unless a trial
+            compile of either call with host sums refuses them (`skip_nonfinite=True`, say): then
+            device sums, the budget perhaps not met. With
             `sequence_parallel=` too, host sums reduce every call's chunks over both mesh
             dimensions, and "auto" takes its trial peaks as the max over all the mesh's ranks.
     """

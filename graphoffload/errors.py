@@ -22,6 +22,13 @@ class UnsupportedError(GraphOffloadError):
     """An op, optimizer or option graphoffload does not support (yet)."""
 
 
+class HostSumsUnsupportedError(UnsupportedError):
+    """The step's running gradient sums cannot live on the host (`Offload(accumulate_on="host")`):
+    it reads them, or the accumulated gradients, in a way host sums do not serve. A class of its own
+    so that `accumulate_on="auto"` under ZeRO, which tries host sums for the whole step, can tell
+    this refusal from any other and keep the sums on the device instead."""
+
+
 class PassError(GraphOffloadError):
     """A pass failed or left the graph broken; the message names the pass."""
 

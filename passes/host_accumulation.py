@@ -80,7 +80,7 @@ import torch
 from torch import fx
 
 from graphoffload.diagnostics import user_line_of_stack_trace
-from graphoffload.errors import UnsupportedError
+from graphoffload.errors import HostSumsUnsupportedError, UnsupportedError
 from graphoffload.graph import InputSpec, TrainGraph, fake_mode_of, fake_value, placeholder_name
 from graphoffload.aliasing import StorageMap
 from graphoffload.memory import analyze_memory, block_bytes, format_bytes, storage_span
@@ -117,13 +117,13 @@ def move_sums_to_host(graph: TrainGraph, specs: list[InputSpec], only: frozenset
 
 
 # what the refusals of a host sum say of accumulate_on="auto", which can lead to them under ZeRO
-AUTO_SUMS_HINT = ("Without ZeRO, accumulate_on='auto' keeps such a sum on the device by itself; under ZeRO, 'auto' "
-              "places every sum alike and chooses the host when device sums do not fit gpu_memory_budget")
+AUTO_SUMS_HINT = ("accumulate_on='auto' keeps such a sum on the device by itself (under ZeRO, where it places every "
+                  "sum alike, all of them)")
 
 
-def _refuse(name: str, reader: fx.Node, what: str) -> UnsupportedError:
+def _refuse(name: str, reader: fx.Node, what: str) -> HostSumsUnsupportedError:
     where = user_line_of_stack_trace(reader.meta.get("stack_trace"))
-    return UnsupportedError(
+    return HostSumsUnsupportedError(
         f"Offload(accumulate_on='host') cannot keep the running gradient sum of {name} on the host: {what} "
         f"({getattr(reader.target, '__name__', reader.target)}{f', {where}' if where else ''}). Use "
         "Offload(accumulate_on='device') for this step (host sums support clip_grad_norm_ and a GradScaler; other "
@@ -410,7 +410,7 @@ def combine_host_flags(g: fx.Graph, flag: fx.Node, host_flags: list[fx.Node], ti
     latest = max([*tickets, *fetched_flags], key=order.__getitem__)
     if order.get(first, len(order)) <= order[latest]:
         where = user_line_of_stack_trace(first.meta.get("stack_trace"))
-        raise UnsupportedError(
+        raise HostSumsUnsupportedError(
             "Offload(accumulate_on='host') cannot check the accumulated gradients for infs on the host: the step reads "
             f"the GradScaler's found_inf ({getattr(first.target, '__name__', first.target)}"
             f"{f', {where}' if where else ''}) before the host checks are done. Use Offload(accumulate_on='device') "
@@ -500,28 +500,39 @@ class StepSums:
     once from the accumulating variant's predicted device peak with every sum on the device
     (`device_peak`) and with every sum on the host (`host_peak`), both from trial compiles and
     taken as their max over the ranks, so every rank runs the same collectives. Without a budget
-    no trial runs and the peaks are None. The passes read `where` as the step's accumulate_on."""
+    no trial runs and the peaks are None. `host_refused`: why host sums are refused for this step
+    (a `HostSumsUnsupportedError` of a trial compile of either variant, on any rank), which keeps
+    them on the device; None when they were not refused (or not tried: device sums fit). The
+    passes read `where` as the step's accumulate_on."""
 
     where: Literal["device", "host"]
     budget: int | None
     device_peak: int | None = None
     host_peak: int | None = None
+    host_refused: str | None = None
 
     def describe(self) -> str:
         if self.budget is None:
             return "accumulate_on='auto': every running sum on the device (no gpu_memory_budget)"
+        if self.host_refused is not None:
+            return (f"accumulate_on='auto': every running sum on the device: the accumulating call's predicted peak "
+                    f"with them, {format_bytes(self.device_peak)}, does not fit gpu_memory_budget "
+                    f"{format_bytes(self.budget)}, but this step refuses host sums ({self.host_refused}), so the "
+                    "budget may not be met")
         fits = "fits" if self.where == "device" else "does not fit"
         return (f"accumulate_on='auto': every running sum on the {self.where}: the accumulating call's predicted "
                 f"peak with the sums on the device, {format_bytes(self.device_peak)}, {fits} gpu_memory_budget "
                 f"{format_bytes(self.budget)} (with them on the host: {format_bytes(self.host_peak)})")
 
 
-def choose_step_sums(budget: int | None, device_peak: int | None, host_peak: int | None) -> StepSums:
-    """Device sums (one reduction per update) when there is no budget or the accumulating call's
-    predicted peak with them fits it; else host sums (a reduce-scatter per call, no sums on the
-    device), whose own fit the real compile's planner checks against the budget as usual."""
-    if budget is None or device_peak is None or device_peak <= budget:
-        return StepSums("device", budget, device_peak, host_peak)
+def choose_step_sums(budget: int | None, device_peak: int | None, host_peak: int | None,
+                     host_refused: str | None = None) -> StepSums:
+    """Device sums (one reduction per update) when there is no budget, the accumulating call's
+    predicted peak with them fits it, or the step refuses host sums (`host_refused`, why); else
+    host sums (a reduce-scatter per call, no sums on the device), whose own fit the real compile's
+    planner checks against the budget as usual."""
+    if budget is None or device_peak is None or device_peak <= budget or host_refused is not None:
+        return StepSums("device", budget, device_peak, host_peak, host_refused)
     return StepSums("host", budget, device_peak, host_peak)
 
 

@@ -158,10 +158,23 @@ def decode(x: Any, nodes: dict[str, fx.Node]) -> Any:
 _PROVENANCE = frozenset({"seq_nr", "from_node"})
 
 
+def _group_positions(node: fx.Node) -> tuple[int, ...]:
+    """The positions of a functional collective's `group_name` arguments (a process group's name,
+    which each group made in a process gets anew: the step's own groups, `OverGroup.step_group`)."""
+    schema = getattr(node.target, "_schema", None)
+    if schema is None or getattr(node.target, "namespace", None) != "_c10d_functional":
+        return ()
+    return tuple(i for i, a in enumerate(schema.arguments) if a.name == "group_name" and i < len(node.args))
+
+
 def structure(graph: TrainGraph) -> str:
     """The graph as text, for a cache key: every node's name, op, target, arguments and meta
-    (values by shape, dtype and stride; tracing provenance left out), and the signature."""
+    (values by shape, dtype and stride; tracing provenance left out), and the signature. A
+    collective's process group is written as the order in which the graph first names it, not
+    by its name, which differs between two steps over the same ranks (each makes its own group),
+    so a second compile of the same model in one process, or a restarted job, finds the plan."""
     lines = [repr(graph.signature)]
+    groups: dict[str, int] = {}
     for n in graph.graph.nodes:
         meta = {k: (_val(v) if k == "val" else encode(v, lenient=True)) for k, v in sorted(n.meta.items())
                 if k not in _PROVENANCE}
@@ -169,7 +182,10 @@ def structure(graph: TrainGraph) -> str:
             target = _target(n.target)
         except _Unencodable:
             target = {"repr": str(n.target)}
-        lines.append(repr((n.name, n.op, target, encode(n.args, True), encode(n.kwargs, True), meta)))
+        args = list(n.args)
+        for i in _group_positions(n):
+            args[i] = {"group": groups.setdefault(str(args[i]), len(groups))}
+        lines.append(repr((n.name, n.op, target, encode(tuple(args), True), encode(n.kwargs, True), meta)))
     return "\n".join(lines)
 
 
@@ -209,6 +225,10 @@ def _record(before: Snapshot, after: TrainGraph) -> dict:
         raise NotRecordable("the planner changed the existing inputs")
     new, args, meta = {}, {}, {}
     for n in after.graph.nodes:
+        if _group_positions(n) and (n.name not in before.nodes
+                                    or encode((n.args, n.kwargs), True) != before.nodes[n.name][0]):
+            # the key leaves process groups' names out (`structure`); edits naming one would not fit another process
+            raise NotRecordable(f"the planner made or rewired collective {n.name}, which names this process's group")
         if n.name not in before.nodes:
             new[n.name] = {"op": n.op, "target": _target(n.target), "args": encode(n.args),
                            "kwargs": encode(n.kwargs), "val": _val(n.meta.get("val")),

@@ -54,7 +54,7 @@ from torch import fx
 
 from graphoffload.aliasing import StorageMap
 from graphoffload.diagnostics import user_line_of_stack_trace
-from graphoffload.errors import PassError, UnsupportedError
+from graphoffload.errors import HostSumsUnsupportedError, PassError, UnsupportedError
 from graphoffload.graph import (InputSpec, TrainGraph, fake_mode_of, fake_value, fill_missing_meta, placeholder_name,
                                 tensor_vals)
 from graphoffload.memory import analyze_memory, format_bytes
@@ -880,14 +880,14 @@ def _run(graph: TrainGraph, ctx: PassContext, assignment: tuple[tuple[str, ...],
     early = [found if path == "cpu" else None for found, path in zip(early, paths)]
     for b, norms in enumerate(norms_of):
         if lifted[b] and early[b] is None:
-            raise UnsupportedError(
+            raise HostSumsUnsupportedError(
                 f"Offload(accumulate_on='host') cannot check {names_of[b][0]}'s accumulated gradient for infs on the "
                 "host: that needs its bucket's gradients final inside backward and nothing else reading them (the "
                 "step returns or keeps a gradient). Use Offload(accumulate_on='device') for this step. "
                 + AUTO_SUMS_HINT)
         if norms and early[b] is None:
             where = user_line_of_stack_trace(norms[0].reduction.meta.get("stack_trace"))
-            raise UnsupportedError(
+            raise HostSumsUnsupportedError(
                 f"Offload(accumulate_on='host') cannot take clip_grad_norm_'s norm of {names_of[b][0]}'s accumulated "
                 f"gradient on the host{f' ({where})' if where else ''}: that needs its bucket's update to wait past "
                 "backward for the global norm, its gradients final inside backward and nothing else reading them "

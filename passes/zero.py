@@ -77,7 +77,9 @@ of the chunk to the host and an add of the sum there, as for host sums without Z
 chunks move to the host with it. The cost is a reduce-scatter per micro-batch, k per window,
 where device sums reduce once per update. `Offload(accumulate_on="auto")` picks one of the two for
 the whole step (the step's trial compiles, passes/host_accumulation.py `StepSums`): the config
-this pass sees says "device" or "host", and the choice is noted (`sum_choice`). With
+this pass sees says "device" or "host", and the choice is noted (`sum_choice`; device sums also when
+a trial compile with host sums raised `HostSumsUnsupportedError`, which this pass's own refusals of
+them raise too). With
 `sequence_parallel=` each call's gradients are partial sums over sp too, so every call reduces
 them over both groups (reduce-scatter over dp, this rank's part all-reduced over sp): sums kept
 partial over sp would have to be reduced over sp on the updating call, but they are added on the
@@ -138,7 +140,7 @@ from graphoffload.aliasing import StorageMap, written_args, written_placeholders
 from graphoffload.bucketing import greedy_buckets
 from graphoffload.data_parallel import shard_rows
 from graphoffload.diagnostics import user_line_of_stack_trace
-from graphoffload.errors import UnsupportedError
+from graphoffload.errors import HostSumsUnsupportedError, UnsupportedError
 from graphoffload.graph import TrainGraph, fake_mode_of, fake_value
 from graphoffload.torch_private import recording_created_nodes
 from graphoffload.passes.gradient_norms import norm_of_norms
@@ -674,7 +676,7 @@ def _host_sum_items(graph: TrainGraph) -> tuple[list[_Item], dict[str, tuple[fx.
         add = next(iter(s.users), None)
         if len(s.users) != 1 or add.target is not aten.add_.Tensor or add.args[0] is not s or len(add.args) != 2 \
                 or add.kwargs or add.users:
-            raise UnsupportedError(
+            raise HostSumsUnsupportedError(
                 f"ZeRO with Offload(accumulate_on='host'): the accumulating call does more with the running gradient "
                 f"sum of {spec.target} than add the micro-batch's gradient (at {_line(add) if add else 'no line'}); "
                 "use Offload(accumulate_on='device')")
@@ -745,7 +747,7 @@ def _lift_host_sums(graph: TrainGraph) -> tuple[dict[str, fx.Node], dict[str, st
         zeros = [u for u in s.users if u.target is aten.zero_.default and not u.users]
         if len(finals) != 1 or len(s.users) != 1 + len(zeros):
             other = next((u for u in s.users if u not in finals + zeros), next(iter(s.users), None))
-            raise UnsupportedError(
+            raise HostSumsUnsupportedError(
                 f"ZeRO with Offload(accumulate_on='host'): the updating call reads the running gradient sum of "
                 f"{spec.target} other than as `gradient + sum` (at {_line(other) if other else 'no line'}); use "
                 "Offload(accumulate_on='device')")
@@ -846,7 +848,7 @@ def _refuse_kept_gradient(items: list[_Item], output: fx.Node) -> None:
     micro-batch's average, not the window's. Refused."""
     kept = next((it for it in items if output in it.grad.users), None)
     if kept is not None:
-        raise UnsupportedError(
+        raise HostSumsUnsupportedError(
             f"ZeRO with Offload(accumulate_on='host') keeps only this rank's chunk of each running sum, on the host, "
             f"but the step leaves {kept.name}.grad set after it returns: call optimizer.zero_grad() at the end of "
             "the step, or use Offload(accumulate_on='device')")
@@ -857,7 +859,7 @@ def zero(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
     choice = ctx.step_sums
     if ctx.config.data_parallel is not None and choice is not None:
         graph.note("zero", choice.describe(), "sum_choice", where=choice.where, budget=choice.budget,
-                   device_peak=choice.device_peak, host_peak=choice.host_peak)
+                   device_peak=choice.device_peak, host_peak=choice.host_peak, host_refused=choice.host_refused)
     return graph
 
 

@@ -47,6 +47,61 @@ def nonfinite_eagerly(loss: torch.Tensor, model: torch.nn.Module) -> bool:
     return not (torch.isfinite(loss).all() and torch.isfinite(torch.linalg.vector_norm(torch.stack(norms), 2.0)))
 
 
+def loss_steps(loss_fn: Callable) -> tuple[Callable, Callable, Callable]:
+    """The three steps the GradScaler and skip_nonfinite tests train around `loss_fn(model, batch)`:
+    a plain step, a GradScaler's step (`scaled_step(model, optimizer, scaler, batch)`), and
+    skip_nonfinite eagerly (tests/test_skip_nonfinite.py: no step() when the loss or the fp32
+    global gradient norm is not finite; returns whether it skipped)."""
+    def plain_step(model, optimizer, batch):
+        loss = loss_fn(model, batch)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss
+
+    def scaled_step(model, optimizer, scaler, batch):
+        loss = loss_fn(model, batch)
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad()
+        return loss
+
+    def eager_skipping_step(model, optimizer, batch) -> bool:
+        loss = loss_fn(model, batch)
+        loss.backward()
+        skipped = nonfinite_eagerly(loss, model)
+        if not skipped:
+            optimizer.step()
+        optimizer.zero_grad()
+        return skipped
+
+    return plain_step, scaled_step, eager_skipping_step
+
+
+def whole(t: torch.Tensor) -> torch.Tensor:
+    """A parameter or state tensor whole: a DTensor (ZeRO stage 3's rows, a sharded state) gathered,
+    which is a collective on every rank; any other tensor as it is."""
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def zero_gpt() -> GPT:
+    """The ZeRO tests' tiny GPT, seeded, in fp64: the key bias's gradient is zero up to rounding,
+    and AdamW turns fp32 rounding noise of that size into lr-sized steps whichever order the
+    ranks' sums are added in."""
+    torch.manual_seed(0)
+    return GPT(GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=2, d_model=32)).double()
+
+
+def zero_optimizer(name: str, model: torch.nn.Module) -> torch.optim.Optimizer:
+    """The ZeRO tests' optimizers: "sgd" (momentum), else AdamW with weight decay."""
+    if name == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+
+
 def run_steps(step_fn: Callable, model, opt, batches: Sequence[dict], scheduler=None) -> list[torch.Tensor]:
     """Train on `batches`, stepping `scheduler` (if any) between steps as a user would; returns
     the detached losses."""

@@ -97,6 +97,35 @@ def test_a_restarted_job_reuses_the_activation_plan(cache, monkeypatch):
         assert_training_matches(*eager, *_train(step, model, batches, mlp_step), exact=True, offloaded=True)
 
 
+def test_a_second_zero_stage_3_step_in_the_same_process_reuses_the_plan(cache, monkeypatch, one_process_group):
+    """Each ZeRO step makes its own process group, whose name its collectives carry; the key writes
+    a group as the order the graph first names it, so a second step of the same model (a new
+    group) finds the first one's plan instead of searching again, and its graph is the first's
+    node by node, the group's name aside."""
+    model, batch = _model(), _batches(1)[0]
+
+    def compile_zero3():
+        step = graphoffload.offload_compile(mlp_step, data_parallel=graphoffload.ZeRO(stage=3), offload=Offload(
+            activations="auto", calibration=FAST_COMPUTE, device_updates="never", gpu_memory_budget=1_300_000))
+        mine = copy.deepcopy(model)
+        step.compile(mine, adamw(mine), batch)
+        return step
+    first = compile_zero3()
+    assert not _reused(first) and len(_entries(cache)) == 1
+    assert first.train_graph.notes_of("zero", "params")[0].fields["sharded"]
+    with monkeypatch.context() as m:
+        _no_search(m)
+        second = compile_zero3()
+    assert _reused(second) and len(_entries(cache)) == 1
+    def group_of(step):
+        (name,) = {n.args[-1] for n in step.train_graph.graph.nodes
+                   if n.target is torch.ops._c10d_functional.reduce_scatter_tensor.default}
+        return name
+    assert group_of(first) != group_of(second)   # the two steps' own groups: the key must not see their names
+    assert [tuple(str(x).replace(group_of(second), "G") for x in t) for t in _nodes(second)] == \
+        [tuple(str(x).replace(group_of(first), "G") for x in t) for t in _nodes(first)]
+
+
 def test_the_bucket_plan_made_on_the_activations_is_reused_too(cache, monkeypatch):
     """The tiny GPT under the bucket planner (a calibration given): what is stored is the kept
     run's bucket paths and prefetch points with its activation edits, and the reused compile

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 from ring_dist import run_ranks, silent_rank
+from helpers import whole as _whole, zero_gpt as _gpt, zero_optimizer
 
 from steps import clipped_step, zero_first_step
 from steps import train_step as gpt_step
@@ -31,15 +32,6 @@ RTOL = 2e-5
 c10d = torch.ops._c10d_functional
 
 
-def _gpt():
-    from gpt import GPT, GPTConfig
-
-    torch.manual_seed(0)
-    # fp64: the key bias's gradient is zero up to rounding, and AdamW turns fp32 rounding noise
-    # of that size into lr-sized steps whichever order the ranks' sums are added in
-    return GPT(GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=2, d_model=32)).double()
-
-
 def _batches(world: int, rows: int = 2) -> list[dict]:
     g = torch.Generator().manual_seed(1)
     out = []
@@ -50,8 +42,6 @@ def _batches(world: int, rows: int = 2) -> list[dict]:
 
 
 def _optimizer(name, model):
-    if name == "sgd":
-        return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     if name == "adamw groups":   # no weight decay on biases and norms; one parameter alone, so one rank
         # owns none of its update kernel, which that rank drops
         params = [p for p in model.parameters() if p is not model.ln_f.bias]
@@ -59,7 +49,7 @@ def _optimizer(name, model):
                                   {"params": [p for p in params if p.dim() <= 1], "weight_decay": 0.0, "lr": 2e-2},
                                   {"params": [model.ln_f.bias], "lr": 3e-2}],
                                  lr=1e-2, weight_decay=0.1)
-    return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    return zero_optimizer(name, model)
 
 
 def _state_numel(opt) -> int:
@@ -304,11 +294,6 @@ def _uneven_clips_as_eager(rank, world, stage):
         for (name, p), q in zip(model.named_parameters(), eager.parameters()):
             err = ((_whole(p) - q).abs().max() / q.abs().max()).item()
             assert err <= RTOL, f"stage {stage}: {name} is {err:.3g} from eager"
-
-
-def _whole(p: torch.Tensor) -> torch.Tensor:
-    """A parameter whole (stage 3 holds a DTensor of this rank's rows: gathered, a collective)."""
-    return p.full_tensor() if isinstance(p, DTensor) else p
 
 
 def _clipping_world2(rank, world):

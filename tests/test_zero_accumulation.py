@@ -15,6 +15,7 @@ import pytest
 import torch
 from torch.distributed.tensor import DTensor
 from ring_dist import run_ranks
+from helpers import whole as _full, zero_gpt as _gpt, zero_optimizer as _optimizer
 from steps import train_step
 
 import graphoffload
@@ -25,20 +26,6 @@ RTOL = 2e-5
 c10d = torch.ops._c10d_functional
 COLLECTIVES = {c10d.all_reduce.default, c10d.all_reduce_coalesced.default, c10d.reduce_scatter_tensor.default,
                c10d.all_gather_into_tensor.default}
-
-
-def _gpt():
-    from gpt import GPT, GPTConfig
-
-    torch.manual_seed(0)
-    # fp64 for the reason test_zero.py gives (AdamW amplifies rounding noise of near-zero gradients)
-    return GPT(GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=2, d_model=32)).double()
-
-
-def _optimizer(name, model):
-    if name == "sgd":
-        return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
 
 
 def _windows(world: int, rows: int = 2) -> list[list[dict]]:
@@ -67,10 +54,6 @@ def _expected(stage: int, update: bool, graph, buckets: int) -> int:
         return 2 * buckets if update else 0
     params = graph.notes_of("zero", "params")[0].fields
     return len(params["forward_buckets"]) + len(params["backward_buckets"]) + (buckets if update else 0)
-
-
-def _full(p):
-    return p.full_tensor() if isinstance(p, DTensor) else p
 
 
 def _accumulates_as_eager(rank, world, stage, optimizer):

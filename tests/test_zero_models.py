@@ -16,7 +16,7 @@ import copy
 import pytest
 import torch
 from torch.distributed.tensor import DTensor
-from helpers import hf_gpt2, hf_llama
+from helpers import hf_gpt2, hf_llama, whole as _whole, zero_optimizer as _optimizer
 from ring_dist import run_ranks
 
 from steps import hf_step
@@ -28,12 +28,6 @@ pytest.importorskip("transformers")
 STEPS = 2
 RTOL = 2e-5
 ROWS = 2   # per rank
-
-
-def _optimizer(name, model):
-    if name == "sgd":
-        return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
 
 
 def _batches(world: int) -> list[dict]:
@@ -74,11 +68,6 @@ def _train_and_compare(rank, world, build, optimizer, stage, dtype, offload=None
     if offload is not None:
         assert all("master_param" in opt.state[p] for p in model.parameters())
     return [_whole(p).detach().clone() for p in model.parameters()]
-
-
-def _whole(p):
-    """A parameter whole (stage 3 holds DTensors of this rank's rows: gathered)."""
-    return p.full_tensor() if isinstance(p, DTensor) else p
 
 
 def _both_models_every_stage(rank, world):

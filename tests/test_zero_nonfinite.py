@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from ring_dist import run_ranks
-from helpers import nonfinite_eagerly
+from helpers import loss_steps, nonfinite_eagerly
 from test_zero import AsRank, _Uneven, _whole
 from test_zero_stage3 import _ancestors
 
@@ -43,13 +43,7 @@ def _loss(model, batch):
     return model(batch["x"], batch["y"]) + batch["offset"].mean() + batch["poison"].mean() * (row - row.detach()).sum()
 
 
-def scaled_step(model, optimizer, scaler, batch):
-    loss = _loss(model, batch)
-    scaler.scale(loss).backward()
-    scaler.step(optimizer)
-    scaler.update()
-    optimizer.zero_grad()
-    return loss
+plain_step, scaled_step, eager_skipping_step = loss_steps(_loss)
 
 
 def scaled_clipped_step(model, optimizer, scaler, batch):
@@ -61,26 +55,6 @@ def scaled_clipped_step(model, optimizer, scaler, batch):
     scaler.update()
     optimizer.zero_grad()
     return loss
-
-
-def plain_step(model, optimizer, batch):
-    loss = _loss(model, batch)
-    loss.backward()
-    optimizer.step()
-    optimizer.zero_grad()
-    return loss
-
-
-def eager_skipping_step(model, optimizer, batch) -> bool:
-    """skip_nonfinite eagerly (tests/test_skip_nonfinite.py): no step() when the loss or the fp32
-    global gradient norm is not finite. Returns whether it skipped."""
-    loss = _loss(model, batch)
-    loss.backward()
-    skipped = nonfinite_eagerly(loss, model)
-    if not skipped:
-        optimizer.step()
-    optimizer.zero_grad()
-    return skipped
 
 
 def _batches(world: int, poison: dict[int, dict[str, tuple[int, float]]], steps: int = 5) -> list[dict]:

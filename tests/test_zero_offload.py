@@ -29,6 +29,7 @@ from ring_dist import run_ranks
 from steps import clipped_step, zero_first_step
 from steps import train_step as gpt_step
 from test_offload_planner import BALANCED
+from helpers import whole as _whole
 from test_zero import AsRank, _batches, _gpt, _optimizer
 
 import graphoffload
@@ -179,11 +180,6 @@ def _trains_as_eager(rank, world, stage, offload, expect_mix=False, step_fn=gpt_
         assert handed == cpu_buckets, (stage, handed)
         device_buckets = (device_buckets, handed)
     return share, device_buckets
-
-
-def _whole(p):
-    """A parameter whole (stage 3 holds a DTensor of this rank's rows: gathered)."""
-    return p.full_tensor() if isinstance(p, DTensor) else p
 
 
 def _world2(rank, world, path):

@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from ring_dist import run_ranks
+from helpers import whole as _full
 from graphoffload.data_parallel import shard_rows
 from steps import clipped_step, train_step, zero_first_step
 from test_zero_accumulation import K, WINDOWS, _collectives, _expected, _gpt, _optimizer, _windows
@@ -40,15 +41,12 @@ from test_zero_offload import FAST_DEVICE, FUSE, _host_numel, _state_bytes
 
 import graphoffload
 from graphoffload import Offload
+from graphoffload.passes.host_accumulation import choose_step_sums
 
 RTOL = 2e-5
 CPU = Offload(device_updates="never")
 HOST = Offload(device_updates="never", accumulate_on="host")
 c10d = torch.ops._c10d_functional
-
-
-def _full(t):
-    return t.full_tensor() if isinstance(t, DTensor) else t
 
 
 def _rel(got, want) -> float:
@@ -295,10 +293,11 @@ def test_host_sums_under_zero_refuse_a_gradient_left_set(one_process_group):
         step.compile(model, opt, _mine(_windows(2)[0][0], 0, 2))
 
 
-def _auto_step(budget, where="auto"):
+def _auto_step(budget, where="auto", activations="keep", **config):
     return graphoffload.offload_compile(
-        train_step, accumulation_steps=K, config=graphoffload.CompileConfig(fuse_optimizer=FUSE),
-        offload=Offload(device_updates="never", accumulate_on=where, gpu_memory_budget=budget),
+        train_step, accumulation_steps=K, config=graphoffload.CompileConfig(fuse_optimizer=FUSE, **config),
+        offload=Offload(device_updates="never", accumulate_on=where, gpu_memory_budget=budget,
+                        activations=activations),
         data_parallel=graphoffload.ZeRO(stage=2, bucket_numel=4096))
 
 
@@ -346,6 +345,45 @@ def test_auto_sums_under_zero_choose_for_the_whole_step_from_trial_peaks(one_pro
             for key, t in opt.state[p].items():
                 assert torch.equal(_full(t), _full(ref_opt.state[q][key])), (want, name, key)
     assert want == "host"   # the last budget, between the peaks
+
+
+def test_auto_sums_under_zero_keep_device_sums_when_the_updating_call_refuses_host_sums(one_process_group):
+    """skip_nonfinite's norm of the accumulated gradients needs them on the device, so host sums are
+    refused on the updating call (HostSumsUnsupportedError, as "host" raises it). The trial compiles
+    of the accumulating call alone would choose host sums under a budget between their peaks;
+    "auto" tries the updating call with host sums too, and keeps every sum on the device, saying why
+    in the `sum_choice` note, training bit for bit as the explicit "device" step."""
+    model = _gpt()
+    opt = _optimizer("adamw", model)
+    with pytest.raises(graphoffload.HostSumsUnsupportedError, match=r"accumulate_on='host'.*the step reads"):
+        _train_windows(_auto_step(None, "host", skip_nonfinite=True), model, opt)
+    model = _gpt()
+    opt = _optimizer("adamw", model)
+    device = _auto_step(None, "device", skip_nonfinite=True)
+    want = _train_windows(device, model, opt)
+    peaks = _auto_step(1 << 40, skip_nonfinite=True)   # above both: the trial peaks, with nothing refused
+    other = _gpt()
+    peaks.compile(other, _optimizer("adamw", other), _windows(1)[0][0])
+    fields = peaks.last.graph.notes_of("zero", "sum_choice")[0].fields
+    assert fields["where"] == "device" and fields["host_refused"] is None   # (the updating call not tried)
+    # just below the device sums' peak: the accumulating call alone would choose host sums; with
+    # device sums activations="auto" recomputes or offloads saved activations to fit it
+    budget = fields["device_peak"] - 1
+    assert choose_step_sums(budget, fields["device_peak"], fields["host_peak"]).where == "host"
+    auto_model = _gpt()
+    auto_opt = _optimizer("adamw", auto_model)
+    step = _auto_step(budget, activations="auto", skip_nonfinite=True)
+    got = _train_windows(step, auto_model, auto_opt)
+    notes = [v.graph.notes_of("zero", "sum_choice")[0].fields for v in step._variants.values()]
+    assert len(notes) == 2 and notes[0] == notes[1]
+    assert notes[0]["where"] == "device" and notes[0]["budget"] == budget
+    assert "HostSumsUnsupportedError" in notes[0]["host_refused"] and "the step reads" in notes[0]["host_refused"]
+    assert not any(v.graph.notes_of("zero", "host_sums") for v in step._variants.values())
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    for (name, p), q in zip(auto_model.named_parameters(), model.parameters()):
+        assert torch.equal(_full(p), _full(q)), name
+        for key, t in auto_opt.state[p].items():
+            assert torch.equal(_full(t), _full(opt.state[q][key])), (name, key)
 
 
 def test_auto_sums_under_zero_without_budget_stay_on_the_device(one_process_group):

@@ -24,7 +24,7 @@ import pytest
 import torch
 from torch.distributed.tensor import DTensor, Shard
 from ring_dist import run_ranks
-from helpers import nonfinite_eagerly
+from helpers import loss_steps, nonfinite_eagerly, whole as _full
 from steps import hf_step
 
 import graphoffload
@@ -56,10 +56,6 @@ def _batches(dp: int, rows: int = 2) -> list[dict]:
         x = torch.randint(0, 64, (rows * dp, 16), generator=g)
         out.append({"input_ids": x, "labels": x})   # Llama shifts the labels itself
     return out
-
-
-def _full(p):
-    return p.full_tensor() if isinstance(p, DTensor) else p.detach()
 
 
 def _clipped_hf_step(model, optimizer, batch):   # the tiny Llama's gradient norm is about 1.06: every step clips
@@ -320,32 +316,7 @@ def _poisoned_step(model, batch):
     return model(inputs_embeds=emb, labels=batch["labels"]).loss + batch["offset"].mean()
 
 
-def scaled_step(model, optimizer, scaler, batch):
-    loss = _poisoned_step(model, batch)
-    scaler.scale(loss).backward()
-    scaler.step(optimizer)
-    scaler.update()
-    optimizer.zero_grad()
-    return loss
-
-
-def eager_skipping_step(model, optimizer, batch) -> bool:
-    """skip_nonfinite eagerly: no step() when the loss or the global gradient norm is not finite."""
-    loss = _poisoned_step(model, batch)
-    loss.backward()
-    skipped = nonfinite_eagerly(loss, model)
-    if not skipped:
-        optimizer.step()
-    optimizer.zero_grad()
-    return skipped
-
-
-def plain_step(model, optimizer, batch):
-    loss = _poisoned_step(model, batch)
-    loss.backward()
-    optimizer.step()
-    optimizer.zero_grad()
-    return loss
+plain_step, scaled_step, eager_skipping_step = loss_steps(_poisoned_step)
 
 
 def _poisoned_batches(key: str, value: float, k: int = 1) -> list[dict]:

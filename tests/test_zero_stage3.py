@@ -19,6 +19,7 @@ import pytest
 import torch
 from torch.distributed.tensor import DTensor, Shard
 from ring_dist import run_ranks
+from helpers import zero_optimizer as _optimizer
 
 import test_zero
 
@@ -61,12 +62,6 @@ def _step(model, optimizer, batch):
     optimizer.step()
     optimizer.zero_grad()
     return loss
-
-
-def _optimizer(name, model):
-    if name == "sgd":
-        return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
 
 
 def _batches(world: int, rows: int = 2) -> list[dict]:
