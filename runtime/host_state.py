@@ -27,6 +27,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from graphoffload.data_parallel import ZeRO, as_shard, local_chunk
+from graphoffload.errors import StateError
 from graphoffload.graph import InputSpec
 from graphoffload.runtime.host_arena import HostArena
 
@@ -90,6 +91,14 @@ class HostState:
         param = self.bindings.params[name]
         state = self.bindings.optimizer_of(name).state[param]
         existing = _local(state.get(key))   # a DTensor under ZeRO: the graph reads its local chunk
+        if key == "master_param" and existing is not None and _narrower(existing.dtype, like.dtype):
+            raise StateError(
+                f"optimizer state of parameter {name!r}: its master weights ('master_param') are "
+                f"{existing.dtype}, but this step keeps them {like.dtype}, so they were rounded, most likely "
+                f"by optimizer.load_state_dict(...) (or DCP's set_optimizer_state_dict) before the step "
+                f"compiled: torch casts loaded state to the parameters' dtype. Load the checkpoint again "
+                f"after step.compile(...) or the first call, or through step.load_state_dict(saved, "
+                f"optimizers=[optimizer]); nothing was trained from the rounded values")
         source = existing
         if key == "master_param" and (existing is None or (
                 name not in in_flight and self._changed_outside(name, param, existing))):
@@ -136,3 +145,9 @@ def _version(param: Tensor) -> int | tuple[int, int]:
 def _local(t: Tensor | None) -> Tensor | None:
     """A ZeRO state DTensor's local chunk (a view of it: writes land in it); other tensors as they are."""
     return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _narrower(dtype: torch.dtype, than: torch.dtype) -> bool:
+    """Whether floating `dtype` holds fewer bits than `than` (bf16 or fp16 master weights where the
+    step keeps fp32 ones: a load cast them, their low bits are gone)."""
+    return dtype.is_floating_point and than.is_floating_point and torch.finfo(dtype).bits < torch.finfo(than).bits

@@ -173,6 +173,29 @@ def test_checkpoint_round_trip_resumes_bit_identically(dtype, make_opt):
                 assert torch.equal(value, resumed_opt.state[q][key]), (name, key)
 
 
+def test_optimizer_state_loaded_before_compile_with_rounded_master_weights_is_refused():
+    """optimizer.load_state_dict before the step compiles casts the fp32 master weights of a bf16
+    model to bf16 (the step's dtype-keeping hook is not there yet): refused with what to do, before
+    anything is trained from the rounded values."""
+    torch.manual_seed(0)
+    model = GPT(TINY).to(torch.bfloat16)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    step = offloaded()
+    data = batches(3)
+    for b in data[:2]:
+        step(model, opt, b)
+    saved_model, saved_opt = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
+
+    resumed = GPT(TINY).to(torch.bfloat16)
+    resumed.load_state_dict(saved_model)
+    resumed_opt = torch.optim.AdamW(resumed.parameters(), lr=3e-3)
+    resumed_opt.load_state_dict(saved_opt)   # before the step exists: the master weights become bf16
+    before = [p.detach().clone() for p in resumed.parameters()]
+    with pytest.raises(graphoffload.StateError, match=r"master weights .* rounded.*after step\.compile"):
+        offloaded()(resumed, resumed_opt, data[2])
+    assert all(torch.equal(p, q) for p, q in zip(before, resumed.parameters()))
+
+
 def test_param_changed_between_steps_refreshes_its_master_copy():
     torch.manual_seed(0)
     eager = GPT(TINY)
