@@ -96,9 +96,10 @@ class HostState:
                 f"optimizer state of parameter {name!r}: its master weights ('master_param') are "
                 f"{existing.dtype}, but this step keeps them {like.dtype}, so they were rounded, most likely "
                 f"by optimizer.load_state_dict(...) (or DCP's set_optimizer_state_dict) before the step "
-                f"compiled: torch casts loaded state to the parameters' dtype. Load the checkpoint again "
-                f"after step.compile(...) or the first call, or through step.load_state_dict(saved, "
-                f"optimizers=[optimizer]); nothing was trained from the rounded values")
+                f"compiled: torch casts loaded state to the parameters' dtype. Load it again exactly with "
+                f"step.load_state_dict({{'optimizers': [saved]}}, optimizers=[optimizer]) (or, with a fresh "
+                f"optimizer, call optimizer.load_state_dict after step.compile(...)); nothing was trained "
+                f"from the rounded values")
         source = existing
         if key == "master_param" and (existing is None or (
                 name not in in_flight and self._changed_outside(name, param, existing))):
