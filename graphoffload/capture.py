@@ -421,7 +421,10 @@ _METADATA_READS = frozenset(
                                                 "grad", "ndim", "layout", "is_cuda", "is_cpu", "is_meta", "is_sparse",
                                                 "is_quantized", "is_nested", "itemsize", "nbytes", "_base")]
     + [Tensor.size, Tensor.stride, Tensor.numel, Tensor.dim, Tensor.storage_offset, Tensor.element_size,
-       Tensor.is_floating_point, Tensor.is_complex, Tensor.get_device, torch.sym_max, torch.sym_min, torch.device])
+       Tensor.is_floating_point, Tensor.is_complex, Tensor.get_device, torch.sym_max, torch.sym_min, torch.device,
+       # a tensor's device as torch's Python fake-tensor code reads it inside backward's autograd
+       # nodes (about a third of the calls the mode sees there): it returns a device, traces no op
+       torch.ops.prim.device.default])
 
 
 _TORCH_INIT = os.path.join(os.path.dirname(torch.__file__), "__init__.py")

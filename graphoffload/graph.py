@@ -14,7 +14,7 @@ Graph conventions (see passes/README.md for the full list of invariants):
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Any, Literal
@@ -186,8 +186,7 @@ class TrainGraph:
                 last = n
         with self.graph.inserting_after(last):
             node = self.graph.placeholder(spec.name)
-        with fake_mode_of(self.graph):
-            node.meta["val"] = torch.empty(shape, dtype=dtype, device="cpu")
+        node.meta["val"] = host_fake(self.graph, shape, dtype)
         node.meta.update({"phase": "input", "param": (param,)})
         specs.append(replace(spec, name=node.name))   # the name fx gave it (see placeholder_name)
         return node
@@ -252,6 +251,15 @@ def placeholder_name(prefix: str, name: str) -> str:
     node got in the signature, and the user's name lives in the spec's `target`: nothing looks a
     parameter up by re-deriving it from a node name."""
     return f"{prefix}_" + "".join(c if c.isalnum() else "_" for c in name)
+
+
+def host_fake(graph: fx.Graph, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+    """A contiguous host tensor's value on the graph's fake tensors: what `torch.empty(shape,
+    dtype=dtype, device="cpu")` gives under `fake_mode_of(graph)`, made by the constructor the
+    fake `empty` ends in (`torch_private.empty_fake`): passes make one per moved state tensor."""
+    from graphoffload.torch_private import empty_fake
+
+    return empty_fake(fake_mode_of(graph), shape, dtype, torch.device("cpu"))
 
 
 def fake_mode_of(graph: fx.Graph):

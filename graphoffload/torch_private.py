@@ -24,6 +24,10 @@ the library imports a private torch module). Supported: torch 2.11 and 2.13.
   process group behind the name functional collectives carry in the graph.
 - GradScaler's state: `_scale`, `_growth_tracker` and `_per_optimizer_states` (no public handle
   on the tensors it updates in place); `GRAD_SCALER_STATE_ATTRIBUTES` names them.
+- `empty_fake`: `FakeTensor(fake_mode, meta_tensor, device)`, the constructor torch's fake
+  `empty` itself ends in (positional in 2.11 and 2.13), called directly: a pass makes one host
+  fake tensor per state tensor it moves (thousands on a deep model), and `torch.empty` under the
+  mode cost ~60 us each through the dispatcher, the constructor ~11 us.
 - `recording_created_nodes`: `GraphModule._register_create_node_hook` /
   `_unregister_create_node_hook`, which `Graph.create_node` calls for every node created in a
   graph owned by the module (what `torch.fx.passes.graph_transform_observer` uses to follow a
@@ -42,7 +46,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -116,6 +120,19 @@ def resolve_process_group(group_name: str) -> Any:
     from torch.distributed.distributed_c10d import _resolve_process_group
 
     return _resolve_process_group(group_name)
+
+
+def empty_fake(fake_mode: Any, shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> Any:
+    """The FakeTensor `torch.empty(shape, dtype=dtype, device=device)` gives under `fake_mode`
+    (contiguous, not requiring grad), made without the dispatcher: fake `empty` allocates the
+    meta tensor and wraps it with this same constructor."""
+    from torch._subclasses import fake_tensor
+
+    elem = torch.empty(shape, dtype=dtype, device="meta")
+    if type(elem) is not torch.Tensor:   # called under a mode that made it (a fake mode, say): ask it
+        with fake_mode:
+            return torch.empty(shape, dtype=dtype, device=device)
+    return fake_tensor.FakeTensor(fake_mode, elem, torch.device(device))
 
 
 @contextlib.contextmanager

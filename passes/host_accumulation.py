@@ -81,7 +81,7 @@ from torch import fx
 
 from graphoffload.diagnostics import user_line_of_stack_trace
 from graphoffload.errors import HostSumsUnsupportedError, UnsupportedError
-from graphoffload.graph import InputSpec, TrainGraph, fake_mode_of, fake_value, placeholder_name
+from graphoffload.graph import InputSpec, TrainGraph, fake_mode_of, fake_value, host_fake, placeholder_name
 from graphoffload.aliasing import StorageMap
 from graphoffload.memory import analyze_memory, block_bytes, format_bytes, storage_span
 from graphoffload.ops.host_transfer import VALUE_RULES, grad_sum_key
@@ -110,8 +110,7 @@ def move_sums_to_host(graph: TrainGraph, specs: list[InputSpec], only: frozenset
             continue
         node = placeholders[spec.name]
         specs[i] = dataclasses.replace(spec, mutable=True, host=True)
-        with fake_mode_of(graph.graph):
-            node.meta["val"] = torch.empty(node.meta["val"].shape, dtype=SUM_DTYPE, device="cpu")
+        node.meta["val"] = host_fake(graph.graph, node.meta["val"].shape, SUM_DTYPE)
         sums[spec.target] = node
     return sums
 

@@ -55,7 +55,7 @@ from torch import fx
 from graphoffload.aliasing import StorageMap
 from graphoffload.diagnostics import user_line_of_stack_trace
 from graphoffload.errors import HostSumsUnsupportedError, PassError, UnsupportedError
-from graphoffload.graph import (InputSpec, TrainGraph, fake_mode_of, fake_value, fill_missing_meta, placeholder_name,
+from graphoffload.graph import (InputSpec, TrainGraph, fake_value, fill_missing_meta, host_fake, placeholder_name,
                                 tensor_vals)
 from graphoffload.memory import analyze_memory, format_bytes
 from graphoffload.calibration import Calibration
@@ -125,8 +125,7 @@ def _planning_budget(ctx: PassContext, unseen: int | None = None) -> int | None:
 
 def _move_to_host(node: fx.Node, dtype: torch.dtype | None) -> None:
     val = node.meta["val"]
-    with fake_mode_of(node.graph):
-        node.meta["val"] = torch.empty(val.shape, dtype=dtype or val.dtype, device="cpu")
+    node.meta["val"] = host_fake(node.graph, val.shape, dtype or val.dtype)
 
 
 def _host_lr(lr: fx.Node) -> fx.Node:
