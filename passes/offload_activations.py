@@ -218,6 +218,7 @@ class _Step:
         self._bytes: dict[fx.Node, int | None] = {}
         self._backward_read: dict[fx.Node, bool] = {}
         self._regathered: dict[fx.Node, fx.Node] | None = None
+        self._backward_reads: list[tuple[int, list]] | None = None
 
     def regathered(self, node: fx.Node) -> bool:
         """Whether `node` is a stage 3 parameter's forward copy that a replay reads as its
@@ -415,18 +416,30 @@ class _Step:
         """The accesses at or after backward's start (a storage's accesses are in position order)."""
         return accesses[bisect_left(accesses, self.backward_start, key=_position):]
 
+    def _read_by_backward(self) -> list[tuple[int, list]]:
+        """Each storage a forward value made that backward reads (and nothing else touches after
+        forward, the step's outputs included), with its accesses from backward's start, in
+        storage order: what both seeds and saved start from (made once per step)."""
+        if self._backward_reads is None:
+            st, found = self.storages, []
+            later_of, output_reads, accesses = self._later, st.output_reads, st.accesses
+            for sid, creator in enumerate(st.creator):
+                if not _forward_value(creator) or sid in output_reads:
+                    continue
+                later = later_of(accesses[sid])
+                if not later or any(a.writes or a.node.meta.get("phase") != "backward" for a in later):
+                    continue
+                found.append((sid, later))
+            self._backward_reads = found
+        return self._backward_reads
+
     def seeds(self) -> dict[str, int]:
         """The saved activations a recompute may start from: the name of the node backward reads
         each through (stable while the graph is edited) -> its storage."""
         if self.backward_start is None:
             return {}
         st, found = self.storages, {}
-        for sid, creator in enumerate(st.creator):
-            if not _forward_value(creator) or sid in st.output_reads:
-                continue
-            later = self._later(st.accesses[sid])
-            if not later or any(a.writes or a.node.meta.get("phase") != "backward" for a in later):
-                continue
+        for sid, later in self._read_by_backward():
             seeds = [i for a in later for i in a.node.all_input_nodes
                      if sid in st.of(i) and self.position[i] < self.backward_start]
             if seeds:
@@ -513,13 +526,8 @@ class _Step:
         if self.backward_start is None:
             return []
         st, found = self.storages, []
-        for sid, creator in enumerate(st.creator):
-            if not _forward_value(creator) or sid in st.output_reads:
-                continue
+        for sid, later in self._read_by_backward():
             accesses = st.accesses[sid]
-            later = self._later(accesses)
-            if not later or any(a.writes or a.node.meta.get("phase") != "backward" for a in later):
-                continue
             read_as = {i for a in later for i in a.node.all_input_nodes if sid in st.of(i)}
             if len(read_as) != 1:
                 continue
