@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from collections.abc import Collection
 from dataclasses import dataclass
+from itertools import accumulate
+from operator import attrgetter
 
 import torch
 
@@ -20,6 +22,7 @@ from graphoffload.aliasing import StorageMap
 from graphoffload.graph import TrainGraph
 
 _BLOCK = 512
+_name = attrgetter("name")
 
 
 def block_bytes(t: torch.Tensor) -> int:
@@ -111,15 +114,11 @@ def analyze_memory(graph: TrainGraph, storages: StorageMap | None = None) -> Mem
         # a storage's accesses are recorded in node order: its last is the last one
         delta[position[creator]] += nbytes
         delta[(end if sid in output_reads else accesses[sid][-1][0]) + 1] -= nbytes
-    live, running = [], resident
-    for i in range(end):
-        running += delta[i]
-        live.append(running)
-    if not live:
+    if not end:
         return MemoryProfile((), (), resident, resident, "")
-    peak_i = max(range(end), key=live.__getitem__)
-    return MemoryProfile(tuple(n.name for n in nodes), tuple(live), resident, live[peak_i],
-                         nodes[peak_i].name)
+    live = tuple(accumulate(delta[:end], initial=resident))[1:]
+    peak_i = live.index(max(live))   # the first node at the peak
+    return MemoryProfile(tuple(map(_name, nodes)), live, resident, live[peak_i], nodes[peak_i].name)
 
 
 def without_recompute(graph: TrainGraph) -> TrainGraph:
