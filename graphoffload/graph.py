@@ -14,7 +14,7 @@ Graph conventions (see passes/README.md for the full list of invariants):
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Any, Literal
@@ -292,12 +292,14 @@ def fake_value(node: fx.Node, fake_mode: Any = None) -> Any:
         return run(*args, **kwargs)
 
 
-def fill_missing_meta(graph: TrainGraph, pass_name: str) -> None:
+def fill_missing_meta(graph: TrainGraph, pass_name: str, nodes: Iterable[fx.Node] | None = None) -> None:
     """Stamp nodes a pass created: `pass`, `val` (the op run on fake tensors) and `phase`
-    (the latest phase among its inputs). Passes call it before analysing what they built."""
+    (the latest phase among its inputs). Passes call it before analysing what they built.
+    `nodes`: only these (in graph order), when the pass knows which it made and the others
+    are stamped already (a planner stamping each of thousands of edits of one graph)."""
     fake_mode = None
     order = {p: i for i, p in enumerate(PHASES)}
-    for node in graph.graph.nodes:
+    for node in graph.graph.nodes if nodes is None else nodes:
         node.meta.setdefault("pass", pass_name)
         if node.op != "call_function":
             continue

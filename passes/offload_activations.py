@@ -90,7 +90,7 @@ from __future__ import annotations
 
 import math
 import operator
-from bisect import bisect_right, insort
+from bisect import bisect_left, bisect_right, insort
 from heapq import heappop, heappush
 from itertools import repeat
 from collections.abc import Iterator, Sequence
@@ -117,6 +117,7 @@ ops = torch.ops.graphoffload
 # views included (past that, offloading or keeping is the choice)
 MAX_REGION_NODES = 96
 _PASS = "offload_optimizer"
+_position = operator.itemgetter(0)   # an aliasing.Access's position
 
 
 @dataclass(frozen=True)
@@ -208,8 +209,8 @@ class _Step:
         self.regather = regather   # stage 3: replays may read a parameter's backward copy
         self.position = self.storages.position
         self.nodes = self.storages.nodes
-        backward = [self.position[n] for n in self.storages.nodes if n.meta.get("phase") == "backward"]
-        self.backward_start = min(backward) if backward else None
+        # the first backward node's position (nodes are in position order)
+        self.backward_start = next((i for i, n in enumerate(self.nodes) if n.meta.get("phase") == "backward"), None)
         self._storage_facts: dict[int, tuple[int, int, frozenset] | None] = {}
         self._of: dict[fx.Node, list[int]] = {}
         self._names: dict[str, fx.Node] | None = None
@@ -217,6 +218,7 @@ class _Step:
         self._bytes: dict[fx.Node, int | None] = {}
         self._backward_read: dict[fx.Node, bool] = {}
         self._regathered: dict[fx.Node, fx.Node] | None = None
+        self._backward_reads: list[tuple[int, list]] | None = None
 
     def regathered(self, node: fx.Node) -> bool:
         """Whether `node` is a stage 3 parameter's forward copy that a replay reads as its
@@ -352,7 +354,7 @@ class _Step:
             pass
         st, facts = self.storages, None
         accesses = st.accesses[s]
-        later = [a for a in accesses if a.position >= self.backward_start]
+        later = self._later(accesses)
         if later and s not in st.output_reads and not any(a.writes or a.node.meta.get("phase") != "backward"
                                                           for a in later):
             # a reader of an alias backward made (a detach) reads it through the alias's own access
@@ -410,18 +412,34 @@ class _Step:
         return tuple(sorted((block_bytes(w.meta["val"]), at, self.position[w]) for w in waits
                             if self.position[w] > at))
 
+    def _later(self, accesses: list) -> list:
+        """The accesses at or after backward's start (a storage's accesses are in position order)."""
+        return accesses[bisect_left(accesses, self.backward_start, key=_position):]
+
+    def _read_by_backward(self) -> list[tuple[int, list]]:
+        """Each storage a forward value made that backward reads (and nothing else touches after
+        forward, the step's outputs included), with its accesses from backward's start, in
+        storage order: what both seeds and saved start from (made once per step)."""
+        if self._backward_reads is None:
+            st, found = self.storages, []
+            later_of, output_reads, accesses = self._later, st.output_reads, st.accesses
+            for sid, creator in enumerate(st.creator):
+                if not _forward_value(creator) or sid in output_reads:
+                    continue
+                later = later_of(accesses[sid])
+                if not later or any(a.writes or a.node.meta.get("phase") != "backward" for a in later):
+                    continue
+                found.append((sid, later))
+            self._backward_reads = found
+        return self._backward_reads
+
     def seeds(self) -> dict[str, int]:
         """The saved activations a recompute may start from: the name of the node backward reads
         each through (stable while the graph is edited) -> its storage."""
         if self.backward_start is None:
             return {}
         st, found = self.storages, {}
-        for sid, creator in enumerate(st.creator):
-            if not _forward_value(creator) or sid in st.output_reads:
-                continue
-            later = [a for a in st.accesses[sid] if a.position >= self.backward_start]
-            if not later or any(a.writes or a.node.meta.get("phase") != "backward" for a in later):
-                continue
+        for sid, later in self._read_by_backward():
             seeds = [i for a in later for i in a.node.all_input_nodes
                      if sid in st.of(i) and self.position[i] < self.backward_start]
             if seeds:
@@ -432,7 +450,7 @@ class _Step:
         """The recomputes grown from the saved activation in storage `sid` (_grow: the shortest
         first, then the longer ones), with what each frees."""
         st = self.storages
-        later = [a for a in st.accesses[sid] if a.position >= self.backward_start]
+        later = self._later(st.accesses[sid])
         seeds = list(dict.fromkeys(i for a in later for i in a.node.all_input_nodes
                                    if sid in st.of(i) and self.position[i] < self.backward_start))
         found, freed = [], _Freed(self, later[0].position)   # carried from each chain to the next, longer one
@@ -508,14 +526,8 @@ class _Step:
         if self.backward_start is None:
             return []
         st, found = self.storages, []
-        for sid, creator in enumerate(st.creator):
-            if not _forward_value(creator) or sid in st.output_reads:
-                continue
+        for sid, later in self._read_by_backward():
             accesses = st.accesses[sid]
-            forward = [a for a in accesses if a.position < self.backward_start]
-            later = [a for a in accesses if a.position >= self.backward_start]
-            if not later or any(a.writes or a.node.meta.get("phase") != "backward" for a in later):
-                continue
             read_as = {i for a in later for i in a.node.all_input_nodes if sid in st.of(i)}
             if len(read_as) != 1:
                 continue
@@ -531,6 +543,7 @@ class _Step:
             while prefetch_at > self.backward_start and ahead < h2d:
                 prefetch_at -= 1
                 ahead += seconds.get(st.nodes[prefetch_at], 0.0)
+            forward = accesses[:len(accesses) - len(later)]
             found.append(SavedActivation(value.name, nbytes, max(a.position for a in forward), first, prefetch_at,
                                          nbytes / cal.d2h_bytes_per_s + h2d))
         return found
@@ -983,6 +996,8 @@ def _plan(graph: TrainGraph, budget: int, cal: Calibration, device: torch.device
     backward gathers (offload_activation_gathers), else only what is on the device anyway."""
     profile = analyze_memory(graph)
     keep_peak = profile.peak
+    # the schedule's start of each planned node, for every edit's simulation (_simulate)
+    starts_of = dict(zip(planned, schedule.node_start)) if schedule is not None else None
     choices: dict[str, str] = {}
     specs = list(graph.signature.inputs)
     tried: set[tuple] = set()
@@ -1046,6 +1061,16 @@ def _plan(graph: TrainGraph, budget: int, cal: Calibration, device: torch.device
         extensions[id(region)] = (replays.version, result)
         return result
 
+    grown_names: dict[str, tuple[list[Region], frozenset[str]]] = {}
+
+    def names_of(seed: str, regions: list[Region]) -> frozenset[str]:
+        """Every node of `regions` (`seed`'s, as last grown), made once per growth: after each
+        replay chosen, each seed's regions are asked whether they share a node with it."""
+        found = grown_names.get(seed)
+        if found is None or found[0] is not regions:
+            found = grown_names[seed] = (regions, frozenset().union(*(r.nodes for r in regions)))
+        return found[1]
+
     def push(seed: str, regions: list[Region]) -> None:
         nonlocal counter
         last_grown[seed] = regions
@@ -1053,6 +1078,15 @@ def _plan(graph: TrainGraph, budget: int, cal: Calibration, device: torch.device
             counter += 1
             latest[seed] = counter
             heappush(heap, (-max(_bytes(r) / max(extension(r)[0], 1e-12) for r in regions), counter, seed))
+
+    stamped = False
+
+    def stamp(edit: _Edit) -> None:
+        """fill_missing_meta after an edit: the whole graph the first time, then the nodes the
+        edit made (the others are stamped: a pass over the graph per edit was a few percent)."""
+        nonlocal stamped
+        fill_missing_meta(graph, _PASS, edit.created if stamped else None)
+        stamped = True
 
     pending = list(blocks)
     while pending and (every_block or profile.peak > budget):
@@ -1070,7 +1104,7 @@ def _plan(graph: TrainGraph, budget: int, cal: Calibration, device: torch.device
         _, names, region = max(options, key=lambda o: o[0])
         pending.remove(names)
         edit = _recompute(graph, region)
-        fill_missing_meta(graph, _PASS)
+        stamp(edit)
         storages = StorageMap(graph.graph, cache=cache)
         after = analyze_memory(graph, storages)
         # a block replayed beyond the budget frees memory away from the peak (where the buckets'
@@ -1105,7 +1139,7 @@ def _plan(graph: TrainGraph, budget: int, cal: Calibration, device: torch.device
         for act in saved:
             choices.setdefault(act.name, "keep")
         at = profile.nodes.index(profile.peak_node)
-        timeline, _, _, added = _simulate(graph, cal, seconds, schedule, planned)
+        timeline, _, _, added = _simulate(graph, cal, seconds, schedule, planned, starts_of)
         if bound is not None and added > bound:
             abandoned = True   # another plan fits the budget adding less: this one cannot beat it
             break
@@ -1158,7 +1192,7 @@ def _plan(graph: TrainGraph, budget: int, cal: Calibration, device: torch.device
             else:
                 edit = _offload(graph, specs, what, where, device)
             graph = graph.with_signature(inputs=tuple(specs))   # new host inputs are not device memory
-            fill_missing_meta(graph, _PASS)
+            stamp(edit)
             storages = StorageMap(graph.graph, cache=cache)
             after = analyze_memory(graph, storages)
             if not _lowered(profile, after):
@@ -1189,7 +1223,7 @@ def _plan(graph: TrainGraph, budget: int, cal: Calibration, device: torch.device
         if how == "recompute":
             nodes = set(what.nodes)
             for seed, regions in list(last_grown.items()):   # cheaper now: extensions of this replay
-                if seed not in grown and any(nodes.intersection(r.nodes) for r in regions):
+                if seed not in grown and not nodes.isdisjoint(names_of(seed, regions)):
                     push(seed, regions)
             for name in what.rewired:
                 choices[name] = how
@@ -1212,7 +1246,7 @@ def _plan(graph: TrainGraph, budget: int, cal: Calibration, device: torch.device
                        activation=what.name, choice=how, bytes=what.nbytes, seconds=what.offload_seconds,
                        added_seconds=cost, stall_seconds=cost, recomputed=(), rewired=(), extends=(),
                        block=False, peak_after=profile.peak)
-    added = _simulate(graph, cal, seconds, schedule, planned)[3]
+    added = _simulate(graph, cal, seconds, schedule, planned, starts_of)[3]
     counts = {c: sum(1 for v in choices.values() if v == c) for c in ("keep", "recompute", "offload")}
     graph.note(_PASS, f"activations: {counts['keep']} kept, {counts['recompute']} recomputed"
                + (f" ({blocks_replayed} whole blocks replayed)" if blocks_replayed else "")
@@ -1264,14 +1298,17 @@ def _first_gap(busy: list[tuple[float, float]], start: float, seconds: float) ->
 
 
 def _simulate(graph: TrainGraph, cal: Calibration, seconds: dict[fx.Node, float], schedule: Prediction | None,
-              planned: Sequence[str]) -> tuple[_Timeline, list[Event], dict[str, float], float]:
+              planned: Sequence[str], starts_of: dict[str, float] | None = None
+              ) -> tuple[_Timeline, list[Event], dict[str, float], float]:
     """The step's timeline with the activation plan so far: each node starts where `schedule`
     put it (without one: after the nodes before it, at their estimated times), later by the
     recompute and the stalls before it; each activation copy takes the first gap its link (d2h
     out, h2d back) leaves from the node that issues it on, beside the state's transfers; a copy
-    back that lands after its reader should start stalls the compute stream."""
+    back that lands after its reader should start stalls the compute stream. `starts_of`:
+    `schedule`'s start of each node of `planned` by name, when the caller keeps it (a planner
+    simulates every edit on one schedule)."""
     if schedule is not None:
-        start_of = dict(zip(planned, schedule.node_start))
+        start_of = starts_of if starts_of is not None else dict(zip(planned, schedule.node_start))
         events = schedule.events
     else:
         start_of, clock, events = {}, 0.0, []
@@ -1287,24 +1324,29 @@ def _simulate(graph: TrainGraph, cal: Calibration, seconds: dict[fx.Node, float]
     added, starts, delay, now = [], [], 0.0, 0.0
     totals = {"recompute_seconds": 0.0, "stall_seconds": 0.0, "link_seconds": 0.0}
     issued: dict[str, float] = {}
+    wait, to_host, to_device = ops.wait_device.default, ops.copy_to_host.default, ops.prefetch_to_device.default
+    get_start, append = start_of.get, starts.append
     for node in graph.graph.nodes:
         if node.op == "output":
             break
-        if node.name in start_of:
-            now = max(now, start_of[node.name] + delay)
-        name = node.meta.get("activation")
-        if name and node.target is ops.wait_device.default and issued.get(name, 0.0) > now:
+        begun = get_start(node.name)
+        if begun is not None:
+            now = max(now, begun + delay)
+        meta = node.meta
+        name = meta.get("activation")
+        if name and node.target is wait and issued.get(name, 0.0) > now:
             stall = issued[name] - now
             delay, now = delay + stall, now + stall
             totals["stall_seconds"] += stall
-        starts.append(now)
-        if _replayed(node):
+        append(now)
+        replay = meta.get("recompute")   # (_replayed, inline: every node of every edit asks)
+        if replay is not None and str(replay).startswith("activations"):
             took = seconds.get(node) if node in seconds else estimate_seconds(node, cal)
-            if node.name not in start_of:   # not timed on the schedule already (retime)
+            if begun is None:   # not timed on the schedule already (retime)
                 delay, now = delay + took, now + took
             totals["recompute_seconds"] += took
-        elif name and node.target in (ops.copy_to_host.default, ops.prefetch_to_device.default):
-            track = "d2h" if node.target is ops.copy_to_host.default else "h2d"
+        elif name and node.target in (to_host, to_device):
+            track = "d2h" if node.target is to_host else "h2d"
             nbytes = sum(t.meta["val"].numel() * t.meta["val"].element_size() for t in node.args[0])
             took = nbytes / (cal.d2h_bytes_per_s if track == "d2h" else cal.h2d_bytes_per_s)
             begin = _first_gap(links[track], max(now, issued.get(name, 0.0)), took)

@@ -240,3 +240,48 @@ def test_storage_map_sharing_the_last_maps_prefix_equals_a_fresh_one_and_leaves_
     mul.replace_input_with(late, late.args[1])   # the edit undone
     g.erase_node(late)
     assert facts(StorageMap(g, cache=cache)) == before
+
+
+def test_analysis_counts_each_storage_as_storage_span_does():
+    # analyze_memory counts the storages in one loop (the activation planner analyses every edit
+    # of its graph); the profile must be what summing storage_span over the storages gives,
+    # multi-output ops, views, in-place writes, a host input and a kept StorageCache included
+    from dataclasses import replace
+
+    from graphoffload.aliasing import StorageCache, StorageMap
+    from graphoffload.memory import storage_span
+
+    def fn(a, w, h):
+        x = torch.layer_norm(a, (64,), w)          # one output of a multi-output op
+        p, q = x.split(32, dim=1)                  # views
+        y = p.relu().mul_(2) + h.sum()             # an in-place write into a new storage
+        z = torch.ops.aten.native_layer_norm.default(q.contiguous(), (32,), None, None, 1e-5)[0]
+        return [(y @ z.t()).sum(), z]
+
+    graph = hand_graph(fn, torch.randn(16, 64), torch.randn(64), torch.randn(8))
+    host = graph.signature.inputs[2]
+    graph = graph.with_signature(inputs=(*graph.signature.inputs[:2], replace(host, host=True)))
+
+    def by_spans(storages):
+        on_host = {host.name}
+        delta, resident = [0] * (len(storages.nodes) + 2), 0
+        for sid in range(len(storages.creator)):
+            nbytes, span = storage_span(storages, sid, on_host)
+            if span is None:
+                resident += nbytes
+            else:
+                delta[span[0]] += nbytes
+                delta[span[1] + 1] -= nbytes
+        live, running = [], resident
+        for d in delta[:len(storages.nodes)]:
+            running += d
+            live.append(running)
+        return resident, live
+
+    for storages in (StorageMap(graph.graph), StorageMap(graph.graph, cache=StorageCache())):
+        profile = analyze_memory(graph, storages)
+        resident, live = by_spans(storages)
+        assert profile.resident == resident and list(profile.live) == live
+        assert profile.peak == max(live) and profile.peak_node == storages.nodes[live.index(max(live))].name
+        assert profile.nodes == tuple(n.name for n in storages.nodes)
+    assert analyze_memory(graph).resident == f32(16, 64) + f32(64)   # the host input is not counted
