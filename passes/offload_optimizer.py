@@ -625,13 +625,15 @@ def _check_budget(graph: TrainGraph, ctx: PassContext, device_peak: int, activat
             ". Raise the budget, or reduce the batch or sequence length.")
 
 
-def _activations_of_accumulating_call(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
+def _activations_of_accumulating_call(graph: TrainGraph, ctx: PassContext, edits: dict | None = None,
+                                      record: bool = False) -> tuple[TrainGraph, _Decisions | None]:
     """A call that only adds into the running sums holds a micro-batch's activations too: with
-    activations="auto" they are planned under the same budget as in the updating call."""
-    graph, activations, _ = _plan_activations(graph, ctx, [])
+    activations="auto" they are planned under the same budget as in the updating call (`edits`,
+    `record`: the plan cache's, as `_plan_activations` takes them; no bucket plan here)."""
+    graph, activations, recorded = _plan_activations(graph, ctx, [], edits=edits, record=record)
     if activations is not None:
         _check_budget(graph, ctx, analyze_memory(graph).peak, activations)
-    return graph
+    return graph, _Decisions(None, recorded) if record else None
 
 
 def _replan_with_activations(fresh: Callable[[], TrainGraph], graph: TrainGraph, ctx: PassContext, planned: list[str],
@@ -742,18 +744,29 @@ _PLANNING_CODE = (sys.modules[__name__], offload_activations, offload_activation
 
 def _activation_cache_key(graph: TrainGraph, ctx: PassContext) -> str | None:
     """The on-disk key of this step's activation plan, or None where none is kept: plan_cache
-    off, re-plans from measured node times (no restart measures the same times), running
-    gradient sums (their placement compiles trial variants of the pass)."""
+    off, re-plans from measured node times (no restart measures the same times), and a probe of
+    the other variant of an accumulating step compiled before accumulate_on="auto" decided where
+    the running sums live (`_sums_on_host` is None there: its run stops at the placement and its
+    graph is dropped, so it has nothing to store, and must not read a plan made for a placement
+    it has not got). The trial compiles of the placement (host_accumulation.trial_context, the
+    step's _trial_offload) run with plan_cache=False and activations="keep", so never get here.
+    With running sums the key holds the parameters whose sums are on the host: the same graph
+    before the pass is another graph after the placement, and a plan is for that one."""
     offload = ctx.config.offload
-    if (not offload.plan_cache or ctx.measured_node_seconds is not None
-            or any(s.kind == "grad_sum" for s in graph.signature.inputs)):
+    if not offload.plan_cache or ctx.measured_node_seconds is not None:
+        return None
+    on_host = _sums_on_host(graph, ctx)
+    if on_host is None:
         return None
     return activation_key(offload_activation_edits.structure(graph), _calibration(ctx),
-                          f"{offload!r} on {ctx.device}", _PLANNING_CODE)
+                          f"{offload!r} on {ctx.device}, sums on the host: {sorted(on_host)}", _PLANNING_CODE)
 
 
 def _peak_of(graph: TrainGraph) -> int:
-    return graph.notes_of("offload_optimizer", "offloaded")[-1].fields["device_peak_bytes"]
+    """The predicted device peak of the pass's graph: the updating call's note, else (an
+    accumulating call, which has no update to offload) its liveness analysis."""
+    notes = graph.notes_of("offload_optimizer", "offloaded")
+    return notes[-1].fields["device_peak_bytes"] if notes else analyze_memory(graph).peak
 
 
 def _with_cached_activations(graph: TrainGraph, ctx: PassContext, key: str) -> TrainGraph:
@@ -808,6 +821,23 @@ def offload_optimizer(graph: TrainGraph, ctx: PassContext,
     return _run(graph, ctx, assignment)[0]
 
 
+def _sums_on_host(graph: TrainGraph, ctx: PassContext, kernels: list | None = None) -> frozenset[str] | None:
+    """The parameters whose running sums this compile keeps on the host (host_accumulation.place_sums;
+    empty without `grad_sum` inputs), or None: a probe of the other variant before
+    accumulate_on="auto" decided, whose graph is dropped. Once decided, the step's SumPlacement
+    answers at once, so the cache key (_activation_cache_key) and the run both ask."""
+    specs = graph.signature.inputs
+    if not any(s.kind == "grad_sum" for s in specs):
+        return frozenset()
+    kernels = find_update_kernels(graph.graph) if kernels is None else kernels
+    spec_of = {s.name: s for s in specs}
+    placeholders = graph.placeholders()
+    device_sums = {s.target: placeholders[s.name] for s in specs if s.kind == "grad_sum"}
+    names_of = [[spec_of[p.name].target for p in k.param_inputs()] for k in kernels]
+    return place_sums(graph, ctx, bool(kernels), list(device_sums), lambda pinned: candidate_groups(
+        kernels, names_of, pinned), _trial, lambda: read_on_device(kernels, names_of, device_sums))
+
+
 def _run(graph: TrainGraph, ctx: PassContext, assignment: tuple[tuple[str, ...], dict[int, int]] | None = None,
          edits: dict | None = None, record: bool = False) -> tuple[TrainGraph, _Decisions | None]:
     """The pass, and (`record`) what the run that made its graph decided; `edits`: the
@@ -823,10 +853,7 @@ def _run(graph: TrainGraph, ctx: PassContext, assignment: tuple[tuple[str, ...],
     spec_of = {s.name: i for i, s in enumerate(specs)}
     placeholders = graph.placeholders()
     device_sums = {s.target: placeholders[s.name] for s in specs if s.kind == "grad_sum"}
-    names_of = [[specs[spec_of[p.name]].target for p in k.param_inputs()] for k in kernels]
-    on_host = place_sums(graph, ctx, bool(kernels), list(device_sums), lambda pinned: candidate_groups(
-        kernels, names_of, pinned), _trial, lambda: read_on_device(kernels, names_of, device_sums)) \
-        if device_sums else frozenset()
+    on_host = _sums_on_host(graph, ctx, kernels)
     if on_host is None:   # a probe of the other variant before the placement is decided: its graph is dropped
         return graph, None
     if on_host:
@@ -835,12 +862,12 @@ def _run(graph: TrainGraph, ctx: PassContext, assignment: tuple[tuple[str, ...],
     if not kernels and (host_sums or device_sums):   # an accumulating call
         _note_grad_sums(graph, host_sums, device_sums, {}, ctx)
         if not host_sums:
-            return _activations_of_accumulating_call(graph, ctx), None
+            return _activations_of_accumulating_call(graph, ctx, edits, record)
         accumulate_on_host(graph, specs, host_sums)   # its gradients go to the host sums
         assign_streams(graph.graph)
         graph = graph.with_signature(inputs=tuple(specs))
         fill_missing_meta(graph, "offload_optimizer")
-        return _activations_of_accumulating_call(graph, ctx), None
+        return _activations_of_accumulating_call(graph, ctx, edits, record)
     kernels = update_kernels_to_rewrite(graph, "offload_optimizer", "offload")
     if not kernels:
         return graph, None

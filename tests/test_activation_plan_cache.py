@@ -19,6 +19,7 @@ from test_checkpointing import adamw, mlp_step
 
 import graphoffload
 from graphoffload import Offload
+from graphoffload.memory import analyze_memory
 from graphoffload.errors import PassError
 
 
@@ -196,3 +197,57 @@ def test_an_unreadable_or_stale_entry_is_planned_again(cache, caplog):
     assert _reused(_compile(model, batch, **options))   # stored afresh each time
     _compile(model, batch, **dict(options, plan_cache=False))   # plan_cache=False neither reads nor writes
     assert len(_entries(cache)) == 1
+
+
+def _variant_nodes(step) -> dict[bool, list[tuple]]:
+    """Each compiled variant's final graph node by node, by whether it updates."""
+    return {key[0]: _nodes(type("V", (), {"train_graph": v.graph})) for key, v in step._variants.items()}
+
+
+def _variant_reused(step) -> dict[bool, list]:
+    return {key[0]: v.graph.notes_of("offload_optimizer", "activations_reused") for key, v in step._variants.items()}
+
+
+@pytest.mark.parametrize("accumulate_on", ["device", "auto"])
+def test_a_restarted_accumulating_step_reuses_both_variants_plans(cache, monkeypatch, caplog, accumulate_on):
+    """accumulation_steps=2 on the tiny GPT under 0.7x the accumulating call's keep-everything
+    peak: the first step plans and stores both variants' plans (the accumulating call's
+    activations, the updating call's activations and buckets); a fresh step over the same model
+    re-applies both (no search), each final graph the first's node by node, and trains
+    bit-identical to the first. With accumulate_on="auto" the placement's probe of the other
+    variant (compiled before the placement is decided) neither reads nor stores a plan."""
+    model, batches = tiny_gpt(dropout=0.1, seq_len=32), token_batches(4, seq=32, batch=4)
+
+    def make(**offload):
+        return graphoffload.offload_compile(train_step, accumulation_steps=2, offload=Offload(
+            calibration=FAST_COMPUTE, device_updates="never", **offload))
+
+    def keep_peak(where):
+        keep = make(activations="keep", accumulate_on=where)
+        _train(keep, model, batches, train_step)
+        return max(analyze_memory(v.graph).peak for v in keep._variants.values())
+    if accumulate_on == "device":   # the activations recomputed or offloaded
+        budget = int(0.7 * keep_peak("device"))
+    else:   # the sums moved to the host (the placement keeps the activations: what it must fit)
+        budget = (keep_peak("device") + keep_peak("host")) // 2
+    options = dict(activations="auto", gpu_memory_budget=budget, accumulate_on=accumulate_on)
+    first = make(**options)
+    runs = [_train(first, model, batches, train_step)]
+    assert set(_variant_reused(first)) == {False, True} and not any(_variant_reused(first).values())
+    assert len(_entries(cache)) == 2   # one plan per variant, none from a probe
+    if accumulate_on == "auto":
+        (placed,) = first.train_graph.notes_of("offload_optimizer", "grad_sum_placement")
+        assert placed.fields["moved"] == placed.fields["movable"] > 0
+    with monkeypatch.context() as m:
+        _no_search(m)
+        second = make(**options)
+        runs.append(_train(second, model, batches, train_step))
+    # keyed without the placement, the restarted probe re-applied the updating call's plan to its
+    # graph, stopped before the sums' rewrite, and warned that the peak came out otherwise
+    assert "not reusing the cached activation plan" not in caplog.text
+    reused = _variant_reused(second)
+    assert set(reused) == {False, True} and all(len(notes) == 1 for notes in reused.values())
+    assert {str(n[0].fields["path"]) for n in reused.values()} == {str(e) for e in _entries(cache)}
+    assert _variant_nodes(second) == _variant_nodes(first)
+    assert_training_matches(*runs[0], *runs[1], exact=True, offloaded=True)
+
