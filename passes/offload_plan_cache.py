@@ -18,6 +18,15 @@ stride), the calibration, the Offload options, the torch version and the code of
 the planning runs; what is stored is offload_activation_edits' record of the kept run, which
 offload_optimizer re-applies and checks (its predicted peak and step must come out as stored).
 Both kinds share one format number, one directory and one atomic write (`_read`, `_write`).
+
+Every key is a new file, and activation plans of big models are large, so a long-lived machine
+(many models, many code versions) would grow the directory without bound: after each write the
+directory is trimmed to `MAX_BYTES` (`evict`), least recently used first (a hit refreshes a
+file's modification time, `_touch`), never the file just written. Several processes may write
+and trim the same directory at once: a file another one removed first is simply gone, and a
+file that cannot be removed is logged and skipped; nothing is read to be evicted, so an
+unreadable entry is evicted like any other, and so is a temporary file a crashed writer left
+(one over an hour old; a younger one is another process's write in progress).
 """
 
 from __future__ import annotations
@@ -28,6 +37,7 @@ import json
 import logging
 import math
 import os
+import time
 from types import ModuleType
 
 import torch
@@ -39,6 +49,9 @@ from graphoffload.passes.offload_planner import Event, Prediction, StepCosts
 log = logging.getLogger("graphoffload")
 
 FORMAT = 1   # bump when Prediction or the planner's algorithm changes what a key maps to
+MAX_BYTES = 256 * 2**20   # the plans directory's size cap: beyond it, least recently used entries go
+_KINDS = ("plan-", "activations-")   # what an entry's file name starts with
+_ABANDONED_S = 3600   # a writer's ".tmp-" file this old was left by a crashed process: evictable too
 
 
 def source_hash(*modules: ModuleType) -> str:
@@ -63,8 +76,70 @@ def plan_key(costs: StepCosts, cal: Calibration, budget: int | None, max_sweeps:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
+def plans_dir() -> str:
+    """Where the plans live: `plans/` under graphoffload's cache directory."""
+    return os.path.join(cache_dir(), "plans")
+
+
 def plan_path(key: str, kind: str = "plan") -> str:
-    return os.path.join(cache_dir(), "plans", f"{kind}-{key}.json")
+    return os.path.join(plans_dir(), f"{kind}-{key}.json")
+
+
+def _touch(path: str) -> None:
+    """Mark `path` as just used, so eviction takes it last (best effort: a read-only cache
+    still serves its plans)."""
+    try:
+        os.utime(path)
+    except OSError:
+        pass
+
+
+def evict(directory: str, keep: str, max_bytes: int = MAX_BYTES) -> list[str]:
+    """Remove the least recently used entries of `directory` (by modification time, oldest
+    first) until their sizes sum to at most `max_bytes`; `keep` (the file just written) is never
+    removed, even if it alone is over the cap. Returns the paths removed by this call."""
+    entries = []
+    now = time.time()
+    try:
+        with os.scandir(directory) as found:
+            for entry in found:
+                temporary = entry.name.startswith(".tmp-")
+                if not (entry.name.startswith(_KINDS) or temporary) or not entry.name.endswith(".json"):
+                    continue
+                try:
+                    st = entry.stat(follow_symlinks=False)
+                except OSError:   # removed by another process since the listing
+                    continue
+                if temporary and now - st.st_mtime < _ABANDONED_S:
+                    continue   # another process's write in progress
+                entries.append((st.st_mtime_ns, entry.path, st.st_size))
+    except OSError as exc:
+        log.warning("could not list the plan cache %s to trim it (%s)", directory, exc)
+        return []
+    total = sum(size for *_, size in entries)
+    if total <= max_bytes:
+        return []
+    removed = []
+    for _, path, size in sorted(entries):
+        if total <= max_bytes:
+            break
+        if os.path.abspath(path) == os.path.abspath(keep):
+            continue
+        try:
+            os.remove(path)
+        except FileNotFoundError:   # another process evicted it first: its bytes are gone all the same
+            total -= size
+            continue
+        except OSError as exc:
+            log.warning("could not evict the cached plan %s (%s)", path, exc)
+            continue
+        total -= size
+        removed.append(path)
+        log.debug("evicted the cached plan %s (%d bytes, least recently used)", path, size)
+    if removed:
+        log.info("plan cache %s over its cap of %d bytes: evicted %d least recently used entries, %d bytes left",
+                 directory, max_bytes, len(removed), total)
+    return removed
 
 
 def _read(key: str, kind: str) -> dict | None:
@@ -81,15 +156,20 @@ def _read(key: str, kind: str) -> dict | None:
     if not isinstance(data, dict) or data.get("format") != FORMAT or data.get("key") != key:
         log.warning("ignoring a stale cached %s %s (another format or key): planning again", kind, path)
         return None
+    _touch(path)
     return data
 
 
-def _write(key: str, kind: str, data: dict) -> None:
-    """Write an entry atomically (a failure to write only costs the next run its planning)."""
+def _write(key: str, kind: str, data: dict, max_bytes: int = MAX_BYTES) -> None:
+    """Write an entry atomically (a failure to write only costs the next run its planning), then
+    trim the directory to `max_bytes` (`evict`)."""
+    path = plan_path(key, kind)
     try:
-        write_atomically(plan_path(key, kind), json.dumps({"format": FORMAT, "key": key, **data}))
+        write_atomically(path, json.dumps({"format": FORMAT, "key": key, **data}))
     except (OSError, TypeError, ValueError) as exc:
         log.warning("could not cache the %s (%s)", kind, exc)
+        return
+    evict(os.path.dirname(path), path, max_bytes)
 
 
 def load_plan(key: str) -> tuple[Prediction, dict[str, float]] | None:
@@ -110,10 +190,10 @@ def load_plan(key: str) -> tuple[Prediction, dict[str, float]] | None:
         return None
 
 
-def store_plan(key: str, prediction: Prediction, candidates: dict[str, float]) -> None:
-    """Write the plan of `key`."""
+def store_plan(key: str, prediction: Prediction, candidates: dict[str, float], max_bytes: int = MAX_BYTES) -> None:
+    """Write the plan of `key` (then trim the directory to `max_bytes`)."""
     _write(key, "plan", {"prediction": dataclasses.asdict(prediction),
-                         "candidates": {name: min(t, 1e300) for name, t in candidates.items()}})
+                         "candidates": {name: min(t, 1e300) for name, t in candidates.items()}}, max_bytes)
 
 
 def activation_key(structure: str, cal: Calibration, options: str, modules: tuple[ModuleType, ...]) -> str:
@@ -139,5 +219,6 @@ def load_activations(key: str) -> dict | None:
     return decisions
 
 
-def store_activations(key: str, decisions: dict) -> None:
-    _write(key, "activations", {"decisions": decisions})
+def store_activations(key: str, decisions: dict, max_bytes: int = MAX_BYTES) -> None:
+    """Write the decisions of `key` (then trim the directory to `max_bytes`)."""
+    _write(key, "activations", {"decisions": decisions}, max_bytes)
