@@ -127,12 +127,32 @@ class _NodeFacts(NamedTuple):
     inputs: list[fx.Node]
 
 
+class _Shared(NamedTuple):
+    """What a StorageMap takes over from the last map of its graph (StorageMap._shared_prefix):
+    the nodes before `start` as they were, `inserted` new leaves, then `kept` nodes as they were,
+    each `inserted` positions later; `made`: the storages made before `start`, `made_kept`: in
+    the last map, before the kept nodes' end; `shift`: how many the new leaves make."""
+
+    start: int
+    inserted: int
+    kept: int
+    made: int
+    made_kept: int
+    shift: int
+
+    @property
+    def resume(self) -> int:
+        """The first position built anew."""
+        return self.start + self.inserted + self.kept
+
+
 class StorageCache:
     """Node facts shared by the StorageMaps of one graph as it is edited: a planner that
     rebuilds the map after each edit of a graph of thousands of nodes reads again only the
     nodes the edit made or rewired, and takes from the last map built what comes before the
-    first node an edit changed (`StorageMap._shared_prefix`). Maps built with it are the maps
-    built without it."""
+    first node an edit changed and, past new placeholders (an offload's host buffer), the nodes
+    after them up to the next change (`StorageMap._shared_prefix`). Maps built with it are the
+    maps built without it."""
 
     def __init__(self) -> None:
         self.entries: dict[fx.Node, _NodeFacts] = {}
@@ -163,13 +183,14 @@ class StorageMap:
         self._node_facts = self._all_facts(entries)
         self.accesses: dict[int, list[Access]] = defaultdict(list)
         last = cache.last if cache is not None and accesses else None
-        start = 0 if last is None or last.graph is not graph else self._shared_prefix(last)
+        shared = _Shared(0, 0, 0, 0, 0, 0) if last is None or last.graph is not graph else self._shared_prefix(last)
+        resume = shared.resume
         ids, storages_of = self.ids, self._storages_of
-        for node, facts in zip(self.nodes[start:], self._node_facts[start:]):
+        for node, facts in zip(self.nodes[resume:], self._node_facts[resume:]):
             ids[node] = storages_of(node, facts.layout)
         if accesses:
-            if start:
-                self._record_accesses_after(last, start)
+            if resume:
+                self._record_accesses_after(last, shared)
             else:
                 self._record_accesses(0, self.accesses)
         self.output_reads = {s for inp in graph.output_node().all_input_nodes for s in self.of(inp)}
@@ -202,36 +223,89 @@ class StorageMap:
             _written(node, facts) if facts is not None and facts.writes else None, node.all_input_nodes)
         return found
 
-    def _shared_prefix(self, last: StorageMap) -> int:
+    def _shared_prefix(self, last: StorageMap) -> _Shared:
         """Take over from `last` (an earlier map of this graph) the storage ids of the nodes
         before the first node that differs from its (in place or facts), and the storages they
         create: a node's ids and accesses depend only on its facts and on the ids of the nodes
-        before it, so those are what a build from the start would give. Returns that position."""
+        before it, so those are what a build from the start would give.
+
+        Where the first difference is new leaves (an activation offload's host buffer: a
+        placeholder after the last one) and the nodes after them are `last`'s as they were, those
+        nodes are taken over too, each position `inserted` later and each storage made from
+        there on numbered `shift` later (the leaves' own storages come first), up to the next
+        difference: a new placeholder would otherwise end the shared prefix at the graph's start."""
         old_nodes, old_facts, nodes, facts = last.nodes, last._node_facts, self.nodes, self._node_facts
         start, end = 0, min(len(nodes), len(old_nodes))
         while start < end and nodes[start] is old_nodes[start] and facts[start] is old_facts[start]:
             start += 1
+        key = last.position.__getitem__
+        made = bisect_left(last.creator, start, key=key)
         if start:
             self.ids.update(islice(last.ids.items(), start))   # in node order, as they were made
-            made = bisect_left(last.creator, start, key=last.position.__getitem__)
             self.creator.extend(last.creator[:made])
-        return start
+        inserted, old_position = 0, last.position
+        while start + inserted < len(nodes) and facts[start + inserted].layout[0] == "leaf" \
+                and nodes[start + inserted] not in old_position:
+            inserted += 1
+        kept, at = 0, start + inserted
+        if inserted:
+            end = min(len(nodes) - at, len(old_nodes) - start)
+            while kept < end and nodes[at + kept] is old_nodes[start + kept] \
+                    and facts[at + kept] is old_facts[start + kept]:
+                kept += 1
+        if not kept:
+            return _Shared(start, 0, 0, made, made, 0)
+        ids, storages_of = self.ids, self._storages_of
+        for node, found in zip(nodes[start:at], facts[start:at]):
+            ids[node] = storages_of(node, found.layout)
+        shift = len(self.creator) - made
+        made_kept = bisect_left(last.creator, start + kept, key=key, lo=made)
+        self.creator.extend(last.creator[made:made_kept])
+        old_ids = last.ids
+        for node in old_nodes[start:start + kept]:
+            ids[node] = [s if s is None or s < made else s + shift for s in old_ids[node]]
+        return _Shared(start, inserted, kept, made, made_kept, shift)
 
-    def _record_accesses_after(self, last: StorageMap, start: int) -> None:
-        """The accesses of the nodes from `start` on, after `last`'s accesses of the nodes before
-        it (_shared_prefix): each storage's list is `last`'s up to `start` (the same list where
-        nothing is added to it; `last` is left as it was) and then the new ones."""
+    def _record_accesses_after(self, last: StorageMap, shared: _Shared) -> None:
+        """The accesses of the nodes from `shared.resume` on, after `last`'s accesses of the nodes
+        before it (_shared_prefix), those of the kept nodes `shared.inserted` positions later:
+        each storage's list is `last`'s up to there (the same list where nothing is added to it
+        or moved; `last` is left as it was) and then the new ones; the storages in the order they
+        were made, as a build from the start lists them."""
         tail: dict[int, list[Access]] = defaultdict(list)
-        self._record_accesses(start, tail)
-        accesses, position, made = self.accesses, operator.itemgetter(0), len(self.creator)
+        self._record_accesses(shared.resume, tail)
+        accesses, position, access = self.accesses, operator.itemgetter(0), _new_access
+        start, inserted, made, made_kept, shift = shared.start, shared.inserted, shared.made, shared.made_kept, shared.shift
+        cut = start + shared.kept   # `last`'s accesses from here on are recorded again
+        leaves = self.nodes[start:start + inserted]
         for s, old in last.accesses.items():
-            if s >= made:
-                continue   # made from `start` on: numbered anew
-            added = tail.pop(s, None)
+            if s >= made_kept:
+                continue   # made from `cut` on: numbered anew
+            if s >= made and leaves:   # (`last` lists them in the order first accessed: those made before `start` first)
+                self._add_leaves(leaves, tail)
+                leaves = []
+            new = s if s < made else s + shift
             if old[-1][0] >= start:
-                old = old[:bisect_left(old, start, key=position)]
-            accesses[s] = old + added if added else old
+                i = bisect_left(old, start, key=position) if s < made else 0
+                j = bisect_left(old, cut, key=position, lo=i)
+                if j > i and inserted:   # the kept nodes' accesses, moved
+                    old = old[:i] + [access(Access, (p + inserted, n, w)) for p, n, w in old[i:j]]
+                else:
+                    old = old[:j]
+            added = tail.pop(new, None)
+            accesses[new] = old + added if added else old
+        if leaves:
+            self._add_leaves(leaves, tail)
         accesses.update(tail)
+
+    def _add_leaves(self, leaves: list[fx.Node], tail: dict[int, list[Access]]) -> None:
+        """The accesses of new leaves (_shared_prefix): each makes its storage and reads nothing;
+        then `tail`'s (recorded from the first position built anew) of those storages."""
+        position, access = self.position, _new_access
+        for node in leaves:
+            for s in self.ids[node]:
+                if s is not None:
+                    self.accesses[s] = [access(Access, (position[node], node, True))] + tail.pop(s, [])
 
     def _record_accesses(self, start: int, accesses: dict[int, list[Access]]) -> None:
         # a planner rebuilds the map after every edit of a graph of thousands of nodes, so the

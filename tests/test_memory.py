@@ -242,6 +242,58 @@ def test_storage_map_sharing_the_last_maps_prefix_equals_a_fresh_one_and_leaves_
     assert facts(StorageMap(g, cache=cache)) == before
 
 
+def test_storage_map_with_a_new_placeholder_keeps_the_nodes_after_it_and_equals_a_fresh_one():
+    # an activation offload adds its host buffer as a placeholder after the last one; the map
+    # built with a StorageCache then takes over the nodes after it up to the next change, one
+    # position and (the buffer's storage made first) one storage number later: it must be the
+    # map built from scratch, every storage's accesses in order, and leave the last map as it was
+    from graphoffload.aliasing import StorageCache, StorageMap
+
+    def fn(a, w):
+        b = a * w
+        v = b.view(8, 8)           # a view of b made in the kept part
+        c = torch.relu(v)
+        d = c.mul_(2)              # writes c
+        e = d.flatten() + a        # reads a again after the kept part
+        return [e.sum(), b]
+
+    graph = hand_graph(fn, torch.randn(64), torch.randn(64))
+    g = graph.graph
+
+    def facts(m):
+        return (dict(m.ids), list(m.creator), [(s, [tuple(a) for a in acc]) for s, acc in m.accesses.items()],
+                m.output_reads, [m.written_by(n) for n in m.nodes])
+
+    cache = StorageCache()
+    first = StorageMap(g, cache=cache)
+    before = facts(first)
+    placeholders = [n for n in g.nodes if n.op == "placeholder"]
+    relu = next(n for n in g.nodes if n.target == torch.ops.aten.relu.default)
+    add = next(n for n in g.nodes if n.target == torch.ops.aten.add.Tensor)
+    with g.inserting_after(placeholders[-1]):   # a host buffer, as an offload adds it
+        host = g.placeholder("h_buffer")
+    host.meta["val"] = relu.meta["val"].new_empty(64)
+    with g.inserting_before(add):               # a copy into it, after the kept nodes
+        copy = g.call_function(torch.ops.aten.copy_.default, (host, placeholders[0]))
+    copy.meta["val"] = host.meta["val"]
+    edited = StorageMap(g, cache=cache)
+    assert facts(edited) == facts(StorageMap(g))
+    assert facts(first) == before
+    assert edited.position[relu] == first.position[relu] + 1
+    assert edited.of(host) == [len(placeholders)] and edited.of(relu) == [first.of(relu)[0] + 1]
+    assert [a.node for a in edited.accesses[edited.of(host)[0]]] == [host, copy]
+    # a second buffer, a placeholder with no tensor, and nothing else changed: every node kept
+    with g.inserting_after(host):
+        second = g.placeholder("h_second")
+        flag = g.placeholder("flag")
+    second.meta["val"], flag.meta["val"] = host.meta["val"].new_empty(8), 3
+    again = StorageMap(g, cache=cache)
+    assert facts(again) == facts(StorageMap(g))
+    g.erase_node(flag)
+    g.erase_node(second)
+    assert facts(StorageMap(g, cache=cache)) == facts(StorageMap(g))
+
+
 def test_analysis_counts_each_storage_as_storage_span_does():
     # analyze_memory counts the storages in one loop (the activation planner analyses every edit
     # of its graph); the profile must be what summing storage_span over the storages gives,
