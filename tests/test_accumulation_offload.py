@@ -629,7 +629,7 @@ def test_after_a_failed_handed_over_add_every_call_refuses_until_the_step_is_res
     assert_like_eager(eager, model)
 
 
-@pytest.mark.slow   # a fresh interpreter imports torch and compiles (~10 s; more on a busy machine)
+@pytest.mark.slow   # a fresh interpreter imports torch and compiles (~4 s; more on a busy machine)
 def test_the_process_exits_after_the_adds_a_last_call_handed_over_have_run(tmp_path):
     script = tmp_path / "exit_mid_window.py"
     script.write_text(textwrap.dedent("""
@@ -649,13 +649,15 @@ def test_the_process_exits_after_the_adds_a_last_call_handed_over_have_run(tmp_p
         step = graphoffload.offload_compile(step_fn, accumulation_steps=3,
                                             offload=graphoffload.Offload(accumulate_on="host"))
         x = torch.randn(4, 8)
+        # the sums the adds must leave, taken before the step: the model's forward after it would
+        # wait for the adds in flight (reads after a step do), and so would land them before exit
+        expected = {n: torch.autograd.grad((model(x).square().mean() / 3), p)[0] for n, p in model.named_parameters()}
         step.compile(model, opt, x)
         gate = threading.Event()
         runtime = step.last.executor.offload_runtime
         runtime.pool.submit(gate.wait, 30)
         step(model, opt, x)
         assert sorted(runtime.sums_in_flight()) == ["bias", "weight"]
-        expected = {n: torch.autograd.grad((model(x).square().mean() / 3), p)[0] for n, p in model.named_parameters()}
 
         def at_exit():   # runs after the interpreter joined the worker threads
             done = runtime.sums_in_flight() == [] and all(

@@ -13,8 +13,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _run(script: str, *args: str, out) -> dict:
+    # one intra-op thread (the numbers are not asserted): on a busy machine spinning OpenMP
+    # workers made the tiny models' steps many times slower
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", script), *args, "--out", str(out)],
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-2000:]
     return json.loads(out.read_text())
 

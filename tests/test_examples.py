@@ -13,8 +13,10 @@ TINY_ARGS = ["--layers", "1", "--heads", "2", "--d-model", "32", "--seq-len", "1
 
 
 def run_example(script: str, *args: str) -> str:
+    # one intra-op thread: the tiny models gain nothing from more, and on a busy machine (the
+    # suite's own ranks beside it) spinning OpenMP workers made each step ~30x slower
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "examples", script), *args],
-                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+                          capture_output=True, text=True, timeout=300, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stdout
 
