@@ -644,7 +644,9 @@ class _AccumulatingGrads:
         if not self.update:
             return
         with torch.no_grad():
-            for name in self.read:
+            # in the sums' (parameter) order, not the set's: the order of these `zero_` nodes in
+            # the graph must not follow the string hash seed (plans are cached by the graph's text)
+            for name in (n for n in self.sums if n in self.read):
                 leaf = self.params[name]
                 if leaf.grad is self.sums[name]:
                     leaf.grad = leaf.grad.clone()

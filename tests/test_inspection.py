@@ -216,3 +216,57 @@ def test_plot_time_axis_includes_the_wait_of_a_device_path_update_for_its_prefet
     assert picture.curves[0].peak == step.memory().peak
     assert picture.curves[-1].label.startswith("without offload")
     assert picture.curves[-1].peak == step.memory("fuse_optimizer").peak > step.memory().peak
+
+
+# ---- graphs are the same in every process: no node order follows Python's string hash seed
+# (the on-disk plan cache keys on the graph's text, and users diff printed graphs)
+
+_PRINT_GRAPHS = """
+import sys, torch
+sys.path[:0] = sys.argv[1:3]
+import graphoffload
+from helpers import tiny_gpt, token_batches
+from steps import train_step
+model = tiny_gpt()
+opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+step = graphoffload.offload_compile(train_step, accumulation_steps=2,
+                                    offload=graphoffload.Offload(accumulate_on="host"))
+for call, batch in enumerate(token_batches(2)):   # the accumulating variant, then the updating one
+    step(model, opt, batch)
+    for stage, gm in step.graphs.items():
+        for node in gm.graph.nodes:
+            print(call, stage, node.format_node())
+"""
+
+
+def _printed_graphs(hash_seed: str, tmp_path) -> subprocess.Popen:
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = {**os.environ, "PYTHONHASHSEED": hash_seed}
+    return subprocess.Popen([sys.executable, "-c", _PRINT_GRAPHS, here, os.path.join(ROOT, "examples")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
+
+
+def test_graphs_are_identical_across_processes_with_different_hash_seeds(tmp_path):
+    procs = [_printed_graphs(seed, tmp_path) for seed in ("1", "2")]
+    outs = [p.communicate(timeout=300) for p in procs]
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-3000:]
+    first, second = (out.splitlines() for out, _ in outs)
+    stages = {tuple(line.split(" ", 2)[:2]) for line in first}
+    assert {call for call, _ in stages} == {"0", "1"} and len(stages) > 4    # both variants, every stage
+    assert sum("aten.zero_" in line for line in first) > 0                    # the nodes whose order moved
+    diff = [(a, b) for a, b in zip(first, second) if a != b]
+    assert len(first) == len(second) and not diff, diff[:5]
+
+
+def test_updating_call_zeroes_host_accumulated_sums_in_parameter_order():
+    """In process: the `zero_` nodes that clear the running sums after the update follow the
+    parameters' order, not a set's (which, over strings, changes with the hash seed)."""
+    model = tiny_gpt()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    step = graphoffload.offload_compile(train_step, accumulation_steps=2,
+                                        offload=Offload(accumulate_on="host"))
+    run_steps(step, model, opt, token_batches(2))
+    zeroed = [n.args[0].name for n in step.graphs["captured"].graph.nodes if n.target is torch.ops.aten.zero_.default]
+    expected = ["g_" + name.replace(".", "_") for name, _ in model.named_parameters()]
+    assert zeroed == expected
