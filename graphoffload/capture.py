@@ -26,6 +26,7 @@ import sys
 import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from types import FrameType
 from typing import Any
 
 import torch
@@ -38,12 +39,12 @@ from graphoffload import nonfinite, optimizer_lowering
 from graphoffload.aliasing import written_placeholders
 from graphoffload.config import CompileConfig
 from graphoffload.data_parallel import ZeRO, local_chunk, shard_parameter, shard_state
-from graphoffload.diagnostics import (OWN_DIRS, calling_user_line, is_installed_package, user_frame,
+from graphoffload.diagnostics import (OWN_DIRS, calling_user_line, frame_line, is_installed_package, user_frame,
                                       user_line_of_stack_trace, where_in_user_code)
 from graphoffload.errors import CaptureError, GraphOffloadError, UnsupportedError, describe
 from graphoffload.graph import (TENSOR_SLOT, GraphSignature, InputSpec, OutputSpec, TrainGraph, fake_mode_of,
                                 placeholder_name)
-from graphoffload.recompute import CheckpointRegions, mark_recomputed, refuse_reentrant
+from graphoffload.recompute import CheckpointRegions, is_checkpoint_code, mark_recomputed, refuse_reentrant
 from graphoffload.torch_private import (GRAD_SCALER_STATE_ATTRIBUTES, DataDependentOutputException,
                                        DynamicOutputShapeException, FakeTensorMode, ShapeEnv, functorch_config,
                                        grad_fn_sequence_number, grad_fn_sequence_numbers_supported,
@@ -430,18 +431,45 @@ _METADATA_READS = frozenset(
 _TORCH_INIT = os.path.join(os.path.dirname(torch.__file__), "__init__.py")
 
 
-def _frame_kept_in_stack_traces() -> bool:
-    """Whether the Python stack holds a frame make_fx keeps in a node's recorded stack trace: a
-    function named `forward`, or torch/__init__.py (its filter). Backward runs without one,
-    so its nodes get no recorded trace (capture gives them their forward node's) and recording
-    them, half the trace's nodes, only cost time."""
-    frame = sys._getframe(1)
-    while frame is not None:
-        code = frame.f_code
-        if code.co_name == "forward" or code.co_filename == _TORCH_INIT:
-            return True
-        frame = frame.f_back
-    return False
+@dataclass(frozen=True)
+class _StackFacts:
+    """What capture's mode reads off the Python stack for a traced call, found in one walk.
+
+    `kept`: a frame make_fx keeps in a node's recorded stack trace is on the stack (a function
+    named `forward`, or torch/__init__.py: its filter); backward runs without one, so its nodes
+    get no recorded trace (capture gives them their forward node's) and recording them, half
+    the trace's nodes, only cost time. `source`: the user's line (calling_user_line's format).
+    `checkpoint`: the innermost frame of torch.utils.checkpoint (the region, recompute.py).
+
+    While backward runs, every op torch's Python code traces inside an autograd node (detach,
+    view, t, mm: thousands per step) sits on top of the same stack below the `backward()` call,
+    so the facts of that part are found once per backward (`below`) and a walk stops there.
+    (No frame is kept in the facts: a frame holding facts that hold it would keep its locals,
+    gradients among them, alive past the call, and autograd copies a gradient it cannot steal.)"""
+
+    kept: bool
+    source: str | None
+    checkpoint: FrameType | None
+
+    @classmethod
+    def of(cls, frame: FrameType | None, below: tuple[FrameType, _StackFacts] | None) -> _StackFacts:
+        """The facts from `frame` down; `below`: a frame further down and the facts from it down,
+        where the walk stops if it gets there."""
+        kept, user, checkpoint = False, None, None
+        stop, base = below if below is not None else (None, None)
+        while frame is not None:
+            if frame is stop:
+                return cls(kept or base.kept, frame_line(user) if user is not None else base.source,
+                           checkpoint if checkpoint is not None else base.checkpoint)
+            code = frame.f_code
+            if not kept and (code.co_name == "forward" or code.co_filename == _TORCH_INIT):
+                kept = True
+            if user is None and not code.co_filename.startswith(OWN_DIRS):
+                user = frame
+            if checkpoint is None and is_checkpoint_code(code):
+                checkpoint = frame
+            frame = frame.f_back
+        return cls(kept, frame_line(user), checkpoint)
 
 
 class _StepMode(TorchFunctionMode):
@@ -456,6 +484,8 @@ class _StepMode(TorchFunctionMode):
         self.sums = sums
         self.leaf_names = leaf_names or {}   # id(traced parameter) -> its name
         self.traces_paused = False   # backward without a frame a stack trace keeps (see _backward)
+        # the running backward() call's mode handler frame and the stack's facts from it down
+        self.below: tuple[FrameType, _StackFacts] | None = None
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -467,16 +497,17 @@ class _StepMode(TorchFunctionMode):
             if func == _GRAD_GETTER:
                 self._grad_read(args[0])
             return func(*args, **kwargs)
-        if self.traces_paused and _frame_kept_in_stack_traces():   # a checkpoint's recompute, say
+        stack = _StackFacts.of(sys._getframe(), self.below)
+        if self.traces_paused and stack.kept:   # a checkpoint's recompute, say
             with self._stack_traces(True):
-                return self._traced(func, args, kwargs)
-        return self._traced(func, args, kwargs)
+                return self._traced(func, args, kwargs, stack)
+        return self._traced(func, args, kwargs, stack)
 
-    def _traced(self, func, args, kwargs):
+    def _traced(self, func, args, kwargs, stack: _StackFacts):
         # make_fx records stack traces only inside modules' forward(); this covers the rest of
         # the step (loss, clipping, optimizer.step()) with the user's calling line
-        source = calling_user_line()
-        with fx_traceback.annotate({"source": source, **self.regions.tag()}):
+        source = stack.source
+        with fx_traceback.annotate({"source": source, **self.regions.tag(stack.checkpoint)}):
             if func is F.scaled_dot_product_attention:
                 return sdpa_via_attention(*args, **kwargs)
             if func is getattr(torch, "_grouped_mm", None) and _grouped_mm.routes(*args, **kwargs):
@@ -485,9 +516,10 @@ class _StepMode(TorchFunctionMode):
                 self._backward_called(source)
                 self.events.losses += nonfinite.backward_roots(args, kwargs, "tensors")
                 if self.sums is not None:
-                    with self._backward():
+                    with self._backward(sys._getframe(1), stack):
                         return self.sums.backward(func, args, kwargs, self, source)
-                with _backward_provenance(args[0] if args else kwargs.get("tensors"), self, source), self._backward():
+                with _backward_provenance(args[0] if args else kwargs.get("tensors"), self, source), \
+                        self._backward(sys._getframe(1), stack):
                     return func(*args, **kwargs)
             if func is torch.autograd.grad:
                 if self.sums is not None:
@@ -496,7 +528,8 @@ class _StepMode(TorchFunctionMode):
                         "which does not accumulate into .grad: with accumulation_steps, call loss.backward()")
                 self._backward_called(source)
                 self.events.losses += nonfinite.backward_roots(args, kwargs, "outputs")
-                with _backward_provenance(args[0] if args else kwargs.get("outputs"), self, source), self._backward():
+                with _backward_provenance(args[0] if args else kwargs.get("outputs"), self, source), \
+                        self._backward(sys._getframe(1), stack):
                     return func(*args, **kwargs)
             return func(*args, **kwargs)
 
@@ -522,14 +555,19 @@ class _StepMode(TorchFunctionMode):
         self.events.order.append("backward")
 
     @contextlib.contextmanager
-    def _backward(self) -> Iterator[None]:
+    def _backward(self, handler: FrameType, stack: _StackFacts) -> Iterator[None]:
+        """While a backward() call runs: `handler` the mode's frame that called it, `stack` the
+        facts from there down."""
         self.regions.in_backward = True
+        below = self.below
+        self.below = (handler, stack)
         try:
             # make_fx would record a stack trace per node and keep none of it; a torch function
             # called under a kept frame (a checkpointed block's recompute) records again
-            with self._stack_traces(_frame_kept_in_stack_traces()):
+            with self._stack_traces(stack.kept):
                 yield
         finally:
+            self.below = below
             self.regions.in_backward = False
             self.regions.release()
 

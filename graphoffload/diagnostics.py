@@ -12,6 +12,7 @@ import linecache
 import os
 import sys
 import traceback
+from types import FrameType
 
 import torch
 
@@ -32,6 +33,11 @@ def calling_user_line() -> str | None:
     frame = sys._getframe(2)
     while frame is not None and frame.f_code.co_filename.startswith(OWN_DIRS):
         frame = frame.f_back
+    return frame_line(frame)
+
+
+def frame_line(frame: FrameType | None) -> str | None:
+    """`File "...", line N, in name` + code of `frame` (calling_user_line's format)."""
     if frame is None:
         return None
     code = frame.f_code

@@ -29,9 +29,8 @@ from __future__ import annotations
 import functools
 import inspect
 import os
-import sys
 from dataclasses import dataclass, field
-from types import FrameType
+from types import CodeType, FrameType
 from typing import Any
 
 import torch
@@ -47,13 +46,11 @@ _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _CHECKPOINT_CODE = inspect.unwrap(torch_checkpoint.checkpoint).__code__
 
 
-def _innermost_checkpoint_frame() -> FrameType | None:
-    frame = sys._getframe(2)
-    while frame is not None:
-        if frame.f_code.co_filename == _CHECKPOINT_FILE:
-            return frame
-        frame = frame.f_back
-    return None
+def is_checkpoint_code(code: CodeType) -> bool:
+    """Whether `code` is torch.utils.checkpoint's: the innermost such frame on the stack when an op
+    is traced is the region it belongs to (capture's stack walk finds it, `CheckpointRegions.tag`
+    names it)."""
+    return code.co_filename == _CHECKPOINT_FILE
 
 
 @dataclass
@@ -77,9 +74,9 @@ class CheckpointRegions:
                 names.setdefault(id(mod), (prefix(i) + name) or type(model).__name__)
         return cls(names)
 
-    def tag(self) -> dict[str, Any]:
-        """The annotation for an op traced now: {} outside checkpointed code."""
-        frame = _innermost_checkpoint_frame()
+    def tag(self, frame: FrameType | None) -> dict[str, Any]:
+        """The annotation for an op traced now, `frame` the innermost frame on the stack whose
+        code `is_checkpoint_code`: {} outside checkpointed code (`frame` None)."""
         if frame is None:
             return {}
         if self.in_backward == (frame.f_code is _CHECKPOINT_CODE):
