@@ -104,6 +104,10 @@ def _sums_at(offload: Offload, where: str) -> Offload:
     return dataclasses.replace(offload, accumulate_on=where, device_updates="never" if strided else offload.device_updates)
 
 
+# what a rank whose own trial compile took host sums says when another rank's refused them
+_REFUSED_ELSEWHERE = "host sums refused on another rank of the group"
+
+
 def _with_sums(config: CompileConfig, sums: StepSums | None) -> CompileConfig:
     """`config` with `accumulate_on="auto"` resolved to `sums`, the step's choice under ZeRO: the one
     place it is resolved, for the capture's config and the passes' alike."""
@@ -257,44 +261,42 @@ class CompiledStep:
         peaks, refused = [], None
         try:
             for where in ("device", "host"):
-                trial = self._trial_offload(where)
-                try:
-                    graph, _ = self.pass_manager.run(capture.graph.copy(), self._pass_context(device, offload=trial))
-                except HostSumsUnsupportedError as e:
-                    refused = describe(e)
-                    peaks.append(-1)
-                    continue
-                peaks.append(analyze_memory(graph).peak + sum(unseen_device_bytes(graph.graph, device).values()))
+                graph, why = self._trial_compile(capture.graph.copy(), device, where)
+                refused = why or refused
+                peaks.append(-1 if graph is None else
+                             analyze_memory(graph).peak + sum(unseen_device_bytes(graph.graph, device).values()))
         finally:
             capture.discard_created_state()
         device_peak, host_peak, any_refused = self._max_over_ranks([*peaks, refused is not None], device)
         if any_refused:
-            return device_peak, None, refused or "host sums refused on another rank of the group"
+            return device_peak, None, refused or _REFUSED_ELSEWHERE
         return device_peak, host_peak, None
 
     def _host_sums_refusal(self, args: tuple, kwargs: dict) -> str | None:
         """Why the updating variant refuses host sums (`HostSumsUnsupportedError`, as the
         `Offload(accumulate_on="host")` compile of this step would raise on its updating call), on
-        any rank of the group, else None: one trial compile of it with every sum on the host, under
-        the trial options of `_trial_peaks`, dropped with the state its capture made."""
+        any rank of the group, else None: one trial compile of it with every sum on the host
+        (`_trial_compile`), dropped with the state its capture made."""
         capture = capture_step(self.fn, args, kwargs, _with_sums(self.config, StepSums("host", None)),
                                self._accumulation[True])
-        refused = None
         try:
-            self.pass_manager.run(capture.graph, self._pass_context(capture.bindings.device,
-                                                                    offload=self._trial_offload("host")))
-        except HostSumsUnsupportedError as e:
-            refused = describe(e)
+            _, refused = self._trial_compile(capture.graph, capture.bindings.device, "host")
         finally:
             capture.discard_created_state()
         (any_refused,) = self._max_over_ranks([refused is not None], capture.bindings.device)
-        return (refused or "host sums refused on another rank of the group") if any_refused else None
+        return (refused or _REFUSED_ELSEWHERE) if any_refused else None
 
-    def _trial_offload(self, where: str) -> Offload:
-        """The offload options of a trial compile with every running sum `where`: no budget to fail
-        on, activations kept, nothing cached or re-planned."""
-        return dataclasses.replace(_sums_at(self.config.offload, where), gpu_memory_budget=None,
-                                   activations="keep", plan_cache=False, replan_after=0)
+    def _trial_compile(self, graph: TrainGraph, device: torch.device, where: str) -> tuple[TrainGraph | None, str | None]:
+        """The passes run on `graph` (a trial's capture) with every running sum `where`, under trial
+        offload options (no budget to fail on, activations kept, nothing cached or re-planned):
+        the graph, or None and why, when host sums are refused (`HostSumsUnsupportedError`)."""
+        trial = dataclasses.replace(_sums_at(self.config.offload, where), gpu_memory_budget=None,
+                                    activations="keep", plan_cache=False, replan_after=0)
+        try:
+            graph, _ = self.pass_manager.run(graph, self._pass_context(device, offload=trial))
+        except HostSumsUnsupportedError as e:
+            return None, describe(e)
+        return graph, None
 
     def _max_over_ranks(self, values: list[int], device: torch.device) -> list[int]:
         """`values`, each the max over the ranks of the step's group (the data-parallel group, or
