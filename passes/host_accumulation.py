@@ -570,13 +570,14 @@ def place_sums(graph: TrainGraph, ctx: PassContext, update: bool, sums: list[str
     if placement.budget is None:   # no budget pressure: every sum stays on the device
         placement.host = frozenset()
         return placement.host
-    if update:
-        placement.pinned = device_reads()
-        placement.groups = groups(placement.pinned)
-    elif placement.groups is None:
-        raise UnsupportedError("Offload(accumulate_on='auto'): the accumulating variant was planned before the "
-                               "updating one recorded its buckets; please report this")
-    placement.peaks[update], placement.methods[update] = predicted_peaks(graph, ctx, placement, update, trial)
+    if update not in placement.peaks:   # a variant asked again (offload_optimizer's plan-cache key asks first): once
+        if update:
+            placement.pinned = device_reads()
+            placement.groups = groups(placement.pinned)
+        elif placement.groups is None:
+            raise UnsupportedError("Offload(accumulate_on='auto'): the accumulating variant was planned before the "
+                                   "updating one recorded its buckets; please report this")
+        placement.peaks[update], placement.methods[update] = predicted_peaks(graph, ctx, placement, update, trial)
     if len(placement.peaks) < 2:
         return None
     _decide(placement, ctx.config.offload.gpu_memory_budget)

@@ -21,6 +21,7 @@ import graphoffload
 from graphoffload import Offload
 from graphoffload.memory import analyze_memory
 from graphoffload.errors import PassError
+from graphoffload.passes import host_accumulation
 
 
 def _no_search(monkeypatch):
@@ -232,7 +233,12 @@ def test_a_restarted_accumulating_step_reuses_both_variants_plans(cache, monkeyp
         budget = (keep_peak("device") + keep_peak("host")) // 2
     options = dict(activations="auto", gpu_memory_budget=budget, accumulate_on=accumulate_on)
     first = make(**options)
-    runs = [_train(first, model, batches, train_step)]
+    predicted, real = [], host_accumulation.predicted_peaks   # each variant's peaks predicted once (not again for the key)
+    with monkeypatch.context() as m:
+        m.setattr(host_accumulation, "predicted_peaks", lambda graph, ctx, placement, update, trial: (
+            predicted.append(update), real(graph, ctx, placement, update, trial))[1])
+        runs = [_train(first, model, batches, train_step)]
+    assert sorted(predicted) == ([False, True] if accumulate_on == "auto" else [])
     assert set(_variant_reused(first)) == {False, True} and not any(_variant_reused(first).values())
     assert len(_entries(cache)) == 2   # one plan per variant, none from a probe
     if accumulate_on == "auto":
