@@ -11,6 +11,7 @@ from __future__ import annotations
 import operator
 from bisect import bisect_left
 from collections import defaultdict
+from collections.abc import Iterable
 from itertools import islice
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -152,14 +153,38 @@ class StorageCache:
     nodes the edit made or rewired, and takes from the last map built what comes before the
     first node an edit changed and, past new placeholders (an offload's host buffer), the nodes
     after them up to the next change (`StorageMap._shared_prefix`). Maps built with it are the
-    maps built without it."""
+    maps built without it.
 
-    def __init__(self) -> None:
+    Each node's cached facts are checked against the node (its target, args, kwargs and value,
+    by identity) on every map build, unless the owner records its edits (`records_changes`):
+    then only the nodes it reported (`touched`) since the last map and the nodes the cache has
+    no facts of are read again. An edit that changes a node behind the record's back must say
+    so (`forget`): the next map then checks every node, as a cache that records nothing does."""
+
+    def __init__(self, records_changes: bool = False) -> None:
         self.entries: dict[fx.Node, _NodeFacts] = {}
         self.last: StorageMap | None = None   # the map built last with this cache
         # id(tensor) -> (the tensor, held so the id stays its own; its allocator bytes), for the
         # memory analysis of each map (graphoffload.memory)
         self.sizes: dict[int, tuple[object, int]] = {}
+        self.records_changes = records_changes
+        # the nodes made, rewired or given a new value since the last map built with this cache,
+        # as reported; None: not known (no record kept, or `forget`), every node is checked
+        self.changed: set[fx.Node] | None = None
+
+    def touched(self, nodes: Iterable[fx.Node]) -> None:
+        """Report nodes an edit made, or whose target, args, kwargs or value it changed: the next
+        map reads their facts again (nodes moved or erased need no report)."""
+        if self.changed is not None:
+            self.changed.update(nodes)
+
+    def forget(self) -> None:
+        """Some node changed unreported (a pass over the whole graph): the next map checks every node."""
+        self.changed = None
+
+    def built(self) -> None:
+        """A map was built with this cache: every node's facts in it are current."""
+        self.changed = set() if self.records_changes else None
 
 
 class StorageMap:
@@ -180,7 +205,9 @@ class StorageMap:
         # per op (by id: the graph keeps its targets alive): a graph repeats a few ops many times
         self._facts: dict[int, _OpFacts | None] = {}
         entries = {} if cache is None else cache.entries
-        self._node_facts = self._all_facts(entries)
+        self._node_facts = self._all_facts(entries, None if cache is None else cache.changed)
+        if cache is not None:
+            cache.built()
         self.accesses: dict[int, list[Access]] = defaultdict(list)
         last = cache.last if cache is not None and accesses else None
         shared = _Shared(0, 0, 0, 0, 0, 0) if last is None or last.graph is not graph else self._shared_prefix(last)
@@ -198,11 +225,28 @@ class StorageMap:
         if cache is not None and accesses:
             cache.last = self
 
-    def _all_facts(self, entries: dict[fx.Node, _NodeFacts]) -> list[_NodeFacts]:
+    def _all_facts(self, entries: dict[fx.Node, _NodeFacts], changed: set[fx.Node] | None) -> list[_NodeFacts]:
         """Every node's facts, the cached entry where it is still valid (_NodeFacts): a planner
-        rebuilds the map after each edit, and most nodes are as they were."""
-        found = []
+        rebuilds the map after each edit, and most nodes are as they were. `changed`: the only
+        nodes whose cached facts may be stale (StorageCache.touched), or None: check each one."""
         get, make = entries.get, self._facts_of_node
+        if changed is not None:
+            # one lookup per node in C; the check (about 0.6 us a node: fx's args and kwargs are
+            # Python properties) only where an edit reported a change or nothing is cached
+            found = list(map(get, self.nodes))
+            position, nodes = self.position, self.nodes
+            redo = {position[n] for n in changed if n in position}
+            at = -1
+            try:
+                while True:
+                    at = found.index(None, at + 1)
+                    redo.add(at)
+            except ValueError:
+                pass
+            for at in redo:
+                found[at] = make(nodes[at], entries)
+            return found
+        found = []
         for node in self.nodes:
             entry = get(node)
             if entry is None or entry.args is not node.args or entry.kwargs is not node.kwargs \
@@ -391,13 +435,16 @@ class StorageMap:
         return [s for s in self.ids.get(node, []) if s is not None]
 
 
-def written_placeholders(graph: fx.Graph) -> set[str]:
-    """Names of the placeholders some node writes into, directly or through a view."""
-    storages = StorageMap(graph, accesses=False)   # only writes matter: no access lists
+def written_placeholders(graph: fx.Graph, cache: StorageCache | None = None) -> set[str]:
+    """Names of the placeholders some node writes into, directly or through a view. `cache`:
+    node facts kept from earlier calls on versions of the same graph (the verification after
+    each pass of one compile reads again only the nodes a pass made or rewired); the answer is
+    the one without it."""
+    storages = StorageMap(graph, accesses=False, cache=cache)   # only writes matter: no access lists
     owner = {sid: n for n in storages.nodes if n.op == "placeholder" for sid in storages.of(n)}
     written: set[str] = set()
-    for node in storages.nodes:
-        for target in _written(node, storages._facts_of(node.target)):
+    for node, facts in zip(storages.nodes, storages._node_facts):
+        for target in facts.written or ():
             for sid in storages.of(target):
                 placeholder = owner.get(sid)
                 if placeholder is not None and placeholder is not node:

@@ -29,7 +29,7 @@ from torch import fx
 from graphoffload.config import CompileConfig
 from graphoffload.errors import GraphOffloadError, PassError
 from graphoffload.graph import Stages, TrainGraph, fill_missing_meta, refresh_vals, snapshot_inputs
-from graphoffload.passes.verify import verify_train_graph
+from graphoffload.passes.verify import Verifier
 from graphoffload.torch_private import recording_created_nodes
 
 if TYPE_CHECKING:
@@ -129,8 +129,9 @@ class PassManager:
 
     def run(self, graph: TrainGraph, ctx: PassContext) -> tuple[TrainGraph, Stages]:
         """Run every pass; return the final graph and a snapshot after each stage."""
-        if ctx.config.verify:
-            verify_train_graph(graph, "capture")
+        verify = Verifier() if ctx.config.verify else None
+        if verify is not None:
+            verify(graph, "capture")
         stages = Stages()
         stages.record("captured", graph)
         for i, p in enumerate(self.passes):
@@ -155,15 +156,17 @@ class PassManager:
             except PassError:
                 # an edit whose value cannot be inferred broke the graph: verify's error (when on)
                 # names what is wrong with it more precisely than the failed inference
-                if ctx.config.verify:
-                    verify_train_graph(graph, p.name)
+                if verify is not None:
+                    verify(graph, p.name)
                 raise
-            if ctx.config.verify:
-                verify_train_graph(graph, p.name)
+            if verify is not None:
+                verify(graph, p.name)
             ctx.timings[p.name] = time.perf_counter() - start
             log.info("pass %s: %.2f s, %d nodes", p.name, ctx.timings[p.name], len(graph.graph.nodes))
             stages.record(p.name, graph)
         stages.alias("final", self.passes[-1].name if self.passes else "captured")
+        if verify is not None:
+            log.info("verified %d times: %.3f s (%.3f s CPU)", verify.count, verify.seconds, verify.cpu_seconds)
         # the module's Python code, generated once for the graph the runtime runs (the built-in
         # passes edit the fx graph only; each stage generates its own when first read)
         graph.gm.recompile()

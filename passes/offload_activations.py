@@ -104,7 +104,7 @@ from graphoffload.aliasing import StorageCache, StorageMap
 from graphoffload.calibration import Calibration
 from graphoffload.graph import InputSpec, TrainGraph, fill_missing_meta, placeholder_name, tensor_vals
 from graphoffload.memory import MemoryProfile, analyze_memory, block_bytes, format_bytes
-from graphoffload.ops.host_transfer import assign_streams
+from graphoffload.ops.host_transfer import assign_streams, stream_of
 from graphoffload.ops.rng import draws_random_numbers
 from graphoffload.passes import offload_activation_gathers
 from graphoffload.passes.offload_cost_model import estimate_seconds
@@ -707,6 +707,12 @@ class _Edit:
     rewired: list[tuple[fx.Node, fx.Node, fx.Node]]    # (reader, value it read, value it reads now)
     host_input: bool = False
     regathers: bool = False    # a replay reading stage 3 backward copies (their gathers placed for it)
+    # the plan's StorageCache, told which nodes the edit made and rewired, and undoing it rewires
+    cache: StorageCache | None = None
+
+    def __post_init__(self) -> None:
+        if self.cache is not None:
+            self.cache.touched([*self.created, *(reader for reader, _, _ in self.rewired)])
 
     def undo(self, graph: TrainGraph, specs: list[InputSpec], gone: set[fx.Node]) -> None:
         """`gone`: the nodes undone edits erased (a later replay may have rewired one of an
@@ -714,6 +720,8 @@ class _Edit:
         for reader, old, new in self.rewired:
             if reader not in gone:
                 reader.replace_input_with(new, old)
+                if self.cache is not None:
+                    self.cache.touched((reader,))
         for node in reversed(self.created):
             graph.graph.erase_node(node)
         gone.update(self.created)
@@ -799,11 +807,16 @@ def _replay(graph: TrainGraph, seeds: Sequence[str], names: set[str], seconds: d
     region = step._region(by_name[seed], chain, at, seconds)
     if region is None:
         return None
-    return region, _recompute(graph, region)
+    return region, _recompute(graph, region, cache)
 
 
 def _offload(graph: TrainGraph, specs: list[InputSpec], act: SavedActivation, prefetch_at: int,
-             device: torch.device) -> _Edit:
+             device: torch.device, cache: StorageCache | None = None, every_stream: bool = True) -> _Edit:
+    """Copy `act` to a new host buffer after its last forward reader and back from
+    `prefetch_at` on, its backward readers rewired to the copy. `cache`: the plan's StorageCache,
+    told what the edit touched; `every_stream`: set the copy stream of every transfer node of the
+    graph (the nodes other passes made may have none yet), else of the new ones alone (a plan's
+    later offloads: its replays copy no transfer node, so the others have theirs already)."""
     g = graph.graph
     nodes = [n for n in g.nodes if n.op != "output"]
     value = next(n for n in nodes if n.name == act.name)
@@ -826,11 +839,18 @@ def _offload(graph: TrainGraph, specs: list[InputSpec], act: SavedActivation, pr
         node.meta.update(meta)
     for reader in readers:
         reader.replace_input_with(value, restored)
-    assign_streams(g)
-    return _Edit([host, ticket, fetched, restored, landed, waited], [(r, value, restored) for r in readers], True)
+    created = [host, ticket, fetched, restored, landed, waited]
+    if every_stream:
+        assign_streams(g)
+    else:
+        for node in created:
+            stream = stream_of(node.target)
+            if stream is not None:
+                node.meta["stream"] = stream
+    return _Edit(created, [(r, value, restored) for r in readers], True, cache=cache)
 
 
-def _recompute(graph: TrainGraph, region: Region) -> _Edit:
+def _recompute(graph: TrainGraph, region: Region, cache: StorageCache | None = None) -> _Edit:
     g = graph.graph
     nodes = [n for n in g.nodes if n.op != "output"]
     by_name = {n.name: n for n in nodes}
@@ -877,7 +897,7 @@ def _recompute(graph: TrainGraph, region: Region) -> _Edit:
             rewired.append((reader, value, copies[value]))
     if reads:   # each backward copy gathered before the replay reads it
         offload_activation_gathers.place(g)
-    return _Edit(created, rewired, regathers=bool(reads))
+    return _Edit(created, rewired, regathers=bool(reads), cache=cache)
 
 
 @dataclass(frozen=True)
@@ -994,15 +1014,20 @@ def _plan(graph: TrainGraph, budget: int, cal: Calibration, device: torch.device
     them; `bound`: give up (the plan left over the budget) once the plan adds more than this to
     the predicted step; `regather`: under ZeRO stage 3, replays may read parameters from their
     backward gathers (offload_activation_gathers), else only what is on the device anyway."""
-    profile = analyze_memory(graph)
+    # the graph's node facts, kept across its edits' storage maps; each edit (_Edit) reports the
+    # nodes it made and rewired, so a map reads only those again
+    cache = StorageCache(records_changes=True)
+    streamed = False   # an offload has set every transfer node's stream (_offload's every_stream)
+    # the first map, built once for the analysis and the first step (it was built twice, the
+    # analysis's without the cache; a map built with it is the map built without it)
+    storages = StorageMap(graph.graph, cache=cache)
+    profile = analyze_memory(graph, storages)
     keep_peak = profile.peak
     # the schedule's start of each planned node, for every edit's simulation (_simulate)
     starts_of = dict(zip(planned, schedule.node_start)) if schedule is not None else None
     choices: dict[str, str] = {}
     specs = list(graph.signature.inputs)
     tried: set[tuple] = set()
-    storages = None
-    cache = StorageCache()   # the graph's node facts, kept across its edits' storage maps
     seconds: dict[fx.Node, float] = {}
     named: dict[str, float] = {}   # the forward nodes' times by name (a region names its nodes)
     heap: list[tuple[float, int, str]] = []   # (-bound, tie-break, seed)
@@ -1086,6 +1111,10 @@ def _plan(graph: TrainGraph, budget: int, cal: Calibration, device: torch.device
         edit made (the others are stamped: a pass over the graph per edit was a few percent)."""
         nonlocal stamped
         fill_missing_meta(graph, _PASS, edit.created if stamped else None)
+        if stamped:
+            cache.touched(edit.created)   # their values, new (a map may have read them without)
+        else:
+            cache.forget()   # a value given to any node missing one: check every node once
         stamped = True
 
     pending = list(blocks)
@@ -1103,7 +1132,7 @@ def _plan(graph: TrainGraph, budget: int, cal: Calibration, device: torch.device
             break
         _, names, region = max(options, key=lambda o: o[0])
         pending.remove(names)
-        edit = _recompute(graph, region)
+        edit = _recompute(graph, region, cache)
         stamp(edit)
         storages = StorageMap(graph.graph, cache=cache)
         after = analyze_memory(graph, storages)
@@ -1188,9 +1217,10 @@ def _plan(graph: TrainGraph, budget: int, cal: Calibration, device: torch.device
                     break
                 what, edit = made
             elif how == "recompute":
-                edit = _recompute(graph, what)
+                edit = _recompute(graph, what, cache)
             else:
-                edit = _offload(graph, specs, what, where, device)
+                edit = _offload(graph, specs, what, where, device, cache, every_stream=not streamed)
+                streamed = True
             graph = graph.with_signature(inputs=tuple(specs))   # new host inputs are not device memory
             stamp(edit)
             storages = StorageMap(graph.graph, cache=cache)
@@ -1216,6 +1246,7 @@ def _plan(graph: TrainGraph, budget: int, cal: Calibration, device: torch.device
         if chosen is None:
             if again:
                 fill_missing_meta(graph, _PASS)
+                cache.forget()
                 storages = StorageMap(graph.graph, cache=cache)
                 profile = analyze_memory(graph, storages)
                 continue

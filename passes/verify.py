@@ -1,15 +1,20 @@
 """verify_train_graph: check the invariants of passes/README.md after a pass.
 
 Run by the PassManager after capture and after every pass; an error names the pass that left
-the graph broken, the node, and what is wrong with it.
+the graph broken, the node, and what is wrong with it. One compile verifies the same graph after
+each pass, and a pass changes a few of its thousands of nodes: the manager runs one `Verifier`
+per compile, which keeps one `StorageCache` across its verifications, so the check of writes into
+placeholders reads again only the nodes a pass made or rewired (the answer is the one without it).
 """
 
 from __future__ import annotations
 
+import time
+
 import torch
 from torch import fx
 
-from graphoffload.aliasing import written_placeholders
+from graphoffload.aliasing import StorageCache, written_placeholders
 from graphoffload.errors import PassError
 from graphoffload.graph import PHASES, TrainGraph
 from graphoffload.passes.update_kernels import kernel_rule
@@ -23,7 +28,10 @@ _HOST_UPDATE_LISTS = {
 _LIST_NAMES = ("parameter", "gradient", "state", "state", "state", "step counter")
 
 
-def verify_train_graph(graph: TrainGraph, pass_name: str) -> None:
+def verify_train_graph(graph: TrainGraph, pass_name: str, storage_cache: StorageCache | None = None) -> None:
+    """Raise PassError naming `pass_name` if `graph` breaks an invariant of passes/README.md.
+    `storage_cache`: node facts kept from the verifications of earlier versions of this graph
+    (one compile's PassManager.run keeps one); the checks and their answers are the same."""
     def fail(what: str) -> None:
         raise PassError(f"after pass {pass_name!r}: {what}")
 
@@ -59,10 +67,28 @@ def verify_train_graph(graph: TrainGraph, pass_name: str) -> None:
                  "element by element: every list must pair each parameter with operands of its shape, "
                  "dtype and device (a kernel given anything else reads out of bounds)")
     mutable = {spec.name for spec in graph.signature.inputs if spec.mutable}
-    for name in written_placeholders(graph.graph) - mutable:
+    for name in written_placeholders(graph.graph, storage_cache) - mutable:
         fail(f"placeholder {name} is written to (directly or through a view) but its signature entry is "
              "not marked mutable")
 
+
+class Verifier:
+    """verify_train_graph for one run of the passes (PassManager.run): one StorageCache across
+    its verifications (each reads again only the nodes the pass before it made or rewired), and
+    their seconds (wall and the process's CPU, which the manager logs once the passes end)."""
+
+    def __init__(self) -> None:
+        self.storage_cache = StorageCache()
+        self.count, self.seconds, self.cpu_seconds = 0, 0.0, 0.0
+
+    def __call__(self, graph: TrainGraph, pass_name: str) -> None:
+        start, cpu = time.perf_counter(), time.process_time()
+        try:
+            verify_train_graph(graph, pass_name, self.storage_cache)
+        finally:
+            self.count += 1
+            self.seconds += time.perf_counter() - start
+            self.cpu_seconds += time.process_time() - cpu
 
 
 def _describe(v: object) -> str:

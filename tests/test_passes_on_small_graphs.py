@@ -266,6 +266,82 @@ def test_written_placeholders_sees_writes_through_views_as_the_access_lists_do()
     assert written_placeholders(graph) == from_accesses == {"a", "b", "c"}
 
 
+def test_verification_with_one_storage_cache_per_compile_finds_the_writes_a_fresh_map_finds(monkeypatch):
+    # the PassManager keeps one StorageCache across a compile's verifications (each reads again
+    # only the nodes a pass made or rewired): every verification's written-placeholder set must
+    # be the one a map built from scratch gives, on steps whose passes rewire many nodes
+    from gpt import GPT
+    from steps import TINY, clipped_step, token_batches, train_step
+
+    import graphoffload
+    from graphoffload import aliasing
+    from graphoffload.passes import verify
+
+    answers = []
+
+    def both(graph, cache=None):
+        assert cache is not None   # the manager passes its cache
+        cached, fresh = aliasing.written_placeholders(graph, cache), aliasing.written_placeholders(graph)
+        answers.append((cached, fresh))
+        return cached
+
+    monkeypatch.setattr(verify, "written_placeholders", both)
+    batch = token_batches(1)[0]
+    cases = [(clipped_step, torch.optim.AdamW, {"offload": graphoffload.Offload()}),
+             (train_step, torch.optim.SGD, {"accumulation_steps": 2, "offload": graphoffload.Offload(accumulate_on="host")})]
+    for step_fn, opt, options in cases:
+        torch.manual_seed(0)
+        model = GPT(TINY)
+        step = graphoffload.offload_compile(step_fn, **options)
+        optimizer = opt(model.parameters(), lr=1e-2)
+        for _ in range(options.get("accumulation_steps", 1)):   # every variant
+            step(model, optimizer, batch)
+    assert len(answers) >= 8 and any(len(cached) > 1 for cached, _ in answers)
+    for cached, fresh in answers:
+        assert cached == fresh
+
+
+def test_a_prefetch_value_made_directly_is_the_fake_kernels():
+    # offload_optimizer makes prefetch_to_device's value with the constructor fake `empty` ends
+    # in; it must be what the fake kernel (empty_like under the mode) gives, field by field, or
+    # None (the kernel then runs) where the two could differ
+    from graphoffload.passes.offload_optimizer import _prefetch_value
+    from graphoffload.torch_private import empty_fake
+
+    ops = torch.ops.graphoffload
+    mode = FakeTensorMode()
+    cpu = torch.device("cpu")
+
+    def fields(t):
+        return (type(t), t.shape, t.dtype, t.device, t.stride(), t.storage_offset(), t.requires_grad, t.layout,
+                t.fake_mode is mode)
+
+    def graph_of(values):
+        g = fx.Graph()
+        nodes = [g.placeholder(f"h{i}") for i in range(len(values))]
+        for node, value in zip(nodes, values):
+            node.meta["val"] = value
+        return g, nodes
+
+    dense = [empty_fake(mode, shape, dtype, cpu) for shape, dtype in
+             (((3, 4), torch.float32), ((5,), torch.bfloat16), ((1,), torch.float32), ((2, 1, 3), torch.float16))]
+    for device in (torch.device("meta"), cpu, torch.device("cuda"), torch.device("cuda:0")):
+        g, nodes = graph_of(dense)
+        direct = _prefetch_value(g, nodes, device)
+        with mode:
+            kernel = ops.prefetch_to_device.default(dense, device, [])
+        assert direct is not None and len(direct) == len(kernel) == len(dense) + 1
+        for a, b in zip(direct, kernel):
+            assert fields(a) == fields(b), device
+    with mode:
+        odd = [torch.empty(5, 3).t(), torch.empty(0, 3), torch.empty_strided((2, 1), (1, 5))]
+    for value in odd:   # not laid out as `empty` lays it out: left to the kernel
+        g, nodes = graph_of([dense[0], value])
+        assert _prefetch_value(g, nodes, torch.device("meta")) is None
+    g, nodes = graph_of([dense[0], torch.empty(3)])   # not a fake tensor of the graph's mode
+    assert _prefetch_value(g, nodes, torch.device("meta")) is None
+
+
 def test_every_host_op_value_rule_gives_what_dispatching_the_op_gives():
     # fill_missing_meta calls the host ops' fake kernels directly (ops.host_transfer.VALUE_RULES);
     # the value must be the one a trace through the dispatcher records, for every op of the table
@@ -367,3 +443,59 @@ def test_the_host_sum_helpers_give_every_node_they_make_its_value_as_they_make_i
         want, got = fake_value(n, mode), n.meta["val"]
         if isinstance(want, torch.Tensor):
             assert (got.shape, got.dtype, got.device) == (want.shape, want.dtype, want.device), n.name
+
+
+def test_a_planner_edits_change_record_gives_the_map_a_full_check_gives():
+    # the activation planner's StorageCache reads again only the nodes its edits report (_Edit:
+    # the nodes it made and the readers it rewired, when made and when undone); every map built
+    # from that record must be the map built from scratch, and an unreported rewire needs `forget`
+    from graphoffload.aliasing import StorageCache, StorageMap
+    from graphoffload.passes.offload_activations import _Edit
+
+    def build(graph, x):
+        a = graph.call_function(aten.mul.Tensor, (x, 2.0))
+        v = graph.call_function(aten.view.default, (a, [2, 2]))
+        graph.call_function(aten.add_.Tensor, (v, 1.0))                  # writes a through its view
+        r = graph.call_function(aten.relu.default, (a,))
+        return graph.call_function(aten.add.Tensor, (r, a))
+
+    graph = _graph(build)
+    g = graph.graph
+    by_target = {n.target: n for n in g.nodes if n.op == "call_function"}
+    a, writer, relu = by_target[aten.mul.Tensor], by_target[aten.add_.Tensor], by_target[aten.relu.default]
+
+    def facts(m):
+        return ([(n.name, m.ids[n]) for n in m.nodes], [c.name for c in m.creator],
+                [(s, [(p, n.name, w) for p, n, w in acc]) for s, acc in m.accesses.items()],
+                sorted(m.output_reads), [(n.name, [w.name for w in m.written_by(n)]) for n in m.nodes])
+
+    cache = StorageCache(records_changes=True)
+    assert facts(StorageMap(g, cache=cache)) == facts(StorageMap(g))
+    assert cache.changed == set()   # the first map checked every node; the record starts empty
+
+    # an edit: a copy of `a`, the in-place writer's view and relu rewired to it (as a replay rewires)
+    view = writer.args[0]
+    with g.inserting_before(view):
+        copy = g.call_function(aten.clone.default, (a,))
+        copy_view = g.call_function(aten.view.default, (copy, [2, 2]))
+    copy.meta["val"], copy_view.meta["val"] = a.meta["val"], view.meta["val"]
+    for reader, old, new in ((writer, view, copy_view), (relu, a, copy)):
+        reader.replace_input_with(old, new)
+    edit = _Edit([copy, copy_view], [(writer, view, copy_view), (relu, a, copy)], cache=cache)
+    assert cache.changed == {copy, copy_view, writer, relu}
+    edited = StorageMap(g, cache=cache)
+    assert facts(edited) == facts(StorageMap(g))
+    assert edited.of(relu) != edited.of(a) and edited.written_by(writer) == [copy_view]
+
+    edit.undo(graph, [], set())   # the readers back on `a`, the copies erased
+    assert cache.changed == {writer, relu}
+    undone = StorageMap(g, cache=cache)
+    assert facts(undone) == facts(StorageMap(g)) == facts(StorageMap(g, cache=StorageCache()))
+    assert undone.written_by(writer) == [view]
+
+    # a rewire nobody reports is not read again from the record (it must be complete) ...
+    relu.replace_input_with(a, g.find_nodes(op="placeholder")[0])
+    assert facts(StorageMap(g, cache=cache)) != facts(StorageMap(g))
+    # ... and after `forget` every node is checked again
+    cache.forget()
+    assert facts(StorageMap(g, cache=cache)) == facts(StorageMap(g))
