@@ -3,6 +3,7 @@ the time and predicted peak of a window of k micro-batches, eager vs both compil
 
     python benchmarks/grad_accumulation.py             # GPU if present, else CPU
     python benchmarks/grad_accumulation.py --smoke     # tiny CPU run (seconds)
+    python benchmarks/grad_accumulation.py --forms plan-reuse --out benchmarks/results/grad_accumulation_plan_reuse_meta.json
 
 Form A is a step that loops over its k micro-batches (one graph with k forwards and
 backwards); form B is the ordinary step compiled with `accumulation_steps=k`, called k times.
@@ -23,6 +24,18 @@ variants compiled with every sum on the device vs with "auto" under a budget (wh
 other variant, and per variant predicts the peak for every candidate count of buckets moved from
 two trial rewrites: passes/host_accumulation.py, `modelled_peaks`). Wall and CPU seconds (this
 process's), the CPU ones less disturbed by other load on a shared machine.
+
+`--forms plan-reuse` measures what the on-disk plan cache saves a restarted job whose step
+accumulates: form B with `Offload(activations="auto")`, sums on the device under `--reuse-budget`
+GiB and with `accumulate_on="auto"` under `--reuse-auto-budget` GiB (`--reuse-modes` picks which),
+on the meta device (the benchmark GPT, `--reuse-layers`
+layers, d=2048, bf16 parameters, micro-batches of `--reuse-batch`x2048). Each configuration's
+two variants (accumulating, then updating) are compiled by a fresh process on an empty cache
+(it plans and stores both plans), then by another fresh process on that cache (a restarted job:
+it re-applies them); `--reuse-runs` such pairs, one after the other. CPU seconds of each
+process's two compiles (capture and every pass included), whether each variant's plan was
+reused, whether the restart predicted the same step and peak, and with "auto" how many trial
+compiles the sum placement ran in each process (none where its peaks came from the cache).
 """
 
 from __future__ import annotations
@@ -32,7 +45,9 @@ import copy
 import functools
 import json
 import os
+import subprocess
 import sys
+import tempfile
 import time
 
 import torch
@@ -116,6 +131,81 @@ def auto_cost_rows(args) -> list[dict]:
     return rows
 
 
+def reuse_child(args) -> dict:
+    """One process's compiles of both variants of the accumulating step (plan-reuse), on the
+    plan cache under $XDG_CACHE_HOME: CPU seconds, reuse and predictions per variant."""
+    from graphoffload.calibration import Calibration
+
+    with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "calibrations",
+                           "h100-research-notes.json")) as f:
+        cal = Calibration(**json.load(f))
+    sizes = argparse.Namespace(**{**vars(args), "layers": args.reuse_layers, "d_model": 2048, "heads": 16,
+                                  "vocab": 32000, "seq": 2048})
+    model, _ = build_gpt(sizes, torch.device("meta"))
+    model = model.to(torch.bfloat16)
+    batch = torch.empty((args.reuse_batch, sizes.seq), dtype=torch.long, device="meta")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
+    step = graphoffload.offload_compile(autocast_train_step, accumulation_steps=args.k, offload=graphoffload.Offload(
+        accumulate_on=args.reuse_child, activations="auto", gpu_memory_budget=int(args.reuse_budget * 2**30),
+        calibration=cal, replan_after=0))
+    out = {"accumulate_on": args.reuse_child, "variants": []}
+    cpu = time.process_time()
+    for name in ("accumulating", "updating"):
+        if name == "updating":
+            step._micro_step = args.k - 1   # the updating variant next (no public way to skip ahead)
+        start = time.process_time()
+        graph = step.compile(model, opt, batch)
+        out["variants"].append({
+            "variant": name, "cpu_s": time.process_time() - start,
+            "reused": bool(graph.notes_of("offload_optimizer", "activations_reused")),
+            # accumulate_on="auto": the placement's trial compiles this process ran (none where its
+            # peaks came from the plan cache); None for other placements
+            "sum_trials": next((n.fields["trial_compiles"] for n in graph.notes_of("offload_optimizer", "grad_sum_peaks")),
+                               None),
+            # the accumulating variant updates nothing: no bucket schedule, its peak is the prediction
+            "predicted_s": graph.schedule.step_seconds if graph.schedule is not None else None,
+            "peak_bytes": step.memory().peak,
+            "plan": [n.fields["strategy"] for n in graph.notes_of("offload_optimizer", "activations")],
+            "recomputed_nodes": sum("recompute" in n.meta for n in graph.graph.nodes)})
+    out["cpu_s"] = time.process_time() - cpu
+    return out
+
+
+def plan_reuse_rows(args) -> list[dict]:
+    """Cold-cache and warm-cache compiles of the accumulating step in fresh processes."""
+    rows = []
+    for where in args.reuse_modes.split(","):
+        for run in range(args.reuse_runs):
+            found = {}
+            budget = args.reuse_budget if where == "device" else args.reuse_auto_budget
+            # empty: the first process plans; removed once the pair is done
+            with tempfile.TemporaryDirectory(prefix="graphoffload-plan-reuse-") as cache:
+                for label in ("cold", "warm"):
+                    cmd = [sys.executable, os.path.abspath(__file__), "--forms", "plan-reuse", "--reuse-child", where,
+                           "--reuse-layers", str(args.reuse_layers), "--reuse-batch", str(args.reuse_batch),
+                           "--reuse-budget", str(budget), "--k", str(args.k)]
+                    done = subprocess.run(cmd, env={**os.environ, "XDG_CACHE_HOME": cache}, capture_output=True,
+                                          text=True)
+                    if done.returncode:
+                        raise SystemExit(f"the {label} compile of accumulate_on={where!r} failed:\n"
+                                         f"{done.stderr[-3000:]}")
+                    found[label] = json.loads(done.stdout.strip().splitlines()[-1])
+            cold, warm = found["cold"], found["warm"]
+            row = {"mode": f"accumulate_on={where!r}, {budget:g} GiB, run {run + 1}", "cold_cpu_s": cold["cpu_s"],
+                   "warm_cpu_s": warm["cpu_s"], "saved_x": cold["cpu_s"] / warm["cpu_s"]}
+            for c, w in zip(cold["variants"], warm["variants"]):
+                v = c["variant"]
+                row[f"{v}_cold_cpu_s"], row[f"{v}_warm_cpu_s"] = c["cpu_s"], w["cpu_s"]
+                row[f"{v}_cold_reused"], row[f"{v}_reused"] = c["reused"], w["reused"]
+                row[f"{v}_recomputed_nodes"] = c["recomputed_nodes"]
+                if c["sum_trials"] is not None:
+                    row["cold_sum_trials"], row["warm_sum_trials"] = c["sum_trials"], w["sum_trials"]
+                row[f"{v}_same_prediction"] = (c["predicted_s"], c["peak_bytes"]) == (w["predicted_s"], w["peak_bytes"])
+            rows.append(row)
+            print(f"{row['mode']}: cold {row['cold_cpu_s']:.2f} s, warm {row['warm_cpu_s']:.2f} s CPU", flush=True)
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -130,7 +220,16 @@ def main() -> None:
     p.add_argument("--clip", type=float, default=1.0, metavar="MAX_NORM")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--forms", choices=("all", "host", "auto-cost"), default="all",
+    p.add_argument("--reuse-layers", type=int, default=4, help="GPT layers of the plan-reuse rows (d=2048)")
+    p.add_argument("--reuse-batch", type=int, default=12, help="sequences per micro-batch of the plan-reuse rows")
+    p.add_argument("--reuse-budget", type=float, default=13.0, help="GiB: the plan-reuse rows' gpu_memory_budget")
+    p.add_argument("--reuse-auto-budget", type=float, default=16.0,
+                   help="GiB: the plan-reuse rows' gpu_memory_budget with accumulate_on='auto'")
+    p.add_argument("--reuse-runs", type=int, default=2, help="cold/warm pairs per configuration (plan-reuse)")
+    p.add_argument("--reuse-modes", default="device,auto",
+                   help="the accumulate_on values of the plan-reuse rows, comma-separated (device, auto)")
+    p.add_argument("--reuse-child", choices=("device", "auto"), help=argparse.SUPPRESS)   # one process's compiles
+    p.add_argument("--forms", choices=("all", "host", "auto-cost", "plan-reuse"), default="all",
                    help="window rows: all, or only the host-sum pair (waiting vs overlapping); or no window rows "
                         "but the compile cost of accumulate_on='auto' (meta device)")
     p.add_argument("--auto-layers", default="6,12", help="layer counts of the auto-cost rows (d=2048)")
@@ -140,6 +239,21 @@ def main() -> None:
     if args.smoke:
         args.device, args.layers, args.d_model, args.heads, args.vocab, args.seq = "cpu", 2, 64, 2, 256, 32
         args.steps, args.warmup, args.k, args.compile_ks = 2, 1, 2, "1,2"
+    if args.reuse_child:
+        print(json.dumps(reuse_child(args)))
+        return
+    if args.forms == "plan-reuse":
+        rows = plan_reuse_rows(args)
+        print(f"restarted accumulating step (k={args.k}, activations='auto', "
+              f"{args.reuse_layers} layers, bf16, batch {args.reuse_batch}x2048, meta device): CPU seconds of both "
+              "variants' compiles, a fresh process on a cold plan cache vs one on the warm cache")
+        print_table(rows, ["mode", "cold_cpu_s", "warm_cpu_s", "saved_x", "accumulating_cold_cpu_s",
+                           "accumulating_warm_cpu_s", "updating_cold_cpu_s", "updating_warm_cpu_s",
+                           "accumulating_reused", "updating_reused", "accumulating_same_prediction",
+                           "updating_same_prediction", "accumulating_recomputed_nodes", "updating_recomputed_nodes"])
+        write_json(args.out, {"benchmark": "grad_accumulation plan-reuse", "device": "meta", "config": vars(args),
+                              "rows": rows})
+        return
     if args.forms == "auto-cost":
         rows = auto_cost_rows(args)
         print(f"compile cost of accumulate_on='auto' (k={args.k}), benchmark GPT d=2048 on the meta device; seconds")

@@ -20,19 +20,22 @@ import torch.distributed as dist
 from torch import Tensor
 
 from graphoffload import inspection, timeline
+from graphoffload.calibration import Calibration
 from graphoffload.capture import Accumulation, Capture, StepBindings, capture_step, find_bindings
 from graphoffload.checkpoint import keep_offloaded_dtypes, load_optimizer_state_exactly
 from graphoffload.config import CompileConfig, Offload
 from graphoffload.errors import (HostSumsUnsupportedError, PartialUpdateError, RankFailedMidUpdateError, RankTimeoutError,
                                  StateError, describe)
 from graphoffload.graph import TrainGraph
-from graphoffload.groups import MeshRankFailed, check_mesh, mesh_step_group
+from graphoffload.groups import BrokenGroups, MeshRankFailed, check_mesh, mesh_step_group
 from graphoffload.interruption import InterruptionGuard, Snapshot
 from graphoffload.optimizer_lowering import first_step_params
 from graphoffload.memory import MemoryProfile, analyze_memory
 from graphoffload.passes.host_accumulation import StepSums, SumPlacement, choose_step_sums
 from graphoffload.passes.manager import Pass, PassContext, PassFn, PassManager
+from graphoffload.passes.offload_activation_edits import structure
 from graphoffload.passes.offload_optimizer import unseen_device_bytes
+from graphoffload.passes.offload_plan_cache import load_step_trials, plan_path, step_trials_key, store_step_trials
 from graphoffload.passes.registry import builtin_schedule
 from graphoffload.runtime.accumulation import GradSums
 from graphoffload.runtime.executor import Executor
@@ -104,6 +107,12 @@ def _sums_at(offload: Offload, where: str) -> Offload:
     return dataclasses.replace(offload, accumulate_on=where, device_updates="never" if strided else offload.device_updates)
 
 
+def _trial_options(offload: Offload) -> Offload:
+    """The offload options a trial compile of `accumulate_on="auto"` under ZeRO runs under (and
+    its on-disk key names): no budget to fail on, activations kept, nothing cached or re-planned."""
+    return dataclasses.replace(offload, gpu_memory_budget=None, activations="keep", plan_cache=False, replan_after=0)
+
+
 # what a rank whose own trial compile took host sums says when another rank's refused them
 _REFUSED_ELSEWHERE = "host sums refused on another rank of the group"
 
@@ -173,6 +182,10 @@ class CompiledStep:
         # torch keeps it until destroy_process_group(), after which a step must not keep it
         # alive (gloo's threads abort the process when it is freed at interpreter exit)
         self._step_groups: list[weakref.ref] = []   # one per parallel config, in `_pass_config`'s order
+        # once a collective of the step (or its input check, or synchronize()'s gathers) failed or
+        # timed out, its groups are not used again: every later call, synchronize() and
+        # state_dict() refuse at once, before any collective (groups.BrokenGroups)
+        self._broken = BrokenGroups()
         # ZeRO stage 3: the DTensor parameters the step made (by name, held weakly), which every
         # later call must find in the model (`_check_sharded_params`)
         self._sharded_params: dict[str, weakref.ref] = {}
@@ -240,10 +253,12 @@ class CompiledStep:
         if inputs not in self._step_sums:
             budget = offload.budget_bytes()
             device_peak, host_peak, refused = (None, None, None) if budget is None else self._trial_peaks(args, kwargs)
-            choice = choose_step_sums(budget, device_peak, host_peak, refused)
+            planned = offload.activations == "auto"   # (the trials keep the activations; the planner may fit)
+            choice = choose_step_sums(budget, device_peak, host_peak, refused, planned)
             if choice.where == "host":   # (on every rank alike: the peaks are their max over the ranks)
                 # the updating call must take host sums too, or "auto" keeps them on the device
-                choice = choose_step_sums(budget, device_peak, host_peak, self._host_sums_refusal(args, kwargs))
+                choice = choose_step_sums(budget, device_peak, host_peak, self._host_sums_refusal(args, kwargs),
+                                          planned)
             self._step_sums[inputs] = choice
             log.info("%s: %s", self._name, choice.describe())
         return self._step_sums[inputs]
@@ -255,18 +270,30 @@ class CompiledStep:
         fail on, activations kept, nothing cached), then dropped with the state the capture made.
         Each is the max over the ranks (and both mesh dimensions), so every rank chooses alike. The
         third value says why host sums are refused (`HostSumsUnsupportedError` on some rank; its
-        host peak is then None), else None."""
+        host peak is then None), else None. A restarted job reads this rank's two trials from the
+        on-disk plan cache (`_trials_key`) instead of compiling them, and still takes the max."""
         capture = capture_step(self.fn, args, kwargs, self.config, self._accumulation[False])
         device = capture.bindings.device
         peaks, refused = [], None
         try:
-            for where in ("device", "host"):
-                graph, why = self._trial_compile(capture.graph.copy(), device, where)
-                refused = why or refused
-                peaks.append(-1 if graph is None else
-                             analyze_memory(graph).peak + sum(unseen_device_bytes(graph.graph, device).values()))
+            key = self._trials_key(capture.graph, device, "the accumulating variant's trials, sums on the device "
+                                   "and on the host")
+            cached = load_step_trials(key) if key is not None else None
+            if cached is not None and cached["peaks"] is not None:   # a restarted job: this rank's trials as stored
+                peaks, refused = cached["peaks"], cached["refused"]
+                log.info("%s: accumulate_on='auto' trial peaks reused from the on-disk plan cache (%s)", self._name,
+                         plan_path(key, "stepsums"))
+            else:
+                for where in ("device", "host"):
+                    graph, why = self._trial_compile(capture.graph.copy(), device, where)
+                    refused = why or refused
+                    peaks.append(-1 if graph is None else
+                                 analyze_memory(graph).peak + sum(unseen_device_bytes(graph.graph, device).values()))
+                if key is not None:
+                    store_step_trials(key, peaks, refused)
         finally:
             capture.discard_created_state()
+        # every rank takes the max, cached or not: a rank whose entry is missing ran its own trials
         device_peak, host_peak, any_refused = self._max_over_ranks([*peaks, refused is not None], device)
         if any_refused:
             return device_peak, None, refused or _REFUSED_ELSEWHERE
@@ -280,18 +307,46 @@ class CompiledStep:
         capture = capture_step(self.fn, args, kwargs, _with_sums(self.config, StepSums("host", None)),
                                self._accumulation[True])
         try:
-            _, refused = self._trial_compile(capture.graph, capture.bindings.device, "host")
+            key = self._trials_key(capture.graph, capture.bindings.device, "the updating variant's trial, sums on "
+                                   "the host")
+            cached = load_step_trials(key) if key is not None else None
+            if cached is not None and cached["peaks"] is None:
+                refused = cached["refused"]
+                log.info("%s: accumulate_on='auto' trial of host sums on the updating call reused from the on-disk "
+                         "plan cache (%s)", self._name, plan_path(key, "stepsums"))
+            else:
+                _, refused = self._trial_compile(capture.graph, capture.bindings.device, "host")
+                if key is not None:
+                    store_step_trials(key, None, refused)
         finally:
             capture.discard_created_state()
         (any_refused,) = self._max_over_ranks([refused is not None], capture.bindings.device)
         return (refused or _REFUSED_ELSEWHERE) if any_refused else None
 
+    def _trials_key(self, graph: TrainGraph, device: torch.device, what: str) -> str | None:
+        """The on-disk plan cache's key of `what` this rank's trial compiles of the captured
+        `graph` find (offload_plan_cache.step_trials_key), or None where none is kept:
+        plan_cache off, or a pass of the user's in the pipeline (its code is not in the key).
+        The key holds the user's config less the budget (the step's own groups are made anew by
+        every job) and this rank's place in the world and in each of the step's groups."""
+        offload = self.config.offload
+        if not offload.plan_cache or len(self.pass_manager.passes) != self.pass_manager.builtin_count:
+            return None
+        places = [(dist.get_rank(g), dist.get_world_size(g)) for g in (ref() for ref in self._step_groups)
+                  if g is not None]
+        if dist.is_available() and dist.is_initialized():   # (ranks may share one cache directory)
+            places.insert(0, (dist.get_rank(), dist.get_world_size()))
+        cal = offload.calibration or Calibration.load_or_measure(device, threads=offload.cpu_threads)
+        # the options the trials compile under (`_trial_compile`; no budget: another finds the same entry)
+        config = dataclasses.replace(self.config, offload=_trial_options(offload))
+        return step_trials_key(structure(graph), cal, f"{what}: {config!r} on {device}, this rank in its "
+                               f"groups (rank, size): {places}")
+
     def _trial_compile(self, graph: TrainGraph, device: torch.device, where: str) -> tuple[TrainGraph | None, str | None]:
         """The passes run on `graph` (a trial's capture) with every running sum `where`, under trial
         offload options (no budget to fail on, activations kept, nothing cached or re-planned):
         the graph, or None and why, when host sums are refused (`HostSumsUnsupportedError`)."""
-        trial = dataclasses.replace(_sums_at(self.config.offload, where), gpu_memory_budget=None,
-                                    activations="keep", plan_cache=False, replan_after=0)
+        trial = _trial_options(_sums_at(self.config.offload, where))
         try:
             graph, _ = self.pass_manager.run(graph, self._pass_context(device, offload=trial))
         except HostSumsUnsupportedError as e:
@@ -383,7 +438,8 @@ class CompiledStep:
         owner = (tuple(id(p) for p in bindings.params.values()), tuple(id(o) for o in bindings.optimizers))
         executor = Executor(graph, capture, self.config.offload, host_state=self._host_states.get(owner),
                             sanitize=self.config.sanitize, runtime_for=self._runtimes.get,
-                            collective_failed=self._collective_failed(), data_parallel=self.config.data_parallel)
+                            collective_failed=self._collective_failed(), data_parallel=self.config.data_parallel,
+                            broken=self._broken)
         if executor.host_state is not None:
             self._host_states.setdefault(owner, executor.host_state)
         return CompiledVariant(capture, graph, stages, executor, dict(ctx.timings))
@@ -492,9 +548,17 @@ class CompiledStep:
         in ways the step does not see (it synchronizes itself before the model's forward and
         before `state_dict()`/`load_state_dict()` of the model, the optimizer or the step).
         Under ZeRO stages 1-2 it also runs the all-gathers of the updated rows the last call left
-        to the next: a collective, so call it on every rank alike."""
+        to the next (which then does not gather them again): a collective, so call it on every rank
+        alike. If they fail (a rank did not answer), or any collective of the step did, the step
+        refuses every later call, synchronize() and state_dict(): restart the job from the last
+        checkpoint."""
+        self._broken.refuse(f"synchronize {self._name}")
         if self._ran is not None:
-            self._ran.synchronize()
+            try:
+                self._ran.synchronize()
+            except RankTimeoutError as exc:
+                self._broken.break_with(exc)
+                raise
 
     def _synchronize_before_outside_access(self, bindings: Any) -> None:
         # public hooks, held weakly: the model and optimizer do not keep the step alive
@@ -535,6 +599,7 @@ class CompiledStep:
         `offload=`, a model's real parameters also get their host state placed, as the first call
         would place it (fp32 master weights and moments): a checkpoint loaded before the first
         call (the DCP recipe) loads into it in its own dtype."""
+        self._broken.refuse(f"compile {self._name}")
         if self.config.sequence_parallel is not None:   # per-rank batch shards -> full sequence
             args, kwargs = self.config.sequence_parallel.prepare_inputs(args, kwargs)
         variant = self._variant(args, kwargs)[1]
@@ -545,6 +610,9 @@ class CompiledStep:
         return variant.graph
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        # first: before the call's first collective (RankAgreement's), and whatever else a
+        # restore or accept_partial_update() cleared, the groups stay broken
+        self._broken.refuse(f"run {self._name}")
         self._interruption.check(self._name)
         self._refuse_incomplete_sums("run")
         bindings = find_bindings(self.fn, args, kwargs)
@@ -554,14 +622,24 @@ class CompiledStep:
         except BaseException as exc:
             updated = self._before.changed()
             if not updated:
+                # a rank timeout (in the input check at the start, or a collective of the graph)
+                # breaks the step's groups even though nothing changed; any other failure that
+                # changed nothing (bad input) leaves the step retryable, unless the executor broke
+                # the groups because it came after the graph's first collective
+                if isinstance(exc, RankTimeoutError):
+                    self._broken.break_with(exc)
                 self._forget_unrun_variant()
-                raise    # nothing the user holds changed: retrying is safe
+                raise
             message = self._interruption.interrupted(exc, updated, bindings, self._name)
             if isinstance(exc, RankTimeoutError):   # the group is gone: say so first
-                raise RankFailedMidUpdateError(
-                    f"{exc} Before it failed, this rank's fused optimizer updates had changed "
-                    f"{self._interruption.shown()}, and not the rest: restore the model and optimizer from "
-                    "that checkpoint (a retry in this process refuses to run until they are)") from exc
+                error = RankFailedMidUpdateError(
+                    f"{exc} Before it failed, this rank's step (its fused optimizer updates, or the all-gathers "
+                    "of the parameters' updated rows it runs when switching between its compiled variants) had "
+                    f"changed {self._interruption.shown()}, and not the rest: restore the model and optimizer from "
+                    "that checkpoint in the restarted job (in this process, every later call, synchronize() and "
+                    "state_dict() of this step refuse)")
+                self._broken.break_with(error)
+                raise error from exc
             if isinstance(exc, Exception):
                 raise PartialUpdateError(message) from exc
             exc.add_note("graphoffload: " + message)   # KeyboardInterrupt, SystemExit stay what they are
@@ -661,7 +739,8 @@ class CompiledStep:
                    f"{old.graph.schedule.step_seconds * 1e3:.3g} ms a step, {measured * 1e3:.3g} ms were measured")
         executor = Executor(graph, old.capture, self.config.offload, host_state=old.executor.host_state,
                             sanitize=self.config.sanitize, runtime_for=self._runtimes.get,
-                            collective_failed=self._collective_failed(), data_parallel=self.config.data_parallel)
+                            collective_failed=self._collective_failed(), data_parallel=self.config.data_parallel,
+                            broken=self._broken)
         new = CompiledVariant(old.capture, graph, stages, executor, dict(ctx.timings), replans=old.replans + 1)
         self._variants[key] = new    # `last` stays the variant that ran until the next call
 
@@ -669,7 +748,8 @@ class CompiledStep:
 
     def state_dict(self) -> dict[str, Any]:
         """The state of every optimizer the step drives, as `optimizer.state_dict()` gives it:
-        offloaded state (fp32 master weights, moments) stays in host memory."""
+        offloaded state (fp32 master weights, moments) stays in host memory. Refused (`StateError`)
+        once a collective of the step failed or timed out."""
         self.synchronize()
         self._refuse_incomplete_sums("save the window of")
         state: dict[str, Any] = {"optimizers": [opt.state_dict() for opt in self.last.capture.bindings.optimizers]}
@@ -684,7 +764,9 @@ class CompiledStep:
         """Load what `state_dict()` returned, exactly: tensors keep their dtype and stay where they
         were saved (unlike `optimizer.load_state_dict`, which casts state to each parameter's
         device and dtype, so offloaded fp32 state would land on the GPU in bf16). Before the
-        step's first call, pass the optimizers it will drive."""
+        step's first call, pass the optimizers it will drive. Refused once a collective of the step
+        failed or timed out: the job restarts from the checkpoint instead."""
+        self._broken.refuse(f"load a checkpoint into {self._name}")
         try:
             self.synchronize()
         except StateError:

@@ -132,7 +132,9 @@ class Offload:
             "auto": per bucket, sums stay on the device while the predicted peaks of both
             compiled variants fit `gpu_memory_budget`, and move to the host (buckets in backward
             order) until they fit; all on the device without a budget; sums the step reads after
-            backward stay on the device. Ignored without `accumulation_steps`. Under ZeRO
+            backward stay on the device. The peaks are predicted with the saved activations kept:
+            with activations="auto" a budget no placement meets so is left to the activation
+            planner, with the placement of least need (under ZeRO the lesser trial peak). Ignored without `accumulation_steps`. Under ZeRO
             (`data_parallel=`) "device" sums are each rank's whole partial sums, reduced over the
             group once per update; "host" sums are this rank's chunks: every call reduce-scatters
             its gradients and adds this rank's chunk into the host sum (no sums on the device, a

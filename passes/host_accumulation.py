@@ -48,12 +48,27 @@ one choice for the whole step instead (`StepSums`, `choose_step_sums`): the step
 accumulating variant once with every sum on the device and once with every sum on the host
 (trials, before its real compile) and keeps the sums on the device when that variant's predicted
 peak fits the budget, else on the host; the passes then see the choice as "device" or "host".
+With `activations="auto"` and neither fitting (both trials keep the activations), it takes the one
+with the lesser peak and leaves the rest to the activation planner, as `_decide` does per bucket.
 
 `Offload(accumulate_on="auto")` chooses per bucket (`SumPlacement`): sums stay on the device
 while the predicted peaks of both compiled variants fit `gpu_memory_budget`; otherwise buckets
 move to the host, in backward order, until they fit. The choice is made once, when both
 variants' predicted peaks are known (the step compiles the other variant as a probe first), and
 both variants read it from the one `SumPlacement` the step keeps, so they always agree.
+
+The peaks are predicted with the saved activations kept (`trial_context`). With
+`Offload(activations="auto")` the real compile's activation planner recomputes or offloads
+activations until the peak fits, so a budget no m meets with activations kept is not refused
+there: `_decide` takes the m whose kept-activation need is least (the most the sums can give,
+the fewest host sums among equals), which leaves the planner the least to recompute or offload,
+and the real compile's planner meets the budget or raises its own error naming the least peak it
+reached (`SumPlacement.unfitted`, said in the `grad_sum_placement` note). Why not m = 0 with the
+planner first, moving sums only where it fails: that needs an activation-planning compile per
+candidate (each a whole search, several times the trial compiles here), to save host copies that
+hide under backward; the least-need choice costs no compile beyond the trials already made.
+Wherever some m fits with activations kept, the choice is the smallest such m, as without the
+planner.
 
 The decision needs each variant's peak for every count m of buckets moved. Compiling the pass
 once per m (`trial_peaks`) is exact but costs a rewrite and a liveness analysis per bucket: on
@@ -66,6 +81,14 @@ Why not search over m with a few trials instead: nothing makes the peaks fall mo
 buckets move (a host sum keeps the micro-batch's gradient alive until its copy, and when that
 gradient is a view of a larger buffer it keeps more than the sum it saves), and a search would
 still compile the pass about log2(m) times per variant; the model is exact at every m.
+
+A restarted job need not compile the trials at all: each variant's peaks are a pure function of
+the graph before the pass, the calibration, the trials' options (`trial_context`: no budget) and
+the buckets that may move, so `place_sums` keeps them in the on-disk plan cache
+(passes/offload_plan_cache.py, under offload_optimizer's key) and a restart reads them back and
+makes the same decision (`_decide`, the budget applied only there: another budget reuses them).
+Under ZeRO (`StepSums`) the step keeps each rank's trial outcomes alike (graphoffload/api.py,
+`_trials_key`) and still max-reduces them over the ranks.
 """
 
 from __future__ import annotations
@@ -86,6 +109,7 @@ from graphoffload.aliasing import StorageMap
 from graphoffload.memory import analyze_memory, block_bytes, format_bytes, storage_span
 from graphoffload.ops.host_transfer import VALUE_RULES, grad_sum_key
 from graphoffload.passes.gradient_norms import norm_of_norms, norm_order
+from graphoffload.passes.offload_plan_cache import load_sum_peaks, plan_path, store_sum_peaks
 from graphoffload.passes.update_kernels import UpdateKernel
 
 if TYPE_CHECKING:
@@ -488,9 +512,26 @@ class SumPlacement:
     chosen: int = 0                   # how many groups moved
     methods: dict[bool, str] = field(default_factory=dict)   # per variant: "model" or "trials" (predicted_peaks)
     pinned: frozenset[str] = frozenset()   # sums kept on the device because the step reads them there
+    # no m's peaks (activations kept) fit the budget: with activations="auto" the m of least need
+    # chosen, and the real compile's activation planner left to meet it (`_decide`)
+    unfitted: bool = False
+    trials: int = 0   # trial compiles run for `peaks` (none where both variants' came from the plan cache)
+    reused: dict[bool, str] = field(default_factory=dict)   # per variant: the plan cache file its peaks came from
 
     def hosted(self, m: int) -> frozenset[str]:
         return frozenset(name for _, names in (self.groups or ())[:m] for name in names)
+
+    def describe(self, budget_text: int | str) -> str:
+        """The decision in a line, for the `grad_sum_placement` note."""
+        m, peaks = self.chosen, self.peaks
+        chosen = (f"accumulate_on='auto': {m} of {len(self.groups)} movable buckets' sums on the host, predicted peaks "
+                  f"{format_bytes(peaks[False][m])} accumulating and {format_bytes(peaks[True][m])} updating")
+        device = f"(all on the device: {format_bytes(peaks[False][0])} and {format_bytes(peaks[True][0])})"
+        if not self.unfitted:
+            return f"{chosen} within gpu_memory_budget {budget_text} {device}"
+        return (f"{chosen} with the saved activations kept, over gpu_memory_budget {budget_text} at every count of "
+                f"buckets moved {device}: the count with the least need chosen, and the activation planner "
+                "(activations='auto') left to meet the budget")
 
 
 @dataclass(frozen=True)
@@ -509,10 +550,19 @@ class StepSums:
     device_peak: int | None = None
     host_peak: int | None = None
     host_refused: str | None = None
+    # with activations="auto" and neither trial peak within the budget: the lesser taken, and the
+    # real compile's activation planner left to meet the budget (`choose_step_sums`)
+    unfitted: bool = False
 
     def describe(self) -> str:
         if self.budget is None:
             return "accumulate_on='auto': every running sum on the device (no gpu_memory_budget)"
+        if self.unfitted:
+            return (f"accumulate_on='auto': every running sum on the {self.where}: with the saved activations kept, "
+                    f"the accumulating call's predicted peak fits gpu_memory_budget {format_bytes(self.budget)} with "
+                    f"the sums neither on the device ({format_bytes(self.device_peak)}) nor on the host "
+                    f"({format_bytes(self.host_peak)}): the lesser chosen, and the activation planner "
+                    "(activations='auto') left to meet the budget")
         if self.host_refused is not None:
             return (f"accumulate_on='auto': every running sum on the device: the accumulating call's predicted peak "
                     f"with them, {format_bytes(self.device_peak)}, does not fit gpu_memory_budget "
@@ -525,13 +575,17 @@ class StepSums:
 
 
 def choose_step_sums(budget: int | None, device_peak: int | None, host_peak: int | None,
-                     host_refused: str | None = None) -> StepSums:
+                     host_refused: str | None = None, plan_activations: bool = False) -> StepSums:
     """Device sums (one reduction per update) when there is no budget, the accumulating call's
     predicted peak with them fits it, or the step refuses host sums (`host_refused`, why); else
     host sums (a reduce-scatter per call, no sums on the device), whose own fit the real compile's
-    planner checks against the budget as usual."""
+    planner checks against the budget as usual. The peaks are the trials', activations kept: with
+    `plan_activations` (activations="auto") and neither within the budget, the lesser is taken
+    (device sums when equal) and the real compile's activation planner left to meet the budget."""
     if budget is None or device_peak is None or device_peak <= budget or host_refused is not None:
         return StepSums("device", budget, device_peak, host_peak, host_refused)
+    if plan_activations and host_peak is not None and host_peak > budget:
+        return StepSums("host" if host_peak < device_peak else "device", budget, device_peak, host_peak, unfitted=True)
     return StepSums("host", budget, device_peak, host_peak)
 
 
@@ -550,14 +604,18 @@ def candidate_groups(kernels: list[UpdateKernel], names_of: list[list[str]], pin
 
 def place_sums(graph: TrainGraph, ctx: PassContext, update: bool, sums: list[str],
                groups: Callable[[frozenset[str]], tuple[tuple[str, tuple[str, ...]], ...]],
-               trial: Trial, device_reads: Callable[[], frozenset[str]] = frozenset) -> frozenset[str] | None:
+               trial: Trial, device_reads: Callable[[], frozenset[str]] = frozenset,
+               cache_key: Callable[[bool], str | None] = lambda update: None) -> frozenset[str] | None:
     """The parameters whose running sums live on the host in this compile. "device"/"host":
     none/all. "auto": the step's `SumPlacement` decides once; a variant compiled before the
     decision records its predicted peak with each number of buckets moved (`predicted_peaks`,
     from `trial` compiles of copies of the graph under `trial_context`), and returns None when
     the other variant's peaks are still missing (a probe: the step discards its graph).
     `device_reads`: the parameters whose accumulated gradient the updating variant reads on the
-    device besides its update and clip_grad_norm_ (`read_on_device`): their sums never move."""
+    device besides its update and clip_grad_norm_ (`read_on_device`): their sums never move.
+    `cache_key(update)`: the on-disk plan cache's key of a variant's peaks once `placement.groups`
+    is set (offload_optimizer's; None: not cached): a restarted job reads them from there instead
+    of compiling the trials, and a first job stores them."""
     where = ctx.config.offload.accumulate_on
     if where != "auto" or not sums:
         return frozenset(sums) if where == "host" else frozenset()
@@ -577,10 +635,22 @@ def place_sums(graph: TrainGraph, ctx: PassContext, update: bool, sums: list[str
         elif placement.groups is None:
             raise UnsupportedError("Offload(accumulate_on='auto'): the accumulating variant was planned before the "
                                    "updating one recorded its buckets; please report this")
-        placement.peaks[update], placement.methods[update] = predicted_peaks(graph, ctx, placement, update, trial)
+        key = cache_key(update)
+        cached = load_sum_peaks(key, len(placement.groups) + 1) if key is not None else None
+        if cached is not None:   # a restarted job: the trials' outcome from the on-disk plan cache
+            placement.peaks[update], placement.methods[update] = cached
+            placement.reused[update] = plan_path(key, "sums")
+        else:
+            def counted(g: TrainGraph, c: PassContext) -> tuple[TrainGraph, dict[str, int]]:
+                placement.trials += 1
+                return trial(g, c)
+            placement.peaks[update], placement.methods[update] = predicted_peaks(graph, ctx, placement, update, counted)
+            if key is not None:
+                store_sum_peaks(key, placement.peaks[update], placement.methods[update])
     if len(placement.peaks) < 2:
         return None
-    _decide(placement, ctx.config.offload.gpu_memory_budget)
+    offload = ctx.config.offload
+    _decide(placement, offload.gpu_memory_budget, plan_activations=offload.activations == "auto")
     return placement.host
 
 
@@ -800,11 +870,19 @@ def modelled_peaks(base: TrainGraph, unseen: dict[str, int], groups: tuple[tuple
     return tuple(out)
 
 
-def _decide(placement: SumPlacement, budget_text: int | str) -> None:
+def _decide(placement: SumPlacement, budget_text: int | str, plan_activations: bool = False) -> None:
+    """Choose how many groups move (`placement.chosen`, `.host`, `.unfitted`) from both variants'
+    peaks, predicted with the activations kept: the smallest m whose peaks fit the budget (the
+    fewest host sums). When none fits: with `plan_activations` (activations="auto") the m of least
+    need (the smallest among equals), the real compile's activation planner left to meet the
+    budget (or to refuse it, naming the least peak it reached); else a refusal naming that need."""
     need = [max(a, u) for a, u in zip(placement.peaks[False], placement.peaks[True])]
     fits = [m for m, peak in enumerate(need) if peak <= placement.budget]
     if not fits:
         least = min(range(len(need)), key=need.__getitem__)
+        if plan_activations:
+            placement.chosen, placement.host, placement.unfitted = least, placement.hosted(least), True
+            return
         pinned = (f"; the sums of {len(placement.pinned)} parameters stay on the device because the step reads "
                   "their accumulated gradients there (the step's own reads)") if placement.pinned else ""
         raise UnsupportedError(
@@ -813,6 +891,5 @@ def _decide(placement: SumPlacement, budget_text: int | str) -> None:
             f"{format_bytes(need[least])} ({need[least]:,} bytes) on the device (accumulating call "
             f"{format_bytes(placement.peaks[False][least])}, updating call "
             f"{format_bytes(placement.peaks[True][least])}){pinned}. Raise the budget to at least that, or "
-            "reduce the micro-batch")
-    placement.chosen = fits[0]
-    placement.host = placement.hosted(fits[0])
+            "reduce the micro-batch, or let Offload(activations='auto') recompute or offload saved activations")
+    placement.chosen, placement.host, placement.unfitted = fits[0], placement.hosted(fits[0]), False

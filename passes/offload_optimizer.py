@@ -55,9 +55,10 @@ from torch import fx
 from graphoffload.aliasing import StorageMap
 from graphoffload.diagnostics import user_line_of_stack_trace
 from graphoffload.errors import HostSumsUnsupportedError, PassError, UnsupportedError
-from graphoffload.graph import (InputSpec, TrainGraph, fake_value, fill_missing_meta, host_fake, placeholder_name,
-                                tensor_vals)
+from graphoffload.graph import (InputSpec, TrainGraph, fake_mode_of, fake_value, fill_missing_meta, host_fake,
+                                placeholder_name, tensor_vals)
 from graphoffload.memory import analyze_memory, format_bytes
+from graphoffload.torch_private import empty_fake
 from graphoffload.calibration import Calibration
 from graphoffload.passes.offload_activations import (ActivationPlan, largest_saved_bytes, place_on_schedule,
                                                      plan_activations, retimed_costs)
@@ -73,7 +74,7 @@ from graphoffload.ops.host_transfer import assign_streams
 from graphoffload.passes.host_accumulation import (AUTO_SUMS_HINT, HostNorm, accumulate_on_host, candidate_groups,
                                                    check_on_host, combine_host_flags, drain_host_sums, drain_on_host, lift_check,
                                                    move_sums_to_host, norm_on_host, place_sums, read_on_device,
-                                                   wait_for_sums)
+                                                   trial_context, wait_for_sums)
 from graphoffload.passes.update_kernels import UpdateKernel, find_update_kernels, update_kernels_to_rewrite
 
 if TYPE_CHECKING:
@@ -112,6 +113,28 @@ def unseen_device_bytes(g: fx.Graph, device: torch.device) -> dict[str, int]:
               for n in g.nodes if n.target is ops.copy_to_host.default]
     return {"cublas_workspace": CUDA_WORKSPACE_RESERVE, "attention_backward": attention,
             "copy_held": max(copies, default=0)}
+
+
+def _prefetch_value(g: fx.Graph, host: list[fx.Node], device: torch.device) -> list | None:
+    """`prefetch_to_device(host, device, [])`'s value, as its fake kernel gives it (a device
+    tensor per host tensor, as `empty_like` makes it, then the ticket, an int64 scalar on the
+    host), made by the constructor fake `empty` ends in (`torch_private.empty_fake`, as
+    `graph.host_fake` makes host values): the kernel run under the mode cost 0.6-0.7 ms a
+    bucket, this 0.13 ms (benchmarks/RESULTS.md).
+    None where `empty_like` would not give what `empty` does (a host value that is not a
+    fake tensor of the graph's mode, not strided, or not laid out as `empty` lays it out):
+    then the fake kernel makes it."""
+    mode = fake_mode_of(g)
+    out = []
+    for node in host:
+        val = node.meta.get("val")
+        if getattr(val, "fake_mode", None) is not mode or val.layout != torch.strided or val.numel() == 0:
+            return None
+        fetched = empty_fake(mode, val.shape, val.dtype, device)
+        if fetched.stride() != val.stride():   # `empty_like` keeps a dense tensor's strides
+            return None
+        out.append(fetched)
+    return out + [empty_fake(mode, (), torch.int64, torch.device("cpu"))]
 
 
 def _planning_budget(ctx: PassContext, unseen: int | None = None) -> int | None:
@@ -332,6 +355,9 @@ def _emit_device_path(g: fx.Graph, k: UpdateKernel, masters: list[fx.Node], pref
         prefetch_after = next(nd for nd in g.nodes if nd.op != "placeholder").prev
     with g.inserting_after(prefetch_after):
         fetched = g.call_function(ops.prefetch_to_device.default, (host, device, []))
+    value = _prefetch_value(g, host, device)
+    if value is not None:   # else fill_missing_meta runs the fake kernel
+        fetched.meta["val"] = value
     with g.inserting_after(fetched):
         items = [g.call_function(operator.getitem, (fetched, i)) for i in range(len(host) + 1)]
     ticket, on_device = items[-1], dict(zip(host, items))
@@ -542,15 +568,17 @@ def _note_grad_sums(graph: TrainGraph, host: dict[str, fx.Node], device: dict[st
     placement = ctx.grad_sum_placement
     if ctx.config.offload.accumulate_on == "auto" and placement is not None and placement.peaks:
         m, peaks = placement.chosen, placement.peaks
-        graph.note("offload_optimizer", f"accumulate_on='auto': {m} of {len(placement.groups)} movable buckets' sums "
-                   f"on the host, predicted peaks {format_bytes(peaks[False][m])} accumulating and "
-                   f"{format_bytes(peaks[True][m])} updating within gpu_memory_budget "
-                   f"{ctx.config.offload.gpu_memory_budget} (all on the device: {format_bytes(peaks[False][0])} and "
-                   f"{format_bytes(peaks[True][0])})", "grad_sum_placement", moved=m, movable=len(placement.groups),
-                   buckets=tuple(b for b, _ in placement.groups[:m]), budget=placement.budget,
-                   accumulate_peak=peaks[False][m], update_peak=peaks[True][m],
+        graph.note("offload_optimizer", placement.describe(ctx.config.offload.gpu_memory_budget), "grad_sum_placement",
+                   moved=m, movable=len(placement.groups), buckets=tuple(b for b, _ in placement.groups[:m]),
+                   budget=placement.budget, accumulate_peak=peaks[False][m], update_peak=peaks[True][m],
                    peaks={"accumulate": peaks[False], "update": peaks[True]},
-                   method={"accumulate": placement.methods[False], "update": placement.methods[True]})
+                   method={"accumulate": placement.methods[False], "update": placement.methods[True]},
+                   unfitted=placement.unfitted)
+        reused = {("update" if update else "accumulate"): path for update, path in sorted(placement.reused.items())}
+        graph.note("offload_optimizer", f"accumulate_on='auto' placement: {placement.trials} trial compiles"
+                   + "".join(f"; the {'updating' if v == 'update' else 'accumulating'} variant's peaks reused from the "
+                             f"on-disk plan cache ({path})" for v, path in reused.items()), "grad_sum_peaks",
+                   trial_compiles=placement.trials, reused=reused)
 
 
 def _trial(graph: TrainGraph, ctx: PassContext) -> tuple[TrainGraph, dict[str, int]]:
@@ -749,7 +777,7 @@ def _activation_cache_key(graph: TrainGraph, ctx: PassContext) -> str | None:
     the running sums live (`_sums_on_host` is None there: its run stops at the placement and its
     graph is dropped, so it has nothing to store, and must not read a plan made for a placement
     it has not got). The trial compiles of the placement (host_accumulation.trial_context, the
-    step's _trial_offload) run with plan_cache=False and activations="keep", so never get here.
+    step's _trial_options) run with plan_cache=False and activations="keep", so never get here.
     With running sums the key holds the parameters whose sums are on the host: the same graph
     before the pass is another graph after the placement, and a plan is for that one."""
     offload = ctx.config.offload
@@ -835,7 +863,26 @@ def _sums_on_host(graph: TrainGraph, ctx: PassContext, kernels: list | None = No
     device_sums = {s.target: placeholders[s.name] for s in specs if s.kind == "grad_sum"}
     names_of = [[spec_of[p.name].target for p in k.param_inputs()] for k in kernels]
     return place_sums(graph, ctx, bool(kernels), list(device_sums), lambda pinned: candidate_groups(
-        kernels, names_of, pinned), _trial, lambda: read_on_device(kernels, names_of, device_sums))
+        kernels, names_of, pinned), _trial, lambda: read_on_device(kernels, names_of, device_sums),
+        lambda update: _sum_peaks_cache_key(graph, ctx, update))
+
+
+def _sum_peaks_cache_key(graph: TrainGraph, ctx: PassContext, update: bool) -> str | None:
+    """The on-disk key of one variant's predicted peaks under accumulate_on="auto"
+    (host_accumulation.place_sums), or None where none is kept: plan_cache off, or a re-plan from
+    measured node times. The trials compile `graph` under host_accumulation.trial_context, so the
+    key holds that context's Offload options (no budget: the peaks do not depend on it), the
+    graph before the pass, the calibration, the buckets that may move and those pinned, and the
+    code of the pass (the trials run all of it)."""
+    offload = ctx.config.offload
+    placement = ctx.grad_sum_placement
+    if not offload.plan_cache or ctx.measured_node_seconds is not None or placement is None:
+        return None
+    trials = trial_context(ctx, frozenset()).config.offload
+    return activation_key(offload_activation_edits.structure(graph), _calibration(ctx),
+                          f"running-sum peaks of the {'updating' if update else 'accumulating'} variant, trials "
+                          f"under {trials!r} on {ctx.device}, movable buckets {placement.groups}, pinned "
+                          f"{sorted(placement.pinned)}", _PLANNING_CODE)
 
 
 def _run(graph: TrainGraph, ctx: PassContext, assignment: tuple[tuple[str, ...], dict[int, int]] | None = None,

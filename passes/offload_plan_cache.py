@@ -17,7 +17,21 @@ graph before the pass (every node's op, target, arguments and meta, values by sh
 stride), the calibration, the Offload options, the torch version and the code of every module
 the planning runs; what is stored is offload_activation_edits' record of the kept run, which
 offload_optimizer re-applies and checks (its predicted peak and step must come out as stored).
-Both kinds share one format number, one directory and one atomic write (`_read`, `_write`).
+
+With `Offload(accumulate_on="auto")` (without ZeRO) the sum placement's trial compiles are kept
+too (`load_sum_peaks`, `store_sum_peaks`): each variant's predicted device peak for every count
+of buckets moved and how it was found, keyed like an activation plan (`activation_key`) by the
+graph before the pass, the calibration, the trials' Offload options (their budget is None: the
+peaks do not depend on the budget, so a restart with another budget reuses them and only the
+cheap choice among them, `host_accumulation._decide`, is made again), the buckets that may move,
+the code and torch's version.
+Under ZeRO, where `accumulate_on="auto"` is one choice for the whole step (api `_step_sums_for`),
+what each rank's trial compiles found (its peaks, or why host sums are refused) is kept per rank
+(`load_step_trials`, `store_step_trials`), keyed by the captured graph, the calibration, the
+config, the rank's place in its groups and the code of the whole package (the trials run the
+whole pipeline of built-in passes); every rank still takes the max over the ranks, a collective,
+so a rank whose entry is missing computes its own and all still agree.
+All kinds share one format number, one directory and one atomic write (`_read`, `_write`).
 
 Every key is a new file, and activation plans of big models are large, so a long-lived machine
 (many models, many code versions) would grow the directory without bound: after each write the
@@ -42,6 +56,7 @@ from types import ModuleType
 
 import torch
 
+from graphoffload import calibration
 from graphoffload.passes import offload_planner
 from graphoffload.calibration import Calibration, cache_dir, write_atomically
 from graphoffload.passes.offload_planner import Event, Prediction, StepCosts
@@ -50,7 +65,7 @@ log = logging.getLogger("graphoffload")
 
 FORMAT = 1   # bump when Prediction or the planner's algorithm changes what a key maps to
 MAX_BYTES = 256 * 2**20   # the plans directory's size cap: beyond it, least recently used entries go
-_KINDS = ("plan-", "activations-")   # what an entry's file name starts with
+_KINDS = ("plan-", "activations-", "sums-", "stepsums-")   # what an entry's file name starts with
 _ABANDONED_S = 3600   # a writer's ".tmp-" file this old was left by a crashed process: evictable too
 
 
@@ -197,12 +212,19 @@ def store_plan(key: str, prediction: Prediction, candidates: dict[str, float], m
 
 
 def activation_key(structure: str, cal: Calibration, options: str, modules: tuple[ModuleType, ...]) -> str:
-    """A hash of what the activation plan (and the bucket plan made on it) depends on:
+    """A hash of what the activation plan (and the bucket plan made on it), or the running sums'
+    predicted peaks (`store_sum_peaks`, with their own `options`), depend on:
     `structure` (offload_activation_edits.structure of the graph before the pass), the
     calibration, `options` (the Offload config and the device), torch's version and the code of
     `modules` (the planning's)."""
-    what = {"format": FORMAT, "code": source_hash(*modules), "torch": torch.__version__,
-            "calibration": cal.to_json(), "options": options, "graph": hashlib.sha256(structure.encode()).hexdigest()}
+    return _graph_key(source_hash(*modules), structure, cal, options)
+
+
+def _graph_key(code: str, structure: str, cal: Calibration, options: str) -> str:
+    """The hash of a key over a graph's structure: the format, `code` (a hash of the code that
+    made what is stored), torch's version, the calibration, `options` and the graph."""
+    what = {"format": FORMAT, "code": code, "torch": torch.__version__, "calibration": cal.to_json(),
+            "options": options, "graph": hashlib.sha256(structure.encode()).hexdigest()}
     return hashlib.sha256(json.dumps(what, sort_keys=True, default=repr).encode()).hexdigest()
 
 
@@ -222,3 +244,64 @@ def load_activations(key: str) -> dict | None:
 def store_activations(key: str, decisions: dict, max_bytes: int = MAX_BYTES) -> None:
     """Write the decisions of `key` (then trim the directory to `max_bytes`)."""
     _write(key, "activations", {"decisions": decisions}, max_bytes)
+
+
+def load_sum_peaks(key: str, counts: int) -> tuple[tuple[int, ...], str] | None:
+    """The stored predicted peaks of `key` (one per count of buckets moved, `counts` of them) and
+    how they were found ("model" or "trials"), or None: none there, or unreadable (logged)."""
+    data = _read(key, "sums")
+    if data is None:
+        return None
+    peaks, method = data.get("peaks"), data.get("method")
+    if not (isinstance(peaks, list) and len(peaks) == counts and all(type(p) is int for p in peaks)
+            and method in ("model", "trials")):
+        log.warning("ignoring an unreadable cached sum placement %s (not %d peaks and a method): trying again",
+                    plan_path(key, "sums"), counts)
+        return None
+    return tuple(peaks), method
+
+
+def store_sum_peaks(key: str, peaks: tuple[int, ...], method: str, max_bytes: int = MAX_BYTES) -> None:
+    """Write the predicted peaks of `key` (then trim the directory to `max_bytes`)."""
+    _write(key, "sums", {"peaks": list(peaks), "method": method}, max_bytes)
+
+
+def package_source() -> str:
+    """The code of every module of graphoffload's core and its passes (their package
+    directories, walked in a fixed order): what a whole pipeline of built-in passes runs."""
+    digest = hashlib.sha256()
+    for root in dict.fromkeys(os.path.dirname(os.path.abspath(m.__file__)) for m in (calibration, offload_planner)):
+        for folder, subfolders, files in sorted(os.walk(root)):
+            subfolders.sort()
+            for name in sorted(files):
+                if name.endswith(".py"):
+                    digest.update(os.path.relpath(os.path.join(folder, name), root).encode())
+                    with open(os.path.join(folder, name), "rb") as f:
+                        digest.update(f.read())
+    return digest.hexdigest()
+
+
+def step_trials_key(structure: str, cal: Calibration, options: str) -> str:
+    """A hash of what one rank's trial compiles of a ZeRO step's sum choice depend on: the
+    captured graph (`structure`), the calibration, `options` (the config, the variant, the rank's
+    place in its groups), torch's version and the package's code (`package_source`)."""
+    return _graph_key(package_source(), structure, cal, options)
+
+
+def load_step_trials(key: str) -> dict | None:
+    """What this rank's trials of `key` found (`{"peaks": [device, host] or None, "refused": str
+    or None}`), or None: none there, or unreadable (logged)."""
+    data = _read(key, "stepsums")
+    if data is None:
+        return None
+    peaks, refused = data.get("peaks"), data.get("refused")
+    if not ((peaks is None or (isinstance(peaks, list) and len(peaks) == 2 and all(type(p) is int for p in peaks)))
+            and (refused is None or isinstance(refused, str))):
+        log.warning("ignoring an unreadable cached sum choice %s: trying again", plan_path(key, "stepsums"))
+        return None
+    return {"peaks": peaks, "refused": refused}
+
+
+def store_step_trials(key: str, peaks: list[int] | None, refused: str | None, max_bytes: int = MAX_BYTES) -> None:
+    """Write what this rank's trials of `key` found (then trim the directory to `max_bytes`)."""
+    _write(key, "stepsums", {"peaks": peaks, "refused": refused}, max_bytes)

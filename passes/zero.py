@@ -29,11 +29,12 @@ save and load it. The gradients are cut into buckets in the order backward produ
   (`_defer_gathers`): a CPU-path bucket's upload of this rank's rows can then run on past the
   call, as stage 3's does (`offload_optimizer` hands it over and waits for it right before the
   gather packs the rows), rather than being waited for in the step because the gather reads it.
-  The gather is idempotent (it packs the rows the parameter holds and writes them back where
-  they were), so a fresh step's first call, whose parameters are whole already, is right too.
-  Its nodes carry `meta["deferred_gather"]` (the bucket's index): between calls the parameters
-  hold only this rank's updated rows, and the executor runs exactly those nodes on
-  `synchronize()`. A bucket whose parameters the step reads after their update (a weight norm
+  Its nodes carry `meta["deferred_gather"]` (the bucket's index) and nothing reads their
+  results (their copies write into the parameters, which forward reads from the placeholders):
+  between calls the parameters hold only this rank's updated rows, the executor runs exactly
+  those nodes on `synchronize()`, and a call whose parameters are whole (after a
+  `synchronize()`, or a fresh step's first call) runs the graph without them, so each update's
+  rows are gathered once. A bucket whose parameters the step reads after their update (a weight norm
   logged after `optimizer.step()`) keeps its gather after the update.
 
 A 0-dim parameter cannot be split: its gradient goes into every rank's part of the buffer (so
@@ -859,7 +860,8 @@ def zero(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
     choice = ctx.step_sums
     if ctx.config.data_parallel is not None and choice is not None:
         graph.note("zero", choice.describe(), "sum_choice", where=choice.where, budget=choice.budget,
-                   device_peak=choice.device_peak, host_peak=choice.host_peak, host_refused=choice.host_refused)
+                   device_peak=choice.device_peak, host_peak=choice.host_peak, host_refused=choice.host_refused,
+                   unfitted=choice.unfitted)
     return graph
 
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from helpers import tiny_gpt, token_batches, train_step
-from ring_dist import run_ranks
+from ring_dist import run_ranks, start_method
 
 import graphoffload
 from graphoffload import Offload
@@ -87,7 +87,7 @@ def _write_and_read(args) -> int:
 @pytest.mark.slow   # several processes
 def test_racing_writers_never_leave_a_torn_cache_file(tmp_path):
     path = str(tmp_path / "cache" / "calibration.json")
-    with multiprocessing.get_context("spawn").Pool(4) as pool:
+    with multiprocessing.get_context(start_method()).Pool(4) as pool:
         torn = pool.map(_write_and_read, [(path, who, 40) for who in range(4)])
     assert torn == [0, 0, 0, 0]
     assert os.listdir(tmp_path / "cache") == ["calibration.json"]   # no temporary files left behind

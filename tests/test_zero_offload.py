@@ -19,6 +19,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import operator
+import time
 
 import pytest
 import torch
@@ -230,6 +231,50 @@ def _a_lone_synchronize_times_out(rank, world):
     dist.barrier()
 
 
+def _synchronized_gathers_and_a_failed_one(rank, world):
+    """Stage 2 with overlap_next_step on 2 ranks, both synchronizing after some calls: each update's
+    rows are gathered once on each rank (in synchronize(), or at the next call's start when no
+    synchronize() ran), and the parameters equal eager's on the whole batch. Then rank 0
+    synchronizes alone: RankTimeoutError after timeout_s, and from then on its synchronize(), the
+    step and state_dict() refuse at once (no collective, no second wait), saying to restart."""
+    timeout_s = 3.0
+    eager = _gpt()
+    model = copy.deepcopy(eager)
+    opt_e, opt = _optimizer("adamw", eager), _optimizer("adamw", model)
+    step = graphoffload.offload_compile(
+        gpt_step, offload=Offload(device_updates="never", overlap_next_step=True),
+        config=graphoffload.CompileConfig(fuse_optimizer=FUSE),
+        data_parallel=graphoffload.ZeRO(stage=2, bucket_numel=4096, timeout_s=timeout_s))
+    batches = _batches(world)
+    rows = batches[0]["input_ids"].shape[0] // world
+    mine = [{k: v[rank * rows:(rank + 1) * rows] for k, v in batch.items()} for batch in batches]
+    step.compile(model, opt, mine[0])   # (compiling issues all-gathers of its own: not counted)
+    counts = []
+    for i, batch in enumerate(batches):
+        gpt_step(eager, opt_e, batch)
+        counts.append(_all_gathers(lambda: step(model, opt, mine[i]))[1])
+        if i != 1:   # none after the second call: the third gathers its rows at its start
+            counts.append(_all_gathers(step.synchronize)[1])
+            for p, q in zip(model.parameters(), eager.parameters()):
+                err = ((p - q).abs().max() / q.abs().max()).item()
+                assert err <= RTOL, (rank, i, err)
+    buckets = step.last.graph.notes_of("zero", "deferred_gathers")[0].fields["buckets"]
+    assert buckets > 1 and counts == [0, buckets, 0, buckets, buckets], (rank, counts)
+
+    step(model, opt, mine[0])
+    if rank == 0:
+        start = time.monotonic()
+        with pytest.raises(graphoffload.RankTimeoutError, match="synchronize"):
+            step.synchronize()
+        assert time.monotonic() - start <= timeout_s + 5
+        start = time.monotonic()
+        for what in (step.synchronize, lambda: step(model, opt, mine[1]), step.state_dict, model.state_dict):
+            with pytest.raises(graphoffload.StateError, match="refusing to .* restart the job from the last checkpoint"):
+                what()
+        assert time.monotonic() - start < timeout_s, "a refusal waited for the group"
+    dist.barrier()
+
+
 def _bf16_dcp_resumes_bit_for_bit(rank, world, path):
     """The README's DCP recipe with bf16 parameters under ZeRO-Offload (stage 2): DCP saves each
     rank's fp32 master weights and moments (`Shard(0)` DTensors of host tensors) beside the bf16
@@ -308,6 +353,11 @@ def test_zero_offload_stages_1_2_and_3_train_as_eager_world2(tmp_path):
 
 
 # ---------------------------------------------------------------- single process: one rank's graph
+
+
+@pytest.mark.slow   # two processes
+def test_gathers_synchronize_ran_are_not_repeated_and_a_failed_one_breaks_the_step_world2():
+    run_ranks(_synchronized_gathers_and_a_failed_one, 2, deadline_s=120)
 
 
 def _compile_as(rank, stage, offload, step_fn=gpt_step, world=2):
@@ -618,6 +668,48 @@ def test_one_rank_with_bf16_parameters_offloads_as_plain_offload_bit_for_bit(sta
         mine, alone = opts[0].state[p]["master_param"], opts[1].state[q]["master_param"]
         assert isinstance(mine, DTensor) and torch.equal(mine.to_local(), alone)
 
+
+
+def _all_gathers(fn):
+    """`fn()`, and how many all-gathers it issued (calls of the functional collective, as the
+    profiler records them)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        result = fn()
+    return result, sum(e.name == "_c10d_functional::all_gather_into_tensor" for e in prof.events())
+
+
+def test_rows_synchronize_gathered_are_not_gathered_again_at_the_next_call(one_process_group):
+    """Stage 2 (stage 1 differs in the gradients' collective only) with overlap_next_step over a group of one: each update's rows are gathered once,
+    by synchronize() (or the model's state_dict(), which runs it) when it ran between calls, else
+    at the start of the next call; the first call gathers nothing (the parameters are the user's,
+    whole). Losses and parameters are bit for bit those of the same step without overlap_next_step,
+    which gathers every bucket after its update, every call."""
+    base = _gpt()
+    models = [copy.deepcopy(base), copy.deepcopy(base)]
+    opts = [_optimizer("adamw", m) for m in models]
+    overlap, plain = (_step(2, Offload(device_updates="never", overlap_next_step=o)) for o in (True, False))
+    synced = {0: "synchronize", 2: "state_dict", 3: "synchronize"}   # none after call 1, after call 4 the end
+    for step, model, opt in ((overlap, models[0], opts[0]), (plain, models[1], opts[1])):
+        step.compile(model, opt, _batches(1)[0])   # (compiling issues all-gathers of its own: not counted)
+    for i, batch in enumerate(_batches(1) + _batches(1)[:2]):
+        loss, gathered = _all_gathers(lambda: overlap(models[0], opts[0], batch))
+        expected, every_call = _all_gathers(lambda: plain(models[1], opts[1], batch))
+        note = overlap.last.graph.notes_of("zero", "deferred_gathers")[0].fields
+        buckets = note["buckets"]
+        assert note["kept"] == 0 and buckets == every_call > 1
+        assert torch.equal(loss, expected), i
+        # the last call's rows, unless synchronize() gathered them
+        assert gathered == (buckets if i > 0 and i - 1 not in synced else 0), (i, gathered, buckets)
+        assert overlap.last.executor.gathers_pending
+        if i in synced:
+            _, sync_gathers = _all_gathers(overlap.synchronize if synced[i] == "synchronize" else models[0].state_dict)
+            assert sync_gathers == buckets and not overlap.last.executor.gathers_pending, (i, sync_gathers)
+            assert _all_gathers(overlap.synchronize)[1] == 0   # once: nothing is pending any more
+            for p, q in zip(*(m.parameters() for m in models)):
+                assert torch.equal(p, q), i
+    for p, q in zip(*(m.parameters() for m in models)):
+        for key in ("exp_avg", "exp_avg_sq", "master_param"):
+            assert torch.equal(opts[0].state[p][key].to_local(), opts[1].state[q][key].to_local()), key
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

@@ -20,8 +20,13 @@ call) and only this rank's chunk reaches its running sum, an fp32 host input of 
 clipped (the norms taken on the host, `host_grad_norm_`) and resumed mid-window from chunk sums,
 all as eager. `accumulate_on="auto"` is one whole-step choice from trial peaks (single process: a
 budget between the peaks picks host sums, one above both device sums, each bit for bit as the
-explicit option); host sums and "auto" are made with `sequence_parallel=` too (trained on a mesh in
-tests/test_zero_sequence_parallel.py)."""
+explicit option; on 2 ranks, a step whose updating call refuses host sums (skip_nonfinite) keeps
+every sum on the device on every rank alike, bit for bit as "device"); host sums and "auto" are
+made with `sequence_parallel=` too (trained on a mesh in
+tests/test_zero_sequence_parallel.py). With `Offload(overlap_next_step=True)` (stage 1 device sums,
+stage 2 host sums, 2 ranks) each update's all-gathers move into the next window's first call, or
+into `synchronize()`, after which the next call gathers nothing: every loss and each synchronized
+window's parameters and moments as eager, the gathers counted."""
 
 from __future__ import annotations
 
@@ -211,7 +216,101 @@ def _resumes_mid_window(rank, world, stage, offload=CPU):
             assert torch.equal(_full(t), _full(opt_f.state[q][key])), (name, key)
 
 
+def _auto_keeps_device_sums_alike_when_host_sums_are_refused(rank, world):
+    """`accumulate_on="auto"` on 2 ranks, the step refusing host sums on its updating call
+    (skip_nonfinite reads the accumulated gradients on the device), under a budget just below the
+    device sums' peak (the accumulating call alone would choose host sums): every rank keeps every
+    sum on the device, alike (the `sum_choice` notes of both variants equal on every rank, with
+    `host_refused` saying why), and trains bit for bit as the same step compiled with
+    `accumulate_on="device"` on that rank: every loss, parameter and moment."""
+    def compiled(where, budget, activations="keep"):
+        return graphoffload.offload_compile(
+            train_step, accumulation_steps=K,
+            config=graphoffload.CompileConfig(fuse_optimizer=FUSE, skip_nonfinite=True),
+            offload=Offload(device_updates="never", accumulate_on=where, gpu_memory_budget=budget,
+                            activations=activations),
+            data_parallel=graphoffload.ZeRO(stage=2, bucket_numel=4096, timeout_s=60))
+
+    batches = [_mine(batch, rank, world) for batch in _windows(world)[0]]
+    peaks = compiled("auto", 1 << 40)   # above both peaks: the trial peaks (the max over the ranks)
+    other = _gpt()
+    peaks.compile(other, _optimizer("adamw", other), batches[0])
+    budget = peaks.last.graph.notes_of("zero", "sum_choice")[0].fields["device_peak"] - 1
+    models, opts, losses = {}, {}, {}
+    for where, step in (("device", compiled("device", None)), ("auto", compiled("auto", budget, "auto"))):
+        models[where] = _gpt()
+        opts[where] = _optimizer("adamw", models[where])
+        losses[where] = [step(models[where], opts[where], batch) for batch in batches]
+    choices = [n.fields for v in step._variants.values() for n in v.graph.notes_of("zero", "sum_choice")]
+    assert len(choices) == 2 and choices[0] == choices[1], choices   # both variants carry the one choice
+    choice = choices[0]
+    assert choice["budget"] == budget and choose_step_sums(budget, choice["device_peak"],
+                                                           choice["host_peak"]).where == "host", choice
+    assert choice["where"] == "device", f"rank {rank}: 'auto' chose {choice['where']} sums: {choice}"
+    assert "HostSumsUnsupportedError" in choice["host_refused"] and "the step reads" in choice["host_refused"], \
+        f"rank {rank}: {choice['host_refused']!r}"
+    assert not any(v.graph.notes_of("zero", "host_sums") for v in step._variants.values()), f"rank {rank}"
+    everyone = [None] * world
+    dist.all_gather_object(everyone, {k: v for k, v in choice.items() if k != "host_refused"})
+    assert all(c == everyone[0] for c in everyone), f"the ranks chose differently: {everyone}"
+    print(f"rank {rank}: 'auto' with skip_nonfinite under {budget} B: {choice['where']} sums "
+          f"(peaks {choice['device_peak']}, {choice['host_peak']}; host refused)")
+    assert all(torch.equal(a, b) for a, b in zip(losses["auto"], losses["device"])), \
+        f"rank {rank}: 'auto' losses {losses['auto']} are not the 'device' step's {losses['device']}"
+    for (name, p), q in zip(models["auto"].named_parameters(), models["device"].parameters()):
+        assert torch.equal(_full(p), _full(q)), f"rank {rank}: {name} differs from the 'device' step's"
+        for key, t in opts["auto"].state[p].items():
+            assert torch.equal(_full(t), _full(opts["device"].state[q][key])), f"rank {rank}: {key} of {name}"
+
+
+def _overlaps_the_next_window(rank, world, stage, where):
+    """`Offload(overlap_next_step=True)` with accumulation_steps (stages 1-2): each update's
+    all-gathers of the updated chunks move to the start of the next call, an accumulating one.
+    Three windows: after the first no `synchronize()` (the next window's first call gathers every
+    bucket at its start), after the second and third `synchronize()` gathers them (and the call
+    after it gathers nothing). Every call's loss is the rank's own micro-batch's from eager's
+    parameters (so the rows it read were the update's), and after each synchronized window the
+    parameters and the gathered moments are within RTOL of eager accumulation on the whole
+    batches; the all-gathers of every call and synchronize() are counted."""
+    from test_zero_offload import _all_gathers
+
+    eager = _gpt()
+    model = copy.deepcopy(eager)
+    opt_e, opt = _optimizer("adamw", eager), _optimizer("adamw", model)
+    offload = Offload(device_updates="never", accumulate_on=where, overlap_next_step=True)
+    step = _step(stage, offload)
+    windows = _windows(world)
+    counts = []
+    for w, window in enumerate(windows + windows[:1]):
+        for i, batch in enumerate(window):
+            mine = _mine(batch, rank, world)
+            with torch.no_grad():
+                own = eager(mine["input_ids"], labels=mine["labels"])
+            (eager(batch["input_ids"], labels=batch["labels"]) / K).backward()
+            got, gathers = _all_gathers(lambda: step(model, opt, mine))
+            counts.append(gathers)
+            assert torch.allclose(got, own, rtol=RTOL, atol=0), (rank, stage, where, w, i, got, own)
+        opt_e.step()
+        opt_e.zero_grad()
+        if w == 0:
+            continue
+        counts.append(_all_gathers(step.synchronize)[1])
+        for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+            err = _rel(p, q)
+            assert err <= RTOL, f"rank {rank} stage {stage} {where} sums, window {w}: {name} is {err:.3g} from eager"
+            for key in ("exp_avg", "exp_avg_sq"):
+                err = _rel(opt.state[p][key], opt_e.state[q][key])
+                assert err <= RTOL, f"rank {rank} stage {stage} {where} sums, window {w}: {key} of {name} is {err:.3g}"
+    buckets = step.last.graph.notes_of("zero", "deferred_gathers")[0].fields["buckets"]
+    # (the first updating call, index K - 1, compiles its variant, which gathers on its own: not counted)
+    assert buckets > 1 and step.trace_count == 2
+    want = [0] * (K - 1) + [counts[K - 1]] + [buckets] + [0] * (K - 1) + [buckets] + [0] * K + [buckets]
+    assert counts == want, (rank, stage, where, counts, want)
+    assert (where == "host") == bool(step.last.graph.notes_of("zero", "host_sums"))
+
+
 def _world2(rank, world):
+    _auto_keeps_device_sums_alike_when_host_sums_are_refused(rank, world)
     shares = {}
     for stage in (1, 2, 3):   # the host memory measured against one process's on stage 2 (the same on 1 and 3)
         shares[stage] = _host_share(rank, world, *_accumulates_as_eager(rank, world, stage), against_one=stage == 2)
@@ -229,6 +328,9 @@ def _world2(rank, world):
     norms = sum(n.target is torch.ops.graphoffload.host_grad_norm_.default for n in step.last.graph.graph.nodes)
     assert norms == step.last.graph.notes_of("zero", "host_sums")[0].fields["sums"], norms
     _resumes_mid_window(rank, world, 2, HOST)
+    # overlap_next_step: the update's gathers deferred into the next window, or run by synchronize()
+    _overlaps_the_next_window(rank, world, 1, "device")
+    _overlaps_the_next_window(rank, world, 2, "host")
     print(f"rank {rank}: (state bytes, host bytes) / one process's: {tuple(round(x, 3) for x in shares[2])}")
 
 
