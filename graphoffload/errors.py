@@ -45,7 +45,12 @@ class PartialUpdateError(StateError):
 
 class RankTimeoutError(GraphOffloadError, RuntimeError):
     """A rank of a parallel step's group did not answer in time: it failed, or never reached the
-    step. Raised on the ranks that waited, instead of a hang."""
+    step. Raised on the ranks that waited, instead of a hang. The step's groups are not used
+    again: after it (and its subclasses), every later call, `synchronize()` and `state_dict()` of
+    that step raise `StateError` at once, whether or not the step had changed anything. End every
+    rank and restart the job from the last checkpoint. The rank whose own error (or interrupt) made
+    the others time out gets that error, not this one; its step refuses later uses alike if the
+    error came after the step's first collective (its peers went on into later ones)."""
 
 
 class RingTimeoutError(RankTimeoutError):

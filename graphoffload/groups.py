@@ -10,6 +10,14 @@ raises between two collectives of a step then makes the others' next collective 
 `timeout_s` (gloo: the timeout of every wait; NCCL: the watchdog's), not after the user's
 group's timeout (gloo's default is 30 minutes), and `rank_failed` turns the backend's error into
 the config's `RankTimeoutError`. The user's group keeps its own timeout for everything else.
+
+A group one of whose collectives timed out, or that this rank left between two collectives of the
+step (it raised after the first), is not used again (`BrokenGroups`): the wait that
+timed out leaves the collective pending (gloo: the late rank's matching collective still pairs
+with it; NCCL: the watchdog aborts the communicator, or, by torch's default, the process), so a
+retry's collectives would pair with the other ranks' older ones (another op, other buffers:
+wrong numbers, or another hang) rather than with their own; and the other ranks of a rank that
+raised part-way are inside, or past, the step's later collectives, which its retry's would meet.
 """
 
 from __future__ import annotations
@@ -20,7 +28,7 @@ from typing import Any, ClassVar
 
 import torch.distributed as dist
 
-from graphoffload.errors import UnsupportedError, describe
+from graphoffload.errors import StateError, UnsupportedError, describe
 
 
 class OverGroup:
@@ -85,6 +93,40 @@ class OverGroup:
             "the other ranks' errors first. The group cannot be used again in this process: end every rank "
             "and restart the job from the last checkpoint (torchrun restarts the ranks with --max-restarts); "
             "raise timeout_s if a rank is merely slow.")
+
+
+class BrokenGroups:
+    """Whether a parallel step's groups are still usable, shared by the step and its executors:
+    the first failure of one of the step's collectives (a `RankTimeoutError` of a call, of its
+    input check at the start, of `synchronize()`'s gathers, or any failure of those gathers part-way)
+    breaks them for good, and so does this rank's own failure while the graph runs (an op's error,
+    KeyboardInterrupt, SystemExit) after the graph's first collective, or where the executor cannot
+    locate it: the other ranks went on into later collectives, which a retry's would pair with
+    (`Executor.break_if_past_a_collective`). A failure before the first collective breaks nothing.
+    From then on `refuse` raises before any collective, naming the failure."""
+
+    def __init__(self) -> None:
+        self.failure: BaseException | None = None
+        self._consequence = ""
+
+    def break_with(self, failure: BaseException, consequence: str = "") -> None:
+        """Record `failure` (the first one is kept); `consequence`: what it left behind, for the
+        refusals' message (e.g. parameters holding this rank's updated rows beside old ones)."""
+        if self.failure is None:
+            self.failure, self._consequence = failure, consequence
+
+    def refuse(self, what: str) -> None:
+        """Raise `StateError` (its cause the failure) if the groups broke; nothing otherwise."""
+        failure = self.failure
+        if failure is None:
+            return
+        raise StateError(
+            f"refusing to {what}: this step failed inside its collectives earlier in this process "
+            f"({describe(failure)}){self._consequence}, and a group one of whose collectives failed or timed out, "
+            "or that this rank left between two collectives, is not used again "
+            "(the other ranks may still be inside, or on their way to, an older collective that a new one would "
+            "pair with). End every rank and restart the job from the last checkpoint (torchrun restarts the "
+            "ranks with --max-restarts); raise timeout_s if a rank is merely slow") from failure
 
 
 @dataclass(frozen=True)

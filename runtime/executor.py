@@ -21,8 +21,9 @@ from torch.distributed.tensor import DTensor
 from graphoffload.calibration import host_update_threads
 from graphoffload.config import Offload
 from graphoffload.data_parallel import ZeRO
-from graphoffload.errors import GraphOffloadError, StateError, StepRunError, describe
+from graphoffload.errors import GraphOffloadError, RankTimeoutError, StateError, StepRunError, describe
 from graphoffload.graph import TENSOR_SLOT, TrainGraph
+from graphoffload.groups import BrokenGroups
 from graphoffload.ops.host_transfer import param_of_grad_sum_key
 from graphoffload.torch_private import pytree
 
@@ -40,8 +41,11 @@ class Executor:
                  host_state: HostState | None = None, sanitize: bool = False,
                  runtime_for: Callable[[torch.device], OffloadRuntime] | None = None,
                  collective_failed: Callable[[BaseException, str], Exception] | None = None,
-                 data_parallel: ZeRO | None = None):
+                 data_parallel: ZeRO | None = None, broken: BrokenGroups | None = None):
         self.graph = graph
+        # a parallel step's groups, shared by the step and all its executors: once one of their
+        # collectives failed, nothing runs again (`BrokenGroups.refuse`)
+        self.broken = broken if broken is not None else BrokenGroups()
         # a parallel step's: the error for a collective of the graph that failed (another rank
         # failed inside the step, or timed out), from the backend's error and the node
         self.collective_failed = collective_failed
@@ -82,9 +86,12 @@ class Executor:
         self.carries_host_writes = any(n.target is torch.ops.graphoffload.carry_host_write.default
                                        for n in graph.graph.nodes)
         # ZeRO stages 1-2 with overlap_next_step: the all-gathers of the updated rows that a run
-        # leaves to the start of the next (passes/zero.py), which synchronize() runs in between
+        # leaves to the start of the next (passes/zero.py), which synchronize() runs in between;
+        # a run gathers at its start only while they are pending (`run`), and a failure of them
+        # between calls breaks the step for good (`broken`)
         self.deferred_gathers = _deferred_gathers(graph)
         self.gathers_pending = False
+        self._without_gathers: fx.GraphModule | None = None
 
     def place_host_state(self) -> None:
         """Place the offloaded optimizer state and master weights in host memory now, as the
@@ -189,29 +196,52 @@ class Executor:
 
     def run(self, args: tuple, kwargs: dict, profile: dict[str, float] | None = None) -> Any:
         """Run one step. With `profile` (a dict), time every node into it instead (slower)."""
+        self.broken.refuse("run the step")
         self.check_start_state()
         inputs = self.inputs(args, kwargs)
+        gm = self.step_module()
         offload = self.offload_runtime.active() if self.offload_runtime else contextlib.nullcontext()
         with torch.no_grad(), offload:
-            if profile is None:
-                try:
-                    outputs = self.gm(*inputs)
-                except GraphOffloadError:
+            try:
+                if profile is None:
+                    outputs = gm(*inputs)
+                else:
+                    timer = TimingInterpreter(gm, self.device)
+                    outputs = timer.run(*inputs)
+                    profile.update(timer.seconds)
+            except BaseException as exc:
+                error = exc
+                if profile is None and not isinstance(exc, GraphOffloadError):
+                    if isinstance(exc, torch.OutOfMemoryError):
+                        # keeps its type: batch-size finders and retry loops catch it by name
+                        exc.add_note(f"graphoffload: {self.run_error(exc)}")
+                    elif isinstance(exc, Exception):
+                        error = self.run_error(exc)
+                self.break_if_past_a_collective(gm, exc, error)
+                if error is exc:
                     raise
-                except torch.OutOfMemoryError as exc:
-                    # keeps its type: batch-size finders and retry loops catch it by name
-                    exc.add_note(f"graphoffload: {self.run_error(exc)}")
-                    raise
-                except Exception as exc:
-                    raise self.run_error(exc) from exc
-            else:
-                timer = TimingInterpreter(self.gm, self.device)
-                outputs = timer.run(*inputs)
-                profile.update(timer.seconds)
+                raise error from exc
         if self.host_state is not None:
             self.host_state.record_versions(skip=set(self.params_in_flight()))
         self.gathers_pending = self.deferred_gathers is not None
         return self.write_back(outputs)
+
+    def step_module(self) -> fx.GraphModule:
+        """The graph this run executes: the step's whole graph while the last run's deferred
+        all-gathers are pending (its parameters hold only this rank's updated rows), else the
+        same graph without them (`_without_deferred_gathers`): synchronize() gathered the rows
+        already, or the parameters are whole as the user gave them (the first run; another
+        variant's run, which was synchronized when the step switched to this one). So each
+        update's rows are gathered exactly once on every rank: in synchronize() or at the start
+        of the next call. Ranks choose alike, as synchronize() is a collective: a rank that
+        synchronizes alone times out there (RankTimeoutError, and the step refuses to go on), as
+        the other ranks' next call first checks its inputs against every rank's (RankAgreement),
+        a collective that rank does not join; its gathers cannot pair with the others' silently."""
+        if self.gathers_pending or self.deferred_gathers is None:
+            return self.gm
+        if self._without_gathers is None:
+            self._without_gathers = _without_deferred_gathers(self.graph)
+        return self._without_gathers
 
     def failed_node(self, exc: BaseException) -> fx.Node | None:
         """The graph node whose line of the generated code raised `exc`."""
@@ -219,6 +249,30 @@ class Executor:
         code = (frames[-1].line or "") if frames else ""
         name = code.split("=", 1)[0].split(",")[0].strip() if "=" in code else ""
         return next((n for n in self.graph.graph.nodes if n.name == name), None)
+
+    def break_if_past_a_collective(self, gm: fx.GraphModule, exc: BaseException, error: BaseException) -> None:
+        """Break the step's groups (`broken`, recording `error`) if `exc`, raised while `gm` ran
+        (any failure: an op's error, KeyboardInterrupt, SystemExit), stopped this rank after the
+        graph's first collective, or where it cannot tell: the other ranks went on into later
+        collectives, which a retry's would pair with wrongly (other ops, other buffers). A failure
+        before the first collective leaves the groups as they were (a retry is safe, as for a
+        graph without collectives); a `RankTimeoutError` the step breaks them with itself."""
+        if isinstance(error, RankTimeoutError):
+            return
+        nodes = list(gm.graph.nodes)
+        first = next((i for i, n in enumerate(nodes) if _communicates(n)), None)
+        if first is None:
+            return
+        failed = self.failed_node(exc)
+        at = next((i for i, n in enumerate(nodes) if failed is not None and n.name == failed.name), None)
+        if at is not None and at < first:
+            return
+        where = (f"at node {failed.name} ({failed.target}), after the step's first collective (node "
+                 f"{nodes[first].name})" if at is not None else
+                 "at a point of the graph it cannot locate (so perhaps after some of its collectives)")
+        self.broken.break_with(error, f" (this rank stopped inside the step {where}, between collectives its peers "
+                                      "went on with: they are inside, or past, later collectives of the step, "
+                                      "with which a retry's would pair)")
 
     def run_error(self, exc: Exception) -> Exception:
         """`exc`, raised by an op while the graph ran, as an error that names the op and the
@@ -252,6 +306,7 @@ class Executor:
         """Wait for the uploads the last run handed over and its carried write-backs
         (Offload.overlap_next_step), and the CPU adds into running sums it handed over
         (Offload.accumulate_on), except those in `keep` (hand-over keys the next run waits for)."""
+        self.broken.refuse("synchronize")
         if self.offload_runtime is not None and self.offload_runtime.in_flight:
             self.offload_runtime.synchronize(keep)
             self.host_state.record_versions()
@@ -261,21 +316,31 @@ class Executor:
     def run_deferred_gathers(self) -> None:
         """Run the all-gathers the last run left to the next call (ZeRO stages 1-2 with
         Offload.overlap_next_step), once its uploads have landed: every rank's parameters are then
-        the whole updated ones. A collective: every rank synchronizes alike. The next run gathers
-        again at its start, which changes nothing (the rows are packed from where they are)."""
+        the whole updated ones. A collective: every rank synchronizes alike. The next run then
+        skips the gathers at its start (`step_module`). A failure (a rank that does not answer)
+        breaks the step for good (`broken`), rather than leaving the gathers pending for a retry
+        that would time out again or pair with other collectives: the parameters hold this rank's
+        updated rows and the others' old ones, and the group that would gather them is gone (a rank
+        did not answer), or this rank stopped part-way through the buckets."""
         gm, names = self.deferred_gathers
         params = [self.placed_param(name, self.vals[placeholder]) for placeholder, name in names]
         try:
             with torch.no_grad():
                 gm(*params)
-        except Exception as exc:
-            if self.collective_failed is not None:
-                raise self.collective_failed(exc, "the all-gathers of the updated parameters that "
-                                                  "synchronize() runs (with ZeRO stages 1-2 and "
-                                                  "Offload(overlap_next_step=True), synchronize(), the model's "
-                                                  "forward and state_dict() between calls are collectives: "
-                                                  "every rank of the group must call them alike)") from exc
-            raise
+        except BaseException as exc:
+            error = exc
+            if isinstance(exc, Exception) and self.collective_failed is not None:
+                error = self.collective_failed(exc, "the all-gathers of the updated parameters that "
+                                                    "synchronize() runs (with ZeRO stages 1-2 and "
+                                                    "Offload(overlap_next_step=True), synchronize(), the model's "
+                                                    "forward and state_dict() between calls are collectives: "
+                                                    "every rank of the group must call them alike)")
+            self.broken.break_with(error, ": the all-gathers of the updated parameters that synchronize() "
+                                          "ran between calls failed, so each parameter holds this rank's updated "
+                                          "rows and the other ranks' rows from before the last update")
+            if error is exc:
+                raise
+            raise error from exc
         self.gathers_pending = False
         if self.host_state is not None:
             self.host_state.record_versions()
@@ -323,6 +388,34 @@ def _deferred_gathers(graph: TrainGraph) -> tuple[fx.GraphModule, list[tuple[str
         env[n] = sub.node_copy(n, env.__getitem__)
     sub.output(None)
     return fx.GraphModule(torch.nn.Module(), sub), [(i.name, param_names[i.name]) for i in inputs]
+
+
+def _without_deferred_gathers(graph: TrainGraph) -> fx.GraphModule:
+    """The step's graph without the nodes `zero` tagged `meta["deferred_gather"]`, for a run whose
+    parameters are whole already. Nothing else reads those nodes (their copies write into the
+    parameters, which the step's readers take from the placeholders, ordered by position); the
+    kept nodes are copied with their names and meta, so errors and profiles name them as the whole
+    graph's."""
+    tagged = {n for n in graph.graph.nodes if "deferred_gather" in n.meta}
+    readers = {u.name for n in tagged for u in n.users if u not in tagged}
+    if readers:
+        raise GraphOffloadError(f"nodes {sorted(readers)} read the deferred all-gathers' results: a pass rewired "
+                                "them, and a run after synchronize() could not leave them out; report this with "
+                                "the step")
+    sub = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for n in graph.graph.nodes:
+        if n not in tagged:
+            env[n] = sub.node_copy(n, env.__getitem__)
+    return fx.GraphModule(graph.gm, sub)
+
+
+def _communicates(node: fx.Node) -> bool:
+    """Whether `node` exchanges data with the other ranks: an op taking a process group by name
+    (`group_name`): the functional collectives (all-reduce, reduce-scatter, all-gather) and ring
+    attention's exchanges, forward and backward (a sequence-parallel step's first ones)."""
+    schema = getattr(node.target, "_schema", None)
+    return schema is not None and any(a.name == "group_name" for a in schema.arguments)
 
 
 def _viewed(node: fx.Node) -> fx.Node:

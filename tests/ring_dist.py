@@ -1,6 +1,11 @@
-"""Run a function in N spawned CPU processes joined by a gloo process group (sequence-parallel
+"""Run a function in N fresh CPU processes joined by a gloo process group (the multi-rank
 tests). The store is a file in a temporary directory; every collective has a timeout and the
-whole run a deadline, so a dead or stuck rank fails the test instead of hanging it."""
+whole run a deadline, so a dead or stuck rank fails the test instead of hanging it.
+
+The ranks are forked from a forkserver that imported torch, torch.distributed.tensor and
+graphoffload once per test session: a spawned rank spent 2 to 6 s of a 2-core machine importing
+them, in every rank of every multi-rank test. Each rank is still a fresh process (nothing a test
+does in one is seen by the next), started with the test's environment, not the forkserver's."""
 
 from __future__ import annotations
 
@@ -8,6 +13,7 @@ import datetime
 import faulthandler
 import gc
 import os
+import sys
 import tempfile
 import time
 
@@ -17,10 +23,35 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def _entry(rank: int, fn, world: int, store: str, args: tuple) -> None:
+# imported once in the forkserver; every rank is forked from it with these already loaded (the
+# Hugging Face models some ranks train too; a module that is not installed is skipped)
+_PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "graphoffload",
+            "transformers.models.llama.modeling_llama", "transformers.models.gpt2.modeling_gpt2"]
+
+
+def start_method() -> str:
+    """How the tests start fresh processes: "forkserver" (torch and graphoffload preloaded), or
+    "spawn" where there is none. Also for a test's own pool (`multiprocessing.get_context`)."""
+    if "forkserver" not in mp.get_all_start_methods():
+        return "spawn"
+    mp.set_forkserver_preload(_PRELOAD)   # takes effect when the server starts (the first use)
+    return "forkserver"
+
+
+def _entry(rank: int, fn, world: int, store: str, args: tuple, environ: dict, log: str) -> None:
+    # a forked rank has the forkserver's environment and output (as they were when the server
+    # started, in some earlier test): give it the test's environment, as a spawned one would have
+    # (tests set XDG_CACHE_HOME, GRAPHOFFLOAD_SANITIZE, ...), and a file for its output, which
+    # run_ranks shows in the test's own output
+    os.environ.clear()
+    os.environ.update(environ)
+    out = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    os.dup2(out, 1)
+    os.dup2(out, 2)
+    os.close(out)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     # a rank that crashes in native code (gloo has, rarely) prints every thread's Python stack
-    # to the test's stderr instead of only an exit signal
+    # to its output (shown in the test's) instead of only an exit signal
     faulthandler.enable(all_threads=True)
     import torch
 
@@ -42,10 +73,12 @@ def _entry(rank: int, fn, world: int, store: str, args: tuple) -> None:
 
 
 def run_ranks(fn, world: int, *args, deadline_s: float = 120.0) -> None:
-    """Run `fn(rank, world, *args)` on `world` spawned ranks; re-raise the first failure."""
+    """Run `fn(rank, world, *args)` on `world` fresh ranks; re-raise the first failure."""
+    method = start_method()
     with tempfile.TemporaryDirectory() as tmp:
-        ctx = mp.start_processes(_entry, args=(fn, world, os.path.join(tmp, "store"), args), nprocs=world,
-                                 join=False, start_method="spawn")
+        log = os.path.join(tmp, "ranks.log")
+        ctx = mp.start_processes(_entry, args=(fn, world, os.path.join(tmp, "store"), args, dict(os.environ), log),
+                                 nprocs=world, join=False, start_method=method)
         end = time.monotonic() + deadline_s
         try:
             while not ctx.join(timeout=max(0.1, min(1.0, end - time.monotonic()))):
@@ -55,6 +88,9 @@ def run_ranks(fn, world: int, *args, deadline_s: float = 120.0) -> None:
             for p in ctx.processes:
                 if p.is_alive():
                     p.kill()
+            if os.path.exists(log):   # what the ranks printed (a native crash's stacks too)
+                with open(log, errors="replace") as f:
+                    sys.stdout.write(f.read())
 
 
 def silent_rank(rank: int, world: int, call, error: type[Exception], match: str) -> None:

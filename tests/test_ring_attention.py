@@ -80,22 +80,25 @@ def test_ring_attention_matches_full_attention(world):
     run_ranks(_check_ops, world)
 
 
-def _silent_rank(rank: int, world: int) -> None:
+def _silent_rank(rank: int, world: int, path: str) -> None:
+    import datetime
+
     from graphoffload.runtime import ring_attention as ra
 
-    if rank == 1:
-        import time
-
-        time.sleep(6)   # never reaches the attention in time
+    # told through a store of its own: the timed-out exchange closes the gloo pair between the two
+    store = dist.FileStore(path, world)
+    if rank == 1:   # alive, never reaches the attention: waits until rank 0 has given up on it
+        store.wait(["gave_up"], datetime.timedelta(seconds=60))
         return
     q = torch.randn(1, 2, 8, 4)
     with pytest.raises(ra.RingTimeoutError, match="a rank failed or never reached"):
-        torch.ops.graphoffload.ring_attention(q, q, q, True, None, "zigzag", dist.group.WORLD.group_name, 2.0)
+        torch.ops.graphoffload.ring_attention(q, q, q, True, None, "zigzag", dist.group.WORLD.group_name, 1.0)
+    store.set("gave_up", "1")
 
 
 @pytest.mark.slow   # several processes
-def test_ring_attention_times_out_instead_of_hanging():
-    run_ranks(_silent_rank, 2, deadline_s=60)
+def test_ring_attention_times_out_instead_of_hanging(tmp_path):
+    run_ranks(_silent_rank, 2, str(tmp_path / "gave_up"), deadline_s=60)
 
 
 def test_layouts_round_trip():

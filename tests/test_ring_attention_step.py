@@ -3,7 +3,8 @@ single-process eager training, in spawned gloo processes: our GPT (learned posit
 over torch.arange) and a Hugging Face Llama (rotary embeddings, GQA, labels shifted inside the
 model), zigzag and contiguous layouts, world 2 and 4; every rank ends with the same parameters;
 the exchanges per step are what the algorithm needs; attention's activations are 1/N; a bf16
-loss, seq-first ids; ranks that disagree on shapes or batches, or never call, are refused."""
+loss, seq-first ids; with `offload=` (kept activations, `activations="auto"` under a budget,
+`overlap_next_step=True`); ranks that disagree on shapes or batches, or never call, are refused."""
 
 from __future__ import annotations
 
@@ -316,6 +317,54 @@ def _mismatched_inputs(rank, world):
     agreement.check((_batches(1, False)[0],), {})   # the same shapes everywhere: passes
 
 
+def _offloaded_as_eager(rank, world):
+    """Ring attention with `offload=` (fp32 AdamW state in host memory, CPU updates), three steps of
+    the fp32 GPT: state kept on the device by eager, each step's loss within 1e-5 of eager's and the
+    parameters and moments within the fp32 bound above. Then the same run with
+    `activations="auto"` under 0.85x of that step's predicted keep-everything peak (the tiny GPT's
+    parameters and gradients are most of it: at 0.7x the budget is refused, naming the least
+    need), which must move saved activations and meet the budget, and with `overlap_next_step=True`
+    (the uploads handed over to the next call, parameters read after `synchronize()`): each
+    moves bytes, not arithmetic, so its losses and parameters are bit for bit the kept run's."""
+    import graphoffload
+    from graphoffload import Offload
+
+    def run(offload):
+        eager = _gpt(torch.float32)
+        model, ref = copy.deepcopy(eager), copy.deepcopy(eager).double()
+        eager_opt, opt = _make_optimizer("adamw", eager, torch.float32), _make_optimizer("adamw", model, torch.float32)
+        ref_opt = _make_optimizer("adamw", ref, torch.float64)
+        step = graphoffload.offload_compile(gpt_step, offload=offload, sequence_parallel=graphoffload.SequenceParallel(
+            bucket_numel=4096, timeout_s=60))
+        losses = []
+        for i, batch in enumerate(_batches(3, False)):
+            want = gpt_step(eager, eager_opt, batch)
+            gpt_step(ref, ref_opt, batch)
+            losses.append(step(model, opt, batch))
+            assert torch.allclose(losses[-1], want, rtol=1e-5, atol=0), (rank, offload, i, losses[-1], want)
+        step.synchronize()
+        assert_fp32_training_close(model, opt, eager, eager_opt, ref, ref_opt)
+        assert any(s.host for s in step.last.graph.signature.inputs), "no state in host memory"
+        return step, losses, [p.detach().clone() for p in model.parameters()]
+
+    kept, losses, params = run(Offload(device_updates="never"))
+    peak = kept.last.graph.notes_of("offload_optimizer", "offloaded")[0].fields["device_peak_bytes"]
+    budget = int(0.85 * peak)
+    for offload in (Offload(device_updates="never", activations="auto", gpu_memory_budget=budget),
+                    Offload(device_updates="never", overlap_next_step=True)):
+        step, got_losses, got_params = run(offload)
+        what = "activations='auto'" if offload.activations == "auto" else "overlap_next_step"
+        assert all(torch.equal(a, b) for a, b in zip(got_losses, losses)), (rank, what, got_losses, losses)
+        assert all(torch.equal(a, b) for a, b in zip(got_params, params)), f"rank {rank} {what}: parameters differ"
+        graph = step.last.graph
+        if offload.activations == "auto":   # the budget made the planner move saved activations, and it is met
+            fields = graph.notes_of("offload_optimizer", "activations")[0].fields
+            assert fields["recompute"] + fields["offload"] > 0 and fields["peak_bytes"] <= budget, (rank, fields)
+            assert step.memory("final").peak <= budget
+        else:   # the CPU path's bucket's upload runs on past the call
+            assert graph.notes_of("offload_optimizer", "handed_over")[0].fields["buckets"] >= 1
+
+
 def _world2(rank, world):
     _mismatched_inputs(rank, world)
     _unsupported_mask(rank, world)
@@ -326,6 +375,7 @@ def _world2(rank, world):
     _train_and_compare(rank, world, "gpt", "zigzag", torch.float32, optimizer="sgd")
     _train_and_compare(rank, world, "plain", "zigzag", torch.bfloat16, steps=BF16_STEPS)
     _seq_first(rank, world)
+    _offloaded_as_eager(rank, world)   # offload=, with activations="auto" and overlap_next_step
 
 
 def _world4(rank, world):

@@ -11,6 +11,7 @@ ranks' ownership, the collectives per bucket, padding, and what is refused."""
 from __future__ import annotations
 
 import copy
+import time
 from dataclasses import dataclass
 
 import pytest
@@ -402,9 +403,26 @@ def test_a_dcp_checkpoint_resumes_bit_identically_and_reshards_from_2_ranks_to_4
 
 
 def _first_call_with_a_short_timeout():
+    """The timeout of the check every call starts with breaks the step too: the check's gather is
+    left pending (rank 1's late answer pairs with it), so a retry's collectives would pair with
+    rank 1's older ones. The retry raises StateError at once, with no collective and nothing
+    changed; then the timeout is raised again for `silent_rank` to check."""
     model = _gpt()
+    opt = _optimizer("adamw", model)
     step = graphoffload.offload_compile(gpt_step, data_parallel=graphoffload.ZeRO(stage=2, timeout_s=1))
-    step(model, _optimizer("adamw", model), {k: v[:2] for k, v in _batches(2)[0].items()})
+    batch = {k: v[:2] for k, v in _batches(2)[0].items()}
+    with pytest.raises(graphoffload.RankTimeoutError) as info:
+        step(model, opt, batch)
+    before = [p.detach().clone() for p in model.parameters()]
+    start = time.monotonic()
+    with pytest.raises(graphoffload.StateError, match="refusing to run .*RankTimeoutError.* restart the job") as refused:
+        step(model, opt, batch)
+    took = time.monotonic() - start
+    assert took < 0.5, took   # no wait: timeout_s is 1 s
+    print(f"after the input check's RankTimeoutError: the retry refused in {took * 1e3:.2f} ms")
+    assert refused.value.__cause__ is info.value and not opt.state
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+    raise info.value
 
 
 @pytest.mark.slow   # several processes

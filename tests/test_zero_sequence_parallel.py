@@ -10,8 +10,14 @@ group; a DCP checkpoint of the stage 2 run loads back on the same mesh. A GradSc
 comes from one sp rank's part of a gradient row another dp rank holds, and skip_nonfinite=True
 with one dp rank's loss inf, skip the step on all four ranks as eager does (stages 1, 2 and 3;
 with accumulation_steps and with offload=). With offload= and accumulation_steps the running sums
-are on the device, or this rank's chunks on the host (every call reducing over both groups), or
-where `accumulate_on="auto"` puts them under a budget above and one between its trial peaks.
+are on the device, or this rank's chunks on the host (every call reducing over both groups; stages
+1, 2 and 3), or where `accumulate_on="auto"` puts them under a budget above and one between its
+trial peaks; every accumulating call's loss is the rank's own and the moments are eager's.
+Without offload= the device sums are tested at stages 1, 2 and 3. ZeRO-Offload stages 2 and 3 with
+`activations="auto"` under 0.9x of the keep-everything peak recompute and offload saved activations
+and train as eager; stages 1, 2 and 3 with `overlap_next_step=True` train as eager, stages 1-2
+gathering each update's chunks in the next call or in `synchronize()` (counted per call), and so
+do stage 1 with accumulation_steps and device sums and stage 2 with host sums.
 Groups that are not the two
 dimensions of one mesh are refused before anything is traced (on 4 ranks, and as a pure check
 without processes), and so is a first call that one rank never makes (`RankTimeoutError`)."""
@@ -173,7 +179,7 @@ def _train_and_compare(rank, mesh, stage, batch_mode, dtype=torch.float64, step_
         want[(c10d.all_reduce.default, "sp")] = want.get((c10d.all_reduce.default, "sp"), 0) + 1
         assert two.fields["whole_over_sequence_parallel"] == ("lm_head.weight",), two.fields
     assert by_group == want, (stage, by_group, want)
-    return model, opt
+    return model, opt, step
 
 
 def _state(model, opt) -> dict:
@@ -240,11 +246,15 @@ def _accumulates_as_eager(rank, mesh, stage, offload=None, step_fn=hf_step):
                                         data_parallel=graphoffload.ZeRO(stage=stage, group=mesh["dp"],
                                                                         bucket_numel=8192))
     for i, batch in enumerate(_batches(2) + _batches(2)[::-1]):   # two windows
+        mine = {k: v[2 * dp_rank:2 * dp_rank + 2] for k, v in batch.items()}
+        with torch.no_grad():   # this dp rank's micro-batch's loss, from the parameters every rank holds
+            own = eager(**mine).loss + (_penalty(eager) if penalized else 0)
         ((eager(**batch).loss + (_penalty(eager) if penalized else 0)) / K).backward()
         if i % K == K - 1:
             opt_e.step()
             opt_e.zero_grad()
-        step(model, opt, {k: v[2 * dp_rank:2 * dp_rank + 2] for k, v in batch.items()})
+        got = step(model, opt, mine)
+        assert torch.allclose(got, own, rtol=RTOL, atol=0), (rank, stage, offload, i, got, own)
         final = step.last.stages["final"]
         targets = [n.target for n in final.graph.nodes]
         gradient_collectives = sum(targets.count(t) for t in (c10d.reduce_scatter_tensor.default,
@@ -271,14 +281,22 @@ def _accumulates_as_eager(rank, mesh, stage, offload=None, step_fn=hf_step):
             # (penalized: lm_head's sequence part summed over sp where the penalty's gradient meets it)
             assert buckets > 1 and by_group == {(c10d.reduce_scatter_tensor.default, "dp"): buckets,
                                                 (c10d.all_reduce.default, "sp"): buckets + 1 + penalized}, (i, by_group)
-        else:
-            assert targets.count(c10d.all_reduce.default) == (1 if i % K < K - 1 else 1 + gradient_collectives)
-            assert (gradient_collectives > 0) == (i % K == K - 1), (i, gradient_collectives)
+        else:   # the loss's all-reduce over sp every call; the updating call's per bucket: stage 1 one
+            # all_reduce_coalesced over both groups, stages 2-3 a reduce-scatter over dp, then an all-reduce over sp
+            update = i % K == K - 1
+            assert (gradient_collectives > 0) == update, (i, gradient_collectives)
+            assert targets.count(c10d.all_reduce.default) == 1 + (gradient_collectives if update and stage != 1 else 0)
+            assert targets.count(c10d.all_reduce_coalesced.default) == (gradient_collectives if stage == 1 else 0)
     assert (offload is not None) == any(s.host for s in step.last.stages["final"].signature.inputs)   # state on the host
     for (name, p), q in zip(model.named_parameters(), eager.parameters()):
         err = ((_full(p) - q).abs().max() / q.abs().max()).item()
         assert err <= (FP64_RTOL if offload is None else RTOL), \
             f"rank {rank} stage {stage} accumulating {offload}: {name} is {err:.3g} from eager"
+        for key in ("exp_avg", "exp_avg_sq"):   # the moments, gathered
+            want = opt_e.state[q][key]
+            err = ((_full(opt.state[p][key]) - want).abs().max() / want.abs().max()).item()
+            assert err <= (FP64_RTOL if offload is None else RTOL), \
+                f"rank {rank} stage {stage} accumulating {offload}: {key} of {name} is {err:.3g} from eager"
     return step
 
 
@@ -301,6 +319,122 @@ def _accumulates_as_eager_choosing_the_sums(rank, mesh):
     between = choice((above["device_peak"] + above["host_peak"]) // 2)
     assert between["where"] == "host" and (between["device_peak"], between["host_peak"]) == \
         (above["device_peak"], above["host_peak"]), (between, above)
+
+
+def _offloads_activations_as_eager(rank, mesh, stage):
+    """ZeRO-Offload (all on the CPU path) with `activations="auto"` on the mesh. Under a budget of
+    1 TiB nothing moves; its keep-everything peak (the max over the four ranks, so every rank plans
+    against the same budget; stage 3's is higher than with activations kept: its backward gathers
+    take each bucket whole) times 0.9 is the budget of the run, where the planner must both
+    recompute and offload saved activations (stage 2: 8 and 7 of 23 candidates when this was
+    written, stage 3: 3 and 7 of 18; a fixed calibration, so the choices do not depend on this
+    machine's rates), the plan meets the budget, and the run trains as eager (`_train_and_compare`:
+    every call's loss the rank's own, parameters within RTOL, collectives counted per group)."""
+    import torch.distributed as dist
+    from test_offload_planner import BALANCED
+
+    def offload(budget):
+        return graphoffload.Offload(device_updates="never", activations="auto", gpu_memory_budget=budget,
+                                    calibration=BALANCED)
+
+    model = _llama().double()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    unbound = graphoffload.offload_compile(hf_step, offload=offload(1 << 40),
+                                           sequence_parallel=graphoffload.SequenceParallel(group=mesh["sp"],
+                                                                                           timeout_s=60),
+                                           data_parallel=graphoffload.ZeRO(stage=stage, group=mesh["dp"],
+                                                                           bucket_numel=8192, timeout_s=60))
+    dp_rank = mesh["dp"].get_local_rank()
+    unbound.compile(model, opt, {k: v[2 * dp_rank:2 * dp_rank + 2] for k, v in _batches(2)[0].items()})
+    fields = unbound.last.stages["final"].notes_of("offload_optimizer", "activations")[0].fields
+    assert fields["recompute"] == fields["offload"] == 0, (rank, stage, fields)
+    peak = torch.tensor(fields["keep_peak_bytes"])
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    budget = int(0.9 * int(peak))
+    _, _, step = _train_and_compare(rank, mesh, stage, "full", torch.float64, offload=offload(budget))
+    fields = step.last.stages["final"].notes_of("offload_optimizer", "activations")[0].fields
+    assert fields["recompute"] > 0 and fields["offload"] > 0 and fields["peak_bytes"] <= budget, \
+        f"rank {rank} stage {stage} activations='auto' under {budget} B: {dict(fields)}"
+    assert step.memory("final").peak <= budget, (rank, stage, step.memory("final").peak, budget)
+
+
+def _overlaps_the_next_step(rank, mesh, stage, k=1, where="device"):
+    """ZeRO-Offload with `overlap_next_step=True` on the mesh: every CPU-path bucket's upload of this
+    rank's rows runs on past the call. Stages 1-2: each update's all-gathers of the updated chunks
+    (over dp) move to the start of the next call. Three windows of `k` calls (`accumulation_steps`,
+    the running sums `where`), fp64 model (fp32 master weights): after the first `synchronize()`
+    gathers every bucket (and the next call then gathers none), after the second none (the third
+    window's first call gathers every bucket at its start), after the third `synchronize()` again.
+    Stage 3: every call gathers for its forward and backward as without overlap, and synchronize()
+    waits for the uploads, gathering nothing. Every call's loss is the rank's own micro-batch's from
+    eager's parameters (so the rows it read were the update's); after each synchronize() the
+    parameters and the gathered moments are within RTOL of eager (accumulating, with k > 1) on the
+    whole batches."""
+    from test_zero_offload import _all_gathers
+
+    dp_rank = mesh["dp"].get_local_rank()
+    eager = _llama().double()
+    model = copy.deepcopy(eager)
+    opt_e, opt = (torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1) for m in (eager, model))
+    offload = graphoffload.Offload(device_updates="never", overlap_next_step=True, accumulate_on=where)
+    step = graphoffload.offload_compile(
+        hf_step, offload=offload, accumulation_steps=k,
+        sequence_parallel=graphoffload.SequenceParallel(group=mesh["sp"], timeout_s=60),
+        data_parallel=graphoffload.ZeRO(stage=stage, group=mesh["dp"], bucket_numel=8192, timeout_s=60))
+    batches = (_batches(2) * 3)[:3 * k]
+    mine = [{key: v[2 * dp_rank:2 * dp_rank + 2] for key, v in batch.items()} for batch in batches]
+    step.compile(model, opt, mine[0])   # (compiling issues all-gathers of its own: not counted)
+    what = f"rank {rank} stage {stage} overlap_next_step k={k} {where} sums"
+    counts = []
+    for i, batch in enumerate(batches):
+        with torch.no_grad():   # this dp rank's micro-batch's loss, from the parameters every rank holds
+            own = eager(**mine[i]).loss
+        (eager(**batch).loss / k).backward()
+        got, gathers = _all_gathers(lambda: step(model, opt, mine[i]))
+        counts.append(gathers)
+        assert torch.allclose(got, own, rtol=RTOL, atol=0), (what, i, got, own)
+        if i % k < k - 1:
+            continue
+        opt_e.step()
+        opt_e.zero_grad()
+        executor = step.last.executor
+        assert executor.gathers_pending == (stage != 3) and executor.params_in_flight(), (what, i)
+        if i // k == 1:
+            continue
+        counts.append(_all_gathers(step.synchronize)[1])
+        assert not executor.gathers_pending and not executor.params_in_flight(), (what, i)
+        for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+            err = ((_full(p) - q).abs().max() / q.abs().max()).item()
+            assert err <= RTOL, f"{what}, synchronized after call {i}: {name} is {err:.3g} from eager"
+            for key in ("exp_avg", "exp_avg_sq"):   # the moments, gathered
+                want = opt_e.state[q][key]
+                err = ((_full(opt.state[p][key]) - want).abs().max() / want.abs().max()).item()
+                assert err <= RTOL, f"{what}, synchronized after call {i}: {key} of {name} is {err:.3g} from eager"
+    final = step.last.stages["final"]
+    if stage == 3:   # per call forward's and backward's gathers, synchronize() none
+        params = final.notes_of("zero", "params")[0].fields
+        per_call, per_update, synchronized = len(params["forward_buckets"]) + len(params["backward_buckets"]), 0, 0
+        assert not final.notes_of("zero", "deferred_gathers"), what
+    else:   # each update's gathers in the next call or synchronize()
+        per_call, per_update = 0, final.notes_of("zero", "deferred_gathers")[0].fields["buckets"]
+        synchronized = per_update
+        assert per_update > 1, what
+    want, pending = [], 0
+    for w in range(3):
+        for _ in range(k):
+            want.append(per_call + pending)
+            pending = 0
+        pending = per_update
+        if w != 1:
+            want.append(synchronized)
+            pending = 0
+    if k > 1:   # the first updating call compiles its variant, which gathers on its own: not counted
+        want[k - 1] = counts[k - 1]
+    assert counts == want, (what, counts, want)
+    assert (where == "host") == bool(final.notes_of("zero", "host_sums")), what
+    # every CPU-path bucket's upload runs on past the call (all of them: device_updates="never")
+    handed = final.notes_of("offload_optimizer", "handed_over")[0].fields["buckets"]
+    assert handed == final.notes_of("offload_optimizer", "offloaded")[0].fields["buckets"] >= 1, (what, handed)
 
 
 POISONED = 1   # the step whose batch is not finite
@@ -435,13 +569,23 @@ def _mesh_2x2(rank, world, path):
         step(model, opt, _batches(2)[rank % 2])
     assert not opt.state and step.trace_count == 0
     _train_and_compare(rank, mesh, 1, "full", torch.float64, _clipped_hf_step)   # clip_grad_norm_ too
-    model, opt = _train_and_compare(rank, mesh, 2, "sharded", torch.float64)
+    model, opt, _ = _train_and_compare(rank, mesh, 2, "sharded", torch.float64)
     _dcp_round_trip(rank, mesh, model, opt, path)
     _train_and_compare(rank, mesh, 3, "full", torch.float32)
-    _accumulates_as_eager(rank, mesh, 2)
+    for stage in (1, 2, 3):   # device sums (stage 1: one all_reduce_coalesced over both groups per bucket)
+        _accumulates_as_eager(rank, mesh, stage)
     # ZeRO-Offload, with a parameter read off the split sequence too (its gradient whole over sp)
     _train_and_compare(rank, mesh, 2, "full", torch.float64, _penalized_hf_step, offload=graphoffload.Offload())
+    for stage in (2, 3):   # ... activations="auto" under 0.9x of the keep-everything peak
+        _offloads_activations_as_eager(rank, mesh, stage)
+    for stage in (1, 2, 3):   # ... overlap_next_step (1-2: the all-gathers deferred to the next call or synchronize())
+        _overlaps_the_next_step(rank, mesh, stage)
+    _overlaps_the_next_step(rank, mesh, 1, K, "device")   # ... with accumulation_steps, device sums
+    _overlaps_the_next_step(rank, mesh, 2, K, "host")     # ... and host sums
     _accumulates_as_eager_choosing_the_sums(rank, mesh)   # ... accumulating, device, host and "auto" sums
+    for stage in (1, 3):   # host sums at the other stages (stage 2's above), lm_head's gradient whole over sp
+        _accumulates_as_eager(rank, mesh, stage, offload=graphoffload.Offload(accumulate_on="host"),
+                              step_fn=_penalized_hf_step)
     _skips_as_eager(rank, mesh, 2, scaler=True)    # a GradScaler
     _skips_as_eager(rank, mesh, 2, scaler=False)   # skip_nonfinite=True
     _skips_as_eager(rank, mesh, 1, scaler=True)    # stage 1 with a GradScaler
