@@ -71,6 +71,8 @@ def test_compile_time_smoke_run_reports_every_stage(tmp_path):
         assert row["make_fx_s"] > 0 and row["capture_s"] > 0 and row["planning_s"] is not None
         assert {"fuse_optimizer", "offload_optimizer"} <= set(row["passes_s"])
         assert row["buckets"] > 0 and row["nodes"] > row["make_fx_nodes"]
+        # every verification's CPU time, as the PassManager logs it, is part of the compile's
+        assert 0 < row["verify_cpu_s"] and 0 < row["verify_share_cpu"] < 1
     # the planner alone on synthetic steps: each size's work, and its growth against the one before
     assert [r["buckets"] for r in result["planner"]] == [20, 40]
     assert all(r["planner_s"] > 0 and r["simulated"] >= 2 * r["buckets"] for r in result["planner"])
