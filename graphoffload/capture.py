@@ -47,10 +47,10 @@ from graphoffload.graph import (TENSOR_SLOT, GraphSignature, InputSpec, OutputSp
 from graphoffload.recompute import CheckpointRegions, is_checkpoint_code, mark_recomputed, refuse_reentrant
 from graphoffload.torch_private import (GRAD_SCALER_STATE_ATTRIBUTES, DataDependentOutputException,
                                        DynamicOutputShapeException, FakeTensorMode, ShapeEnv, functorch_config,
-                                       grad_fn_sequence_number, grad_fn_sequence_numbers_supported,
-                                       grad_scaler_state, make_fx, pytree, rename_node,
-                                       reset_grad_fn_sequence_number, set_grad_fn_sequence_number,
-                                       stack_trace_recording)
+                                       given_stack_trace, grad_fn_sequence_number,
+                                       grad_fn_sequence_numbers_supported, grad_scaler_state, make_fx, pytree,
+                                       recorded_stack_trace, rename_node, reset_grad_fn_sequence_number,
+                                       set_grad_fn_sequence_number, stack_trace_recording)
 from graphoffload.ops import grouped_mm as _grouped_mm
 from graphoffload.ops import register_fused_optimizer_meta_kernels
 from graphoffload.ops.fused_optimizer_meta import is_fused_update
@@ -429,6 +429,7 @@ _METADATA_READS = frozenset(
 
 
 _TORCH_INIT = os.path.join(os.path.dirname(torch.__file__), "__init__.py")
+_TORCH_INIT_SUFFIX = "torch/__init__.py"
 
 
 @dataclass(frozen=True)
@@ -438,7 +439,10 @@ class _StackFacts:
     `kept`: a frame make_fx keeps in a node's recorded stack trace is on the stack (a function
     named `forward`, or torch/__init__.py: its filter); backward runs without one, so its nodes
     get no recorded trace (capture gives them their forward node's) and recording them, half
-    the trace's nodes, only cost time. `source`: the user's line (calling_user_line's format).
+    the trace's nodes, only cost time. `frames`: the frames that filter looks at (filename, line,
+    function name; innermost first), from which the mode works out the call's recorded stack
+    trace once (torch_private.recorded_stack_trace) instead of the tracer per node.
+    `source`: the user's line (calling_user_line's format).
     `checkpoint`: the innermost frame of torch.utils.checkpoint (the region, recompute.py).
 
     While backward runs, every op torch's Python code traces inside an autograd node (detach,
@@ -448,6 +452,7 @@ class _StackFacts:
     gradients among them, alive past the call, and autograd copies a gradient it cannot steal.)"""
 
     kept: bool
+    frames: tuple[tuple[str, int, str], ...]
     source: str | None
     checkpoint: FrameType | None
 
@@ -456,20 +461,25 @@ class _StackFacts:
         """The facts from `frame` down; `below`: a frame further down and the facts from it down,
         where the walk stops if it gets there."""
         kept, user, checkpoint = False, None, None
+        frames: list[tuple[str, int, str]] = []
         stop, base = below if below is not None else (None, None)
         while frame is not None:
             if frame is stop:
-                return cls(kept or base.kept, frame_line(user) if user is not None else base.source,
+                return cls(kept or base.kept, (*frames, *base.frames),
+                           frame_line(user) if user is not None else base.source,
                            checkpoint if checkpoint is not None else base.checkpoint)
             code = frame.f_code
-            if not kept and (code.co_name == "forward" or code.co_filename == _TORCH_INIT):
-                kept = True
-            if user is None and not code.co_filename.startswith(OWN_DIRS):
+            name, filename = code.co_name, code.co_filename
+            if name == "forward" or filename.endswith(_TORCH_INIT_SUFFIX):   # the tracer's filter
+                frames.append((filename, frame.f_lineno, name))
+                if not kept and (name == "forward" or filename == _TORCH_INIT):
+                    kept = True
+            if user is None and not filename.startswith(OWN_DIRS):
                 user = frame
             if checkpoint is None and is_checkpoint_code(code):
                 checkpoint = frame
             frame = frame.f_back
-        return cls(kept, frame_line(user), checkpoint)
+        return cls(kept, tuple(frames), frame_line(user), checkpoint)
 
 
 class _StepMode(TorchFunctionMode):
@@ -484,6 +494,7 @@ class _StepMode(TorchFunctionMode):
         self.sums = sums
         self.leaf_names = leaf_names or {}   # id(traced parameter) -> its name
         self.traces_paused = False   # backward without a frame a stack trace keeps (see _backward)
+        self.stack_traces: dict[tuple[tuple[str, int, str], ...], str | None] = {}   # _given_stack_trace's
         # the running backward() call's mode handler frame and the stack's facts from it down
         self.below: tuple[FrameType, _StackFacts] | None = None
 
@@ -508,10 +519,6 @@ class _StepMode(TorchFunctionMode):
         # the step (loss, clipping, optimizer.step()) with the user's calling line
         source = stack.source
         with fx_traceback.annotate({"source": source, **self.regions.tag(stack.checkpoint)}):
-            if func is F.scaled_dot_product_attention:
-                return sdpa_via_attention(*args, **kwargs)
-            if func is getattr(torch, "_grouped_mm", None) and _grouped_mm.routes(*args, **kwargs):
-                return _grouped_mm.grouped_mm(*args[:3], **{k: v for k, v in kwargs.items() if k == "offs"})
             if func is Tensor.backward or func is torch.autograd.backward:
                 self._backward_called(source)
                 self.events.losses += nonfinite.backward_roots(args, kwargs, "tensors")
@@ -531,7 +538,24 @@ class _StepMode(TorchFunctionMode):
                 with _backward_provenance(args[0] if args else kwargs.get("outputs"), self, source), \
                         self._backward(sys._getframe(1), stack):
                     return func(*args, **kwargs)
-            return func(*args, **kwargs)
+            with self._given_stack_trace(stack):
+                if func is F.scaled_dot_product_attention:
+                    return sdpa_via_attention(*args, **kwargs)
+                if func is getattr(torch, "_grouped_mm", None) and _grouped_mm.routes(*args, **kwargs):
+                    return _grouped_mm.grouped_mm(*args[:3], **{k: v for k, v in kwargs.items() if k == "offs"})
+                return func(*args, **kwargs)
+
+    def _given_stack_trace(self, stack: _StackFacts) -> contextlib.AbstractContextManager:
+        """The nodes of a traced call get the stack trace make_fx's tracer would record for each,
+        worked out once per distinct stack (the call's frames are on the stack for every node it
+        creates; frames inside the call, torch's own, are not ones the tracer's filter keeps)."""
+        if self.traces_paused:   # nothing is recorded here
+            return contextlib.nullcontext()
+        try:
+            text = self.stack_traces[stack.frames]
+        except KeyError:
+            text = self.stack_traces[stack.frames] = recorded_stack_trace(stack.frames)
+        return given_stack_trace(text)
 
     def _grad_read(self, tensor: Any) -> None:
         """The step's own code reads a parameter's `.grad` after a backward (clip_grad_norm_,

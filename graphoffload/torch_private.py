@@ -37,6 +37,14 @@ the library imports a private torch module). Supported: torch 2.11 and 2.13.
   reads for every node it creates, and `torch.fx.proxy._STACK_TRACE_ANCHORS` (functions whose
   frames it keeps besides `forward`); capture skips recording where no frame would be kept.
   Where torch lays them out otherwise, recording stays on (slower, same graph).
+- `given_stack_trace` / `recorded_stack_trace`: the same tracer's filter (its
+  `_record_forward_stack_traces_only` mode, on in make_fx: frames of functions named `forward`
+  or in a `torch/__init__.py`, less `symbolic_shapes.uninteresting_files()`), its formatting
+  (`StackSummary.format`, stripped) and `torch.fx.traceback`'s current node meta, whose
+  `stack_trace` the tracer gives each node it creates instead of recording one: capture works
+  out a traced call's trace once from the frames it walks anyway, where the tracer extracted,
+  symbolised and filtered the whole stack for every node (~0.2 ms each). Where torch lays
+  these out otherwise, the tracer records as before.
 - `rename_node`: `Node._rename`, which renames a node through its graph's namespace (so the
   name stays unique and a later node cannot take it). Capture gives make_fx's placeholders the
   signature's names with it instead of copying the whole graph.
@@ -46,6 +54,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import traceback
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -153,6 +162,55 @@ def stack_trace_recording(enabled: bool) -> Iterator[bool]:
         yield True
     finally:
         tracer.record_stack_traces = before
+
+
+def recorded_stack_trace(frames: Sequence[tuple[str, int, str]]) -> str | None:
+    """The stack trace make_fx's tracer records for a node created under `frames` (filename,
+    line, function name; innermost first): those of them its filter keeps, formatted as it
+    formats them. Only frames of functions named `forward` or in a `torch/__init__.py` need be
+    given (the filter drops every other); None where it keeps none (the node gets no trace)."""
+    from torch.fx.experimental.symbolic_shapes import uninteresting_files
+
+    ignored = uninteresting_files()
+    kept = [traceback.FrameSummary(filename, line, name) for filename, line, name in reversed(frames)
+            if (name == "forward" or filename.endswith("torch/__init__.py")) and filename not in ignored]
+    if not kept:
+        return None
+    return "".join(traceback.StackSummary.from_list(kept).format()).strip() or None
+
+
+@contextlib.contextmanager
+def given_stack_trace(text: str | None) -> Iterator[bool]:
+    """Until the block ends, the make_fx trace in progress gives each node it creates the stack
+    trace `text` (`recorded_stack_trace` of the frames it would see), or none (None), instead of
+    recording one from the Python stack; yields whether it does. Not where its tracer records
+    no traces now, filters otherwise than make_fx's does (then its nodes get what it records),
+    or keeps the frames of registered anchor functions (frames inside the call could be kept)."""
+    from torch.fx.experimental.proxy_tensor import get_proxy_mode
+
+    tracer = getattr(get_proxy_mode(), "tracer", None)
+    if tracer is None or getattr(tracer, "record_stack_traces", None) is not True or \
+            getattr(tracer, "_record_forward_stack_traces_only", None) is not True or \
+            getattr(fx.proxy, "_STACK_TRACE_ANCHORS", None) or not _fx_traceback.has_preserved_node_meta():
+        yield False
+        return
+    if text is None:
+        tracer.record_stack_traces = False
+        try:
+            yield True
+        finally:
+            tracer.record_stack_traces = True
+        return
+    meta = _fx_traceback.get_current_meta()
+    before = meta.get("stack_trace")
+    meta["stack_trace"] = text
+    try:
+        yield True
+    finally:
+        if before is None:
+            meta.pop("stack_trace", None)
+        else:
+            meta["stack_trace"] = before
 
 
 def rename_node(node: fx.Node, name: str) -> str:

@@ -3,6 +3,7 @@ optimizer with eager code, updates buffers in place, and re-traces only when it 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -207,3 +208,77 @@ def test_parameter_and_buffer_names_with_capitals_train_bit_identical_to_eager(o
                             offloaded=offload is not None)
     params = {s.target for s in step.train_graph.signature.inputs if s.kind == "param"}
     assert "Layers.0.LayerNorm.weight" in params and "Layers.0.layer_norm.weight" in params
+
+
+class _Square(torch.autograd.Function):
+    """A user's autograd.Function: its `forward` frame is one the recorded traces keep."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x * x
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        return 2 * x * grad
+
+
+class _TracedModel(nn.Module):
+    """Modules, a checkpointed block (recomputed in backward, recorded again), a user's
+    autograd.Function and SDPA (routed to graphoffload's attention op)."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(8, 16), nn.Linear(16, 8)
+
+    def block(self, x):
+        return self.down(torch.nn.functional.gelu(self.up(x)))
+
+    def forward(self, x, y):
+        h = torch.utils.checkpoint.checkpoint(self.block, x, use_reentrant=False)
+        q = _Square.apply(h).view(2, 1, 4, 8)
+        a = torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
+        return torch.nn.functional.mse_loss(a.reshape(8, 8).sum(-1), y)
+
+
+def _traced_model_step(model, optimizer, batch):
+    loss = model(batch["x"], batch["y"])
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss
+
+
+def test_stack_traces_are_the_ones_make_fx_records_for_each_node(monkeypatch):
+    # capture works out a traced call's stack trace once from the frames it walks; make_fx's
+    # tracer recorded it per node from the whole stack. Every node gets the same trace, except
+    # that an op's own autograd wrapper inside the call (torch/_library/autograd.py's `forward`,
+    # the attention op's) no longer ends the trace: it ends at the user's line
+    def captured_traces():
+        torch.manual_seed(0)
+        model = _TracedModel()
+        step = graphoffload.offload_compile(_traced_model_step)
+        step.compile(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                     {"x": torch.randn(8, 8), "y": torch.randn(8)})
+        return {n.name: n.meta.get("stack_trace") for n in step.last.stages["captured"].graph.nodes}
+
+    ours = captured_traces()
+    import graphoffload.capture as capture   # the tracer records each node's trace itself
+    monkeypatch.setattr(capture, "given_stack_trace", lambda text: contextlib.nullcontext(False))
+    recorded = captured_traces()
+    assert ours.keys() == recorded.keys()
+    assert sum(t is not None for t in ours.values()) >= 20
+    frames = {t for t in ours.values() if t}
+    assert any(t.endswith("return x * x") for t in frames)   # the Function's forward frame, innermost
+    assert any("checkpoint(self.block" in t and t.endswith("F.linear(input, self.weight, self.bias)") for t in frames)
+    trimmed = 0
+    for name, trace in ours.items():
+        if trace == recorded[name]:
+            continue
+        assert "attention" in name or name.startswith("getitem"), (name, trace, recorded[name])
+        assert trace and recorded[name].startswith(trace + "\n  File "), (name, trace, recorded[name])
+        assert recorded[name].count("File ") == trace.count("File ") + 1
+        assert "_library" in recorded[name].rsplit("File ", 1)[1]
+        trimmed += 1
+    assert trimmed >= 1
