@@ -11,6 +11,7 @@ import torch
 from helpers import (assert_state_dicts_equal, assert_training_matches, eager_and_compiled, run_steps, tiny_gpt,
                      token_batches)
 from steps import train_step
+from test_checkpointing import mlp_step
 from torch import nn
 
 import graphoffload
@@ -242,14 +243,6 @@ class _TracedModel(nn.Module):
         return torch.nn.functional.mse_loss(a.reshape(8, 8).sum(-1), y)
 
 
-def _traced_model_step(model, optimizer, batch):
-    loss = model(batch["x"], batch["y"])
-    loss.backward()
-    optimizer.step()
-    optimizer.zero_grad()
-    return loss
-
-
 def test_stack_traces_are_the_ones_make_fx_records_for_each_node(monkeypatch):
     # capture works out a traced call's stack trace once from the frames it walks; make_fx's
     # tracer recorded it per node from the whole stack. Every node gets the same trace, except
@@ -258,7 +251,7 @@ def test_stack_traces_are_the_ones_make_fx_records_for_each_node(monkeypatch):
     def captured_traces():
         torch.manual_seed(0)
         model = _TracedModel()
-        step = graphoffload.offload_compile(_traced_model_step)
+        step = graphoffload.offload_compile(mlp_step)
         step.compile(model, torch.optim.SGD(model.parameters(), lr=0.1),
                      {"x": torch.randn(8, 8), "y": torch.randn(8)})
         return {n.name: n.meta.get("stack_trace") for n in step.last.stages["captured"].graph.nodes}
