@@ -13,8 +13,8 @@ collective waits out another's compile).
 After the timeout, the surviving rank's step is broken for good: its next call, synchronize()
 and state_dict() raise `StateError` at once (no collective, no wait; rank 1 is not even inside
 the step any more), naming the timeout, and the refused call changes nothing. So is rank 1's,
-which raised after the step's first collectives: its retry's collectives would pair with rank
-0's later ones. A failure before the first collective leaves a step retryable (one process)."""
+which raised after the step's first collectives (a RuntimeError under ZeRO, a KeyboardInterrupt
+under sequence parallelism): its retry's collectives would pair with rank 0's later ones. A failure before the first collective leaves a step retryable (one process)."""
 
 from __future__ import annotations
 
@@ -189,9 +189,10 @@ def _(x):
 @torch.library.custom_op("graphoffload_tests::env_tripwire_backward", mutates_args=())
 def env_tripwire_backward(grad: torch.Tensor) -> torch.Tensor:
     """Raises when this process's GRAPHOFFLOAD_TESTS_TRIPWIRE is set (a sequence-parallel step
-    takes the same batch on every rank, so the rank that fails is told another way)."""
+    takes the same batch on every rank, so the rank that fails is told another way): a
+    KeyboardInterrupt, as a user's Ctrl-C would land there."""
     if os.environ.get("GRAPHOFFLOAD_TESTS_TRIPWIRE"):
-        raise RuntimeError("rank 1 failed inside the step on purpose")
+        raise KeyboardInterrupt("rank 1 interrupted inside the step on purpose")
     return grad.clone()
 
 
@@ -241,9 +242,12 @@ def _sequence_parallel_ranks(rank: int, world: int) -> None:
     done = torch.zeros(1)
     if rank == 1:
         os.environ["GRAPHOFFLOAD_TESTS_TRIPWIRE"] = "1"
-        with pytest.raises(Exception, match="on purpose"):
+        with pytest.raises(KeyboardInterrupt, match="on purpose") as raised:
             step(model, opt, batch)
         del os.environ["GRAPHOFFLOAD_TESTS_TRIPWIRE"]
+        # past the ring's exchanges: rank 0 is inside a later collective, so rank 1's own next
+        # call (and the rest) is refused rather than paired with it; the interrupt stays one
+        _refused_at_once(step, model, raised.value, model, opt, batch)
         dist.recv(done, 0)   # the world group is still fine: wait for rank 0's error
         return
     start = time.monotonic()
