@@ -4,8 +4,8 @@ instead of compiling the placement's trials, and decides, compiles and trains ex
 first job did. The peaks do not depend on the budget, so another budget reuses them and decides
 as a cold compile at that budget would; another calibration is another key; an unreadable
 entry is tried again; plan_cache=False neither reads nor writes. Under ZeRO (one choice for the
-whole step) each rank's trial outcomes are kept alike, and the choice made from them is the cold
-one's."""
+whole step) each rank's trial outcomes are kept alike, each rank its own entries (a group of one
+process, and of two), and the choice made from them is the cold one's."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import re
 import pytest
 import torch
 from test_accumulation_offload import K, OPTIMIZERS, batches, mlp, step_fn
+from ring_dist import run_ranks
 from test_activation_plan import FAST_COMPUTE
 from test_zero_offload_accumulation import _auto_step as _zero_auto_step, _gpt, _optimizer, _windows
 
@@ -167,3 +168,42 @@ def test_under_zero_each_ranks_trials_are_reused_and_the_choice_is_the_cold_ones
     cold, cold_graph = _zero_run(budget, plan_cache=False)
     assert trials == ["device", "host", "host"]
     assert cold == first and cold_graph == first_graph
+
+
+def _zero_ranks(rank: int, world: int) -> None:
+    """The test above on each rank of a real group: each rank keeps its own trial outcomes (the
+    key names the rank), a restarted job on every rank runs no trial, and the choice, made from
+    the outcomes reduced over the ranks, is the cold one's and the same on every rank."""
+    import torch.distributed as dist
+
+    trials = []
+    real = CompiledStep._trial_compile
+
+    def counted(self, graph, device, where):
+        trials.append(where)
+        return real(self, graph, device, where)
+    CompiledStep._trial_compile = counted   # this rank's process only
+    above, _ = _zero_run(1 << 40)
+    assert trials == ["device", "host"] and above[1]["where"] == "device", (rank, trials, above)
+    budget = (above[1]["device_peak"] + above[1]["host_peak"]) // 2
+    trials.clear()
+    first, first_graph = _zero_run(budget)
+    assert trials == ["host"] and first[1]["where"] == "host", (rank, trials, first)
+    trials.clear()
+    restarted, restarted_graph = _zero_run(budget)
+    assert trials == [], (rank, trials)
+    assert restarted == first and restarted_graph == first_graph, rank
+    cold, cold_graph = _zero_run(budget, plan_cache=False)
+    assert trials == ["device", "host", "host"], (rank, trials)
+    assert cold == first and cold_graph == first_graph, rank
+    everyone = [None] * world
+    dist.all_gather_object(everyone, (first[1]["where"], first[1]["device_peak"], first[1]["host_peak"]))
+    assert all(e == everyone[0] for e in everyone), everyone
+
+
+@pytest.mark.slow   # two processes
+def test_under_zero_on_two_ranks_each_ranks_trials_are_reused(cache):
+    run_ranks(_zero_ranks, 2, deadline_s=180)
+    kept = sorted((cache / "graphoffload" / "plans").glob("stepsums-*.json"))
+    # each rank's own two (its accumulating variant's trials, its updating call's), none shared
+    assert len(kept) == 4, kept
