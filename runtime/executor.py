@@ -211,13 +211,14 @@ class Executor:
                     profile.update(timer.seconds)
             except BaseException as exc:
                 error = exc
+                failed = self.failed_node(exc)   # found once: both uses below walk the traceback
                 if profile is None and not isinstance(exc, GraphOffloadError):
                     if isinstance(exc, torch.OutOfMemoryError):
                         # keeps its type: batch-size finders and retry loops catch it by name
-                        exc.add_note(f"graphoffload: {self.run_error(exc)}")
+                        exc.add_note(f"graphoffload: {self.run_error(exc, failed)}")
                     elif isinstance(exc, Exception):
-                        error = self.run_error(exc)
-                self.break_if_past_a_collective(gm, exc, error)
+                        error = self.run_error(exc, failed)
+                self.break_if_past_a_collective(gm, error, failed)
                 if error is exc:
                     raise
                 raise error from exc
@@ -250,20 +251,20 @@ class Executor:
         name = code.split("=", 1)[0].split(",")[0].strip() if "=" in code else ""
         return next((n for n in self.graph.graph.nodes if n.name == name), None)
 
-    def break_if_past_a_collective(self, gm: fx.GraphModule, exc: BaseException, error: BaseException) -> None:
-        """Break the step's groups (`broken`, recording `error`) if `exc`, raised while `gm` ran
-        (any failure: an op's error, KeyboardInterrupt, SystemExit), stopped this rank after the
-        graph's first collective, or where it cannot tell: the other ranks went on into later
-        collectives, which a retry's would pair with wrongly (other ops, other buffers). A failure
-        before the first collective leaves the groups as they were (a retry is safe, as for a
-        graph without collectives); a `RankTimeoutError` the step breaks them with itself."""
+    def break_if_past_a_collective(self, gm: fx.GraphModule, error: BaseException, failed: fx.Node | None) -> None:
+        """Break the step's groups (`broken`, recording `error`) if the failure raised while `gm`
+        ran (any: an op's error, KeyboardInterrupt, SystemExit) at node `failed` (`failed_node`;
+        None: not found) stopped this rank after the graph's first collective, or where it
+        cannot tell: the other ranks went on into later collectives, which a retry's would pair
+        with wrongly (other ops, other buffers). A failure before the first collective leaves the
+        groups as they were (a retry is safe, as for a graph without collectives); a
+        `RankTimeoutError` the step breaks them with itself."""
         if isinstance(error, RankTimeoutError):
             return
         nodes = list(gm.graph.nodes)
         first = next((i for i, n in enumerate(nodes) if _communicates(n)), None)
         if first is None:
             return
-        failed = self.failed_node(exc)
         at = next((i for i, n in enumerate(nodes) if failed is not None and n.name == failed.name), None)
         if at is not None and at < first:
             return
@@ -274,13 +275,12 @@ class Executor:
                                       "went on with: they are inside, or past, later collectives of the step, "
                                       "with which a retry's would pair)")
 
-    def run_error(self, exc: Exception) -> Exception:
-        """`exc`, raised by an op while the graph ran, as an error that names the op and the
-        user's source line it came from (as capture errors do); raised by a collective of a
-        parallel step, as the parallel config's `RankTimeoutError`."""
+    def run_error(self, exc: Exception, node: fx.Node | None) -> Exception:
+        """`exc`, raised by an op (`node`, `failed_node`'s) while the graph ran, as an error that
+        names the op and the user's source line it came from (as capture errors do); raised by a
+        collective of a parallel step, as the parallel config's `RankTimeoutError`."""
         from graphoffload.diagnostics import user_line_of_stack_trace
 
-        node = self.failed_node(exc)
         if node is not None and self.collective_failed is not None and \
                 getattr(node.target, "namespace", None) == "_c10d_functional":
             return self.collective_failed(exc, f"{node.target}, node {node.name}")
