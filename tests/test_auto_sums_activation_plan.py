@@ -6,7 +6,8 @@ to the planner: the step compiles, both variants' predicted peaks fit, the `grad
 says the choice was made without a fit, and it trains like eager accumulation (fp32, rel 1e-5) over
 three windows; a budget below what the planner reaches is refused by the planner, naming the
 budget and what to do; with activations kept the refusal stays. Under ZeRO the whole-step choice
-(`choose_step_sums`) takes the lesser trial peak the same way."""
+(`choose_step_sums`) takes the lesser trial peak the same way, on every rank of a two-rank group
+alike, and trains as the explicit choice."""
 
 from __future__ import annotations
 
@@ -124,3 +125,54 @@ def test_zero_whole_step_sums_without_a_fit_take_the_lesser_peak_only_with_activ
         assert "left to meet the budget" in choice.describe()
     # host sums refused: device sums, whatever the peaks
     assert choose_step_sums(100, 150, 120, "refused", True).where == "device"
+
+
+def _zero_sums_left_to_the_activation_planner(rank: int, world: int) -> None:
+    """ZeRO stage 2, `accumulate_on="auto"` and `activations="auto"` under a budget 0.8x the
+    lesser trial peak (activations kept): every rank chooses the lesser one's sums (host),
+    marked unfitted, in both variants; the activation planner brings each variant's predicted
+    peak under the budget; and a window and its update train bit for bit as the explicit
+    host-sums step with activations="auto" at the same budget (which plans the same graph)."""
+    import torch.distributed as dist
+    from helpers import whole
+    from test_zero_offload_accumulation import _auto_step, _gpt, _mine, _optimizer, _windows
+
+    def batches():
+        return [_mine(batch, rank, world) for batch in _windows(1)[0]]
+
+    probe_model = _gpt()
+    probe = _auto_step(1 << 40)
+    probe.compile(probe_model, _optimizer("adamw", probe_model), batches()[0])
+    peaks = probe.last.graph.notes_of("zero", "sum_choice")[0].fields
+    assert peaks["host_peak"] < peaks["device_peak"], peaks
+    budget = int(0.8 * peaks["host_peak"])
+    runs = {}
+    for where in ("auto", "host"):
+        model = _gpt()
+        opt = _optimizer("adamw", model)
+        step = _auto_step(budget, where, activations="auto")
+        runs[where] = (step, model, opt, [step(model, opt, batch) for batch in batches()])
+    step = runs["auto"][0]
+    assert len(step._variants) == 2
+    for variant in step._variants.values():
+        [choice] = variant.graph.notes_of("zero", "sum_choice")
+        assert (choice.fields["where"], choice.fields["unfitted"]) == ("host", True), choice.fields
+        assert "left to meet the budget" in str(choice)
+        [planned] = variant.graph.notes_of("offload_optimizer", "activations")
+        assert planned.fields["peak_bytes"] <= budget < planned.fields["keep_peak_bytes"], planned.fields
+    (_, model, opt, losses), (_, ref_model, ref_opt, ref_losses) = runs["auto"], runs["host"]
+    assert all(torch.equal(a, b) for a, b in zip(losses, ref_losses)), (rank, losses, ref_losses)
+    for (name, p), q in zip(model.named_parameters(), ref_model.parameters()):
+        assert torch.equal(whole(p), whole(q)), (rank, name)
+        for key, t in opt.state[p].items():
+            assert torch.equal(whole(t), whole(ref_opt.state[q][key])), (rank, name, key)
+    everyone = [None] * world
+    dist.all_gather_object(everyone, (budget, peaks["device_peak"], peaks["host_peak"]))
+    assert all(e == everyone[0] for e in everyone), everyone   # one choice from peaks reduced over ranks
+
+
+@pytest.mark.slow   # two processes
+def test_zero_sums_without_a_fit_are_left_to_the_activation_planner_on_two_ranks():
+    from ring_dist import run_ranks
+
+    run_ranks(_zero_sums_left_to_the_activation_planner, 2, deadline_s=240)
