@@ -5,6 +5,7 @@ step, stage by stage, against a plain `make_fx` trace of the same forward and ba
     python benchmarks/compile_time.py --layers 6,12 --smoke    # tiny sizes, for the tests
     python benchmarks/compile_time.py --markdown results/compile_time.json   # RESULTS.md's table
     python benchmarks/compile_time.py --layers "" --planner-buckets 100,200,400,800   # the planner alone
+    python benchmarks/compile_time.py --layers 6,12,24 --activations-fraction 0.6 --planner-buckets ""
 
 Everything runs on the meta device (no memory is allocated, nothing executes), so it measures
 the compiler alone, on any machine: the step is captured, every pass runs, and the offload pass
@@ -17,6 +18,10 @@ verification after it), `planning` (the planner inside `offload_optimizer`, as i
 `verification` is the CPU time of every verification of the graph (after capture and each pass, as the
 PassManager logs it; already inside the rows above) and its share of the compile's CPU time (issue 14:
 at most 10%).
+With `--activations-fraction F`, each size is also compiled with `activations="auto"` under F times
+the plain compile's predicted peak (the activation planner recomputes or offloads saved
+activations until it fits; the plan cache off): its CPU seconds, against the plain compile and
+`make_fx`, and how many activations it recomputed and offloaded.
 Both traces run in the same process, back to back, for each size.
 
 Then the planner alone on synthetic steps of growing bucket counts (`--planner-buckets`; the
@@ -123,7 +128,28 @@ def compile_row(args, layers: int, cal) -> dict:
     reused = again.compile(model, opt, batch)
     row["total_plan_reused_s"] = time.perf_counter() - start
     row["plan_reused"] = any("plan reused" in note for note in reused.notes.get("offload_optimizer", []))
+    if args.activations_fraction:
+        row.update(activations_row(model, opt, batch, cal, args.activations_fraction, step.memory().peak))
+        row["activations_vs_plain_cpu"] = row["activations_cpu_s"] / total_cpu
+        row["activations_vs_make_fx_cpu"] = row["activations_cpu_s"] / baseline_cpu_s
     return row
+
+
+def activations_row(model, opt, batch, cal, fraction: float, peak: int) -> dict:
+    """The same step compiled with `activations="auto"` under `fraction` of its predicted peak
+    (the plan cache off: every compile plans): the compile's CPU seconds and what it chose."""
+    import graphoffload
+
+    budget = int(fraction * peak)
+    step = graphoffload.offload_compile(autocast_train_step, offload=graphoffload.Offload(
+        device_updates="auto", calibration=cal, replan_after=0, gpu_memory_budget=budget, activations="auto",
+        plan_cache=False))
+    cpu = time.process_time()
+    graph = step.compile(model, opt, batch)
+    chosen = graph.notes_of("offload_optimizer", "activations")[0].fields
+    return {"activations_budget": budget, "activations_cpu_s": time.process_time() - cpu,
+            "activations_peak": step.memory().peak, "activations_recomputed": chosen["recompute"],
+            "activations_offloaded": chosen["offload"]}
 
 
 def planner_rows(buckets: list[int]) -> list[dict]:
@@ -173,6 +199,12 @@ def table(rows: list[dict]) -> list[dict]:
                ("total / make_fx", lambda r: r["vs_make_fx"]),
                ("CPU time: make_fx / total compile", lambda r: _pair(r.get("make_fx_cpu_s"), r.get("total_cpu_s"))),
                ("CPU time: total / make_fx", lambda r: r.get("vs_make_fx_cpu"))]
+    if any("activations_cpu_s" in r for r in rows):   # --activations-fraction
+        stages += [("activations='auto' compile, CPU", lambda r: r.get("activations_cpu_s")),
+                   ("activations='auto' / total compile, CPU", lambda r: r.get("activations_vs_plain_cpu")),
+                   ("activations='auto' / make_fx, CPU", lambda r: r.get("activations_vs_make_fx_cpu")),
+                   ("activations recomputed / offloaded", lambda r: _counts(r.get("activations_recomputed"),
+                                                                            r.get("activations_offloaded")))]
     out = []
     for label, get in stages:
         line = {"stage": label}
@@ -184,6 +216,10 @@ def table(rows: list[dict]) -> list[dict]:
     out.append({"stage": "buckets (on the device)",
                 **{f"{r['layers']} layers": f"{r['buckets']} ({r['device_buckets']})" for r in rows}})
     return out
+
+
+def _counts(a: int | None, b: int | None) -> str | None:
+    return None if a is None or b is None else f"{a} / {b}"
 
 
 def _pair(a: float | None, b: float | None) -> str | None:
@@ -211,6 +247,9 @@ def main() -> None:
     p.add_argument("--out", default=os.path.join(HERE, "results", "compile_time.json"))
     p.add_argument("--planner-buckets", default="100,200,400,800",
                    help="comma-separated bucket counts of the synthetic planner steps ('' for none)")
+    p.add_argument("--activations-fraction", type=float, default=0.0,
+                   help="also compile each size with activations='auto' under this fraction of its predicted "
+                        "peak (e.g. 0.6; 0: not)")
     p.add_argument("--markdown", metavar="JSON", help="no run: print a results file's table as markdown")
     args = p.parse_args()
     if args.markdown:

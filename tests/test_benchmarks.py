@@ -65,7 +65,7 @@ def test_checkpointing_benchmark_plans_activations_under_budgets(tmp_path):
 
 
 def test_compile_time_smoke_run_reports_every_stage(tmp_path):
-    result = _run("compile_time.py", "--smoke", out=tmp_path / "t.json")
+    result = _run("compile_time.py", "--smoke", "--activations-fraction", "0.6", out=tmp_path / "t.json")
     assert [r["layers"] for r in result["rows"]] == [2, 4]
     for row in result["rows"]:
         assert row["make_fx_s"] > 0 and row["capture_s"] > 0 and row["planning_s"] is not None
@@ -73,6 +73,9 @@ def test_compile_time_smoke_run_reports_every_stage(tmp_path):
         assert row["buckets"] > 0 and row["nodes"] > row["make_fx_nodes"]
         # every verification's CPU time, as the PassManager logs it, is part of the compile's
         assert 0 < row["verify_cpu_s"] and 0 < row["verify_share_cpu"] < 1
+        # activations="auto" under 0.6 of the plain compile's peak: planned to fit, and timed
+        assert row["activations_peak"] <= row["activations_budget"] and row["activations_cpu_s"] > 0
+        assert row["activations_recomputed"] + row["activations_offloaded"] > 0
     # the planner alone on synthetic steps: each size's work, and its growth against the one before
     assert [r["buckets"] for r in result["planner"]] == [20, 40]
     assert all(r["planner_s"] > 0 and r["simulated"] >= 2 * r["buckets"] for r in result["planner"])
