@@ -64,12 +64,22 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(mat_a, mat_b, offs)
 
 
+def _column_major(t: Tensor) -> bool:
+    """Whether `t`'s last two dimensions are laid out column by column (a transposed weight)."""
+    return t.stride(-2) == 1 and t.stride(-1) == t.shape[-2]
+
+
 def _grouped_mm_grad(ctx, grad):
-    # what eager autograd runs for torch._grouped_mm
+    # what eager autograd runs for torch._grouped_mm (its _grouped_mm_mat{1,2}_backward): for a
+    # column-major mat_b, as for mm's, the transposed product, transposed back. The same values
+    # on some CPUs' kernels, not on others' (AVX2's sum the other product in another order)
     mat_a, mat_b, offs = ctx.saved_tensors
     grad = grad.contiguous()   # the kernel refuses a broadcast (stride-0) gradient such as sum()'s; same values
     grad_a = grouped_mm(grad, mat_b.transpose(-2, -1), offs) if ctx.needs_input_grad[0] else None
-    grad_b = grouped_mm(mat_a.transpose(-2, -1), grad, offs) if ctx.needs_input_grad[1] else None
+    grad_b = None
+    if ctx.needs_input_grad[1]:
+        grad_b = grouped_mm(grad.transpose(-2, -1), mat_a, offs).transpose(-2, -1) if _column_major(mat_b) \
+            else grouped_mm(mat_a.transpose(-2, -1), grad, offs)
     return grad_a, grad_b, None
 
 
