@@ -856,7 +856,7 @@ def _replays_reading_parameters(graph) -> list[tuple[fx.Node, fx.Node]]:
             for i in n.all_input_nodes if i.meta.get("gathered")]
 
 
-@pytest.mark.parametrize("link", ["measured", "slow"])
+@pytest.mark.parametrize("link", ["balanced", "slow"])
 def test_stage_3_replays_read_the_backward_gathered_parameters_and_train_as_eager(link, one_process_group):
     """Stage 3 + ZeRO-Offload + `activations="auto"` under 0.6x (0.7x with a slow link, where
     offloads stall and the plan must recompute) of the keep-everything peak, 8 rows a step so
@@ -864,8 +864,9 @@ def test_stage_3_replays_read_the_backward_gathered_parameters_and_train_as_eage
     replay reads its parameters from backward's gather (forward's is freed by then), that
     gather's wait placed before the replay and after its launch; the predicted peak meets the
     budget and three steps train as eager (fp32 master weights: within RTOL)."""
-    cal = SLOW_LINK if link == "slow" else None
-    extra = {"calibration": cal} if cal is not None else {}
+    # fixed rates: with this machine's measured ones the plan (recompute or offload, and what a
+    # budget can reach) depended on the CPU and its load
+    extra = {"calibration": SLOW_LINK if link == "slow" else BALANCED}
     batches = _batches(1, rows=8)
     model = _gpt()
     kept = _step(3, Offload(device_updates="never", activations="auto", gpu_memory_budget=1 << 40, **extra)).compile(
