@@ -150,12 +150,17 @@ def decode(x: Any, nodes: dict[str, fx.Node]) -> Any:
         return slice(*(decode(i, nodes) for i in v))
     if tag == "ellipsis":
         return Ellipsis
+    if tag == "stack_trace_of":   # `record`'s trace by the node it was copied from
+        if v not in nodes:
+            raise EditsMismatch(f"the edits take a stack trace from node {v}, which the graph does not have")
+        return nodes[v].meta.get("stack_trace")
     raise EditsMismatch(f"unknown tag {tag!r} in recorded edits")
 
 
-# meta that says when or through what a node was traced (torch's autograd sequence number, which
-# counts on across compiles in one process; the nodes it came from), not what it computes
-_PROVENANCE = frozenset({"seq_nr", "from_node"})
+# meta that says when, through what or from where a node was traced (torch's autograd sequence
+# number, which counts on across compiles in one process; the nodes it came from; the user's
+# lines), not what it computes: a restarted job whose script moved a line finds the plan
+_PROVENANCE = frozenset({"seq_nr", "from_node", "stack_trace"})
 
 
 def _group_positions(node: fx.Node) -> tuple[int, ...]:
@@ -169,7 +174,8 @@ def _group_positions(node: fx.Node) -> tuple[int, ...]:
 
 def structure(graph: TrainGraph) -> str:
     """The graph as text, for a cache key: every node's name, op, target, arguments and meta
-    (values by shape, dtype and stride; tracing provenance left out), and the signature. A
+    (values by shape, dtype and stride; tracing provenance, stack traces included, left out:
+    `record` writes a trace as the node it was copied from), and the signature. A
     collective's process group is written as the order in which the graph first names it, not
     by its name, which differs between two steps over the same ranks (each makes its own group),
     so a second compile of the same model in one process, or a restarted job, finds the plan."""
@@ -224,6 +230,20 @@ def _record(before: Snapshot, after: TrainGraph) -> dict:
     if after.signature.inputs[:len(before.inputs)] != before.inputs:
         raise NotRecordable("the planner changed the existing inputs")
     new, args, meta = {}, {}, {}
+    # the key leaves stack traces out (`structure`), so a made node's trace, copied from a node of
+    # the graph before, is written as that node: applied to a graph traced from moved lines, it
+    # takes that graph's trace (a trace no node had is written as it is)
+    traces: dict[str, str] = {}
+    for name, (_, was_meta) in before.nodes.items():
+        trace = was_meta.get("stack_trace")
+        if isinstance(trace, str):
+            traces.setdefault(trace, name)
+
+    def encode_meta(key: str, value: Any) -> Any:
+        if key == "stack_trace" and isinstance(value, str) and value in traces:
+            return {"stack_trace_of": traces[value]}
+        return encode(value)
+
     for n in after.graph.nodes:
         if _group_positions(n) and (n.name not in before.nodes
                                     or encode((n.args, n.kwargs), True) != before.nodes[n.name][0]):
@@ -232,14 +252,14 @@ def _record(before: Snapshot, after: TrainGraph) -> dict:
         if n.name not in before.nodes:
             new[n.name] = {"op": n.op, "target": _target(n.target), "args": encode(n.args),
                            "kwargs": encode(n.kwargs), "val": _val(n.meta.get("val")),
-                           "meta": {k: encode(v) for k, v in n.meta.items() if k != "val"}}
+                           "meta": {k: encode_meta(k, v) for k, v in n.meta.items() if k != "val"}}
             continue
         was_args, was_meta = before.nodes[n.name]
         if encode((n.args, n.kwargs), True) != was_args:
             args[n.name] = [encode(n.args), encode(n.kwargs)]
         if n.meta.get("val") is not was_meta.get("val"):
             raise NotRecordable(f"the planner changed the value of {n.name}")
-        changed = {k: encode(v) for k, v in n.meta.items() if k != "val" and (k not in was_meta or (
+        changed = {k: encode_meta(k, v) for k, v in n.meta.items() if k != "val" and (k not in was_meta or (
             was_meta[k] is not v and was_meta[k] != v))}
         dropped = [k for k in was_meta if k not in n.meta]
         if changed or dropped:

@@ -14,7 +14,8 @@ the planning time (`benchmarks/compile_time.py` prints it: 3.4 s of a 48 s compi
 With `Offload(activations="auto")` the activation planner's search dominates a compile, so its
 outcome is kept too (`activation_key`, `load_activations`, `store_activations`): keyed by the
 graph before the pass (every node's op, target, arguments and meta, values by shape, dtype and
-stride), the calibration, the Offload options, the torch version and the code of every module
+stride; not its stack traces, so a job restarted from a script whose lines moved finds the
+plan, its re-made nodes taking the new graph's traces), the calibration, the Offload options, the torch version and the code of every module
 the planning runs; what is stored is offload_activation_edits' record of the kept run, which
 offload_optimizer re-applies and checks (its predicted peak and step must come out as stored).
 
@@ -63,7 +64,7 @@ from graphoffload.passes.offload_planner import Event, Prediction, StepCosts
 
 log = logging.getLogger("graphoffload")
 
-FORMAT = 1   # bump when Prediction or the planner's algorithm changes what a key maps to
+FORMAT = 2   # bump when Prediction or the planner's algorithm changes what a key maps to
 MAX_BYTES = 256 * 2**20   # the plans directory's size cap: beyond it, least recently used entries go
 _KINDS = ("plan-", "activations-", "sums-", "stepsums-")   # what an entry's file name starts with
 _ABANDONED_S = 3600   # a writer's ".tmp-" file this old was left by a crashed process: evictable too

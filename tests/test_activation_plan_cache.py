@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import inspect
 import json
+import textwrap
 
 import pytest
 import torch
@@ -97,6 +99,49 @@ def test_a_restarted_job_reuses_the_activation_plan(cache, monkeypatch):
     eager = _train(None, model, batches, mlp_step)
     for step in (first, second):
         assert_training_matches(*eager, *_train(step, model, batches, mlp_step), exact=True, offloaded=True)
+
+
+def _moved_down(things: list, lines: int, filename: str) -> list:
+    """`things` (functions, classes) defined again from their code, `lines` lines further down a
+    file of another name, in one scope (a moved class finds the others moved): a user's script
+    edited above them, which changes their nodes' stack traces and nothing else."""
+    scope = dict(things[0].__globals__ if inspect.isfunction(things[0]) else vars(inspect.getmodule(things[0])))
+    source = "\n" * lines + "\n".join(textwrap.dedent(inspect.getsource(t)) for t in things)
+    exec(compile(source, filename, "exec"), scope)
+    return [scope[t.__name__] for t in things]
+
+
+def test_a_job_restarted_from_an_edited_script_reuses_the_plan(cache, monkeypatch):
+    """The key leaves stack traces out: the same model and step from moved lines (other file
+    names, further down) find the first compile's plan, and the nodes the plan re-makes (replays,
+    copies) take the new graph's traces, the lines an error would name, not the stored ones."""
+    from test_checkpointing import Block, Mlp
+
+    model, batch = _model(), _batches(1)[0]
+    options = dict(calibration=FAST_COMPUTE, device_updates="never", gpu_memory_budget=_mlp_budget())
+    first = _compile(model, batch, **options)
+    _, moved_mlp = _moved_down([Block, Mlp], 25, "user_model.py")
+    (moved_step,) = _moved_down([mlp_step], 40, "user_train.py")
+    torch.manual_seed(0)
+    moved = moved_mlp(width=32, depth=3, dropout=0.2, checkpointed=False)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), moved.parameters()))
+    with monkeypatch.context() as m:
+        _no_search(m)
+        second = _compile(moved, batch, moved_step, **options)
+    assert _reused(second) and len(_entries(cache)) == 1
+    assert _nodes(second) == _nodes(first)
+
+    def traces(step) -> dict[str, str]:
+        return {n.name: n.meta["stack_trace"] for n in step.train_graph.graph.nodes if n.meta.get("stack_trace")}
+    old, new = traces(first), traces(second)
+    made = [n.name for n in second.train_graph.graph.nodes if n.meta.get("recompute") or n.meta.get("activation")]
+    assert set(made) & set(new)   # some re-made nodes carry traces
+    assert any("test_checkpointing.py" in t for t in old.values())
+    # no trace of the second graph names the first's file: the re-made nodes' are the new graph's
+    assert not [name for name, t in new.items() if "test_checkpointing.py" in t]
+    for n in second.train_graph.graph.nodes:
+        if n.meta.get("recompute_of") in new:
+            assert n.meta.get("stack_trace") == new[n.meta["recompute_of"]]
 
 
 def test_a_second_zero_stage_3_step_in_the_same_process_reuses_the_plan(cache, monkeypatch, one_process_group):
