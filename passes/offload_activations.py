@@ -88,8 +88,10 @@ optimizer state included.
 
 from __future__ import annotations
 
+import logging
 import math
 import operator
+import time
 from bisect import bisect_left, bisect_right, insort
 from heapq import heappop, heappush
 from itertools import repeat
@@ -117,6 +119,11 @@ ops = torch.ops.graphoffload
 # views included (past that, offloading or keeping is the choice)
 MAX_REGION_NODES = 96
 _PASS = "offload_optimizer"
+# a plan still searching after this many seconds logs how far it has got, and again each as long:
+# at 24 layers one plan searches for seconds, so a compile shows it is not hung
+PROGRESS_S = 5.0
+
+log = logging.getLogger("graphoffload")
 _position = operator.itemgetter(0)   # an aliasing.Access's position
 
 
@@ -994,10 +1001,12 @@ def plan_activations(graph: TrainGraph, budget: int, cal: Calibration, device: t
     # more room for what the analysis does not see, then the greedy's
     chosen = min(fits, key=lambda p: (steps[p.strategy], p.peak)) if fits else min(plans, key=lambda p: p.peak)
     what = "predicted step" if timed else "added to the predicted step"
-    chosen.graph.note(_PASS, "activation plans: " + ", ".join(
+    summary = "activation plans: " + ", ".join(
         f"{p.strategy} {steps[p.strategy] * 1e3:.4g} ms ({format_bytes(p.peak)}"
         + (", over the budget" if p.peak > budget else "") + (", cut short" if p.abandoned else "") + ")"
-        for p in plans) + f" {what}; {chosen.strategy} kept", "activation_plans", chosen=chosen.strategy,
+        for p in plans) + f" {what}; {chosen.strategy} kept"
+    log.info("%s", summary)
+    chosen.graph.note(_PASS, summary, "activation_plans", chosen=chosen.strategy,
         timed=timed, plans={p.strategy: {"step_seconds" if timed else "added_seconds": steps[p.strategy],
                                           "peak_bytes": p.peak, "fits": p.peak <= budget,
                                           "abandoned": p.abandoned} for p in plans})
@@ -1023,6 +1032,21 @@ def _plan(graph: TrainGraph, budget: int, cal: Calibration, device: torch.device
     storages = StorageMap(graph.graph, cache=cache)
     profile = analyze_memory(graph, storages)
     keep_peak = profile.peak
+    began = time.monotonic()
+    report_at = began + PROGRESS_S
+    log.info("activation plan '%s': predicted peak %s with every activation kept, budget %s", strategy,
+             format_bytes(keep_peak), format_bytes(budget))
+
+    def report() -> None:
+        """A line now and then while the plan searches (PROGRESS_S)."""
+        nonlocal report_at
+        now = time.monotonic()
+        if now >= report_at:
+            report_at = now + PROGRESS_S
+            made = list(choices.values())
+            log.info("activation plan '%s': %d recomputed, %d offloaded so far, predicted peak %s (budget %s), "
+                     "%.0f s", strategy, made.count("recompute"), made.count("offload"), format_bytes(profile.peak),
+                     format_bytes(budget), now - began)
     # the schedule's start of each planned node, for every edit's simulation (_simulate)
     starts_of = dict(zip(planned, schedule.node_start)) if schedule is not None else None
     choices: dict[str, str] = {}
@@ -1119,6 +1143,7 @@ def _plan(graph: TrainGraph, budget: int, cal: Calibration, device: torch.device
 
     pending = list(blocks)
     while pending and (every_block or profile.peak > budget):
+        report()
         step = _Step(graph, storages or StorageMap(graph.graph, cache=cache), regather)
         time_nodes(step)
         at = profile.nodes.index(profile.peak_node)
@@ -1157,6 +1182,7 @@ def _plan(graph: TrainGraph, budget: int, cal: Calibration, device: torch.device
                    peak_after=profile.peak)
     abandoned = False
     while profile.peak > budget:
+        report()
         step = _Step(graph, storages or StorageMap(graph.graph, cache=cache), regather)
         time_nodes(step)
         seeds = step.seeds()
@@ -1286,6 +1312,10 @@ def _plan(graph: TrainGraph, budget: int, cal: Calibration, device: torch.device
                "predicted step (" + strategy + ")", "activations", keep_peak_bytes=keep_peak, peak_bytes=profile.peak, budget_bytes=budget,
                choices=dict(choices), strategy=strategy, added_seconds=added, blocks=blocks_replayed,
                abandoned=abandoned, **counts)
+    log.info("activation plan '%s': %d recomputed, %d offloaded, predicted peak %s (budget %s%s)%s, %.2f s", strategy,
+             counts["recompute"], counts["offload"], format_bytes(profile.peak), format_bytes(budget),
+             ", over it" if profile.peak > budget else "",
+             ", cut short: another plan fits adding less" if abandoned else "", time.monotonic() - began)
     return ActivationPlan(graph, keep_peak, profile.peak, profile.peak_node, choices, merged_count, added, strategy,
                           abandoned, blocks_replayed)
 

@@ -705,6 +705,9 @@ def _replan_with_activations(fresh: Callable[[], TrainGraph], graph: TrainGraph,
         # (on the 4-layer benchmark GPT the greedy's bucket plan, predicted fastest, ran 2.7%
         # slower than the every-block candidate's)
         tried += 1
+        log.info("planning the activations again on the bucket plan made with the '%s' activation plan in the "
+                 "step (%d of %d buckets on the device, predicted %.4g ms)", strategy,
+                 chosen.assignment.count("device"), len(chosen.assignment), chosen.step_seconds * 1e3)
         for prefetch in _prefetch_points(chosen.prefetch_node, names, index):
             runs += 1
             try:
