@@ -609,6 +609,27 @@ class CompiledStep:
             executor.place_host_state()
         return variant.graph
 
+    def compile_variants(self, *args: Any, **kwargs: Any) -> dict[str, TrainGraph]:
+        """`compile` every variant the step's calls run for these arguments, without running it:
+        with `accumulation_steps=k`, the accumulating calls' ("accumulate") and the k-th, updating
+        call's ("update"), whose peak (the update's own memory included) is the one to check a
+        budget against before training; otherwise the one ("step"). Variants the optimizer's
+        state selects (SGD's first momentum step) are compiled by the call that needs them, as
+        ever. `micro_step` is left as it was, and `last` (what `memory()`, `explain()` and
+        `train_graph` show) is the variant the next call runs."""
+        if self._accumulation is None:
+            return {"step": self.compile(*args, **kwargs)}
+        graphs: dict[str, TrainGraph] = {}
+        micro_step = self._micro_step
+        try:
+            for name, at in (("accumulate", 0), ("update", self.config.accumulation_steps - 1)):
+                self._micro_step = at
+                graphs[name] = self.compile(*args, **kwargs)
+        finally:
+            self._micro_step = micro_step
+        self.compile(*args, **kwargs)   # compiled above: only `last` is set to the next call's
+        return graphs
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         # first: before the call's first collective (RankAgreement's), and whatever else a
         # restore or accept_partial_update() cleared, the groups stay broken

@@ -218,6 +218,42 @@ def test_accumulation_steps_updates_every_kth_call_like_eager_accumulation(name,
     assert step.trace_count == (3 if "sgd" in name else 2)
 
 
+def test_compile_variants_compiles_both_calls_before_any_runs_them():
+    """What a budget is checked against before training: compile_variants gives the accumulating
+    and the updating call's graphs without running (micro_step stays, `last` is the next call's
+    variant, also when asked mid-window), and the calls then run exactly those graphs, tracing
+    nothing more, and train as eager accumulation."""
+    make_model, make_opt = MODELS["llama-adamw"]
+    eager = make_model()
+    compiled = copy.deepcopy(eager)
+    opt_e, opt_c = make_opt(eager), make_opt(compiled)
+    step = graphoffload.offload_compile(hf_step, accumulation_steps=K,
+                                        offload=graphoffload.Offload(device_updates="never"))
+    batches = windows(2)
+    graphs = step.compile_variants(compiled, opt_c, batches[0][0])
+    assert set(graphs) == {"accumulate", "update"} and step.trace_count == 2 and step.micro_step == 0
+    # only the updating call updates: its buckets, offloaded to the host
+    assert [not g.notes_of("offload_optimizer", "offloaded") for g in graphs.values()] == [True, False]
+    assert [not g.notes_of("fuse_optimizer", "buckets") for g in graphs.values()] == [True, False]
+    assert step.train_graph is graphs["accumulate"]
+    # nothing ran (the optimizer's state is placed on the host, as `compile` places it)
+    assert all(p.grad is None and torch.equal(p, q) for p, q in zip(compiled.parameters(), eager.parameters()))
+    for w, window in enumerate(batches):
+        eager_window(eager, opt_e, window)
+        for i, mb in enumerate(window):
+            step(compiled, opt_c, mb)
+            assert step.train_graph is graphs["update" if i == K - 1 else "accumulate"], (w, i)
+            assert step.memory().peak == graphoffload.analyze_memory(step.train_graph).peak
+            if w == 0 and i == K - 2:   # mid-window: the next call updates
+                assert step.compile_variants(compiled, opt_c, mb) == graphs
+                assert step.micro_step == K - 1 and step.train_graph is graphs["update"]
+    assert step.trace_count == 2
+    assert_matches_eager(eager, opt_e, compiled, opt_c, exact=False)
+    plain = graphoffload.offload_compile(hf_step)
+    other = copy.deepcopy(eager)
+    assert set(plain.compile_variants(other, make_opt(other), batches[0][0])) == {"step"}
+
+
 def test_clipping_applies_to_the_accumulated_gradient_at_the_update():
     eager = hf_gpt2()
     compiled = copy.deepcopy(eager)
