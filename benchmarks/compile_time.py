@@ -20,8 +20,10 @@ PassManager logs it; already inside the rows above) and its share of the compile
 at most 10%).
 With `--activations-fraction F`, each size is also compiled with `activations="auto"` under F times
 the plain compile's predicted peak (the activation planner recomputes or offloads saved
-activations until it fits; the plan cache off): its CPU seconds, against the plain compile and
-`make_fx`, and how many activations it recomputed and offloaded.
+activations until it fits; on an empty plan cache of its own): its CPU seconds, against the plain
+compile and `make_fx`, and how many activations it recomputed and offloaded; then the same step
+from moved lines of another file (a restarted job whose script was edited above the step: every
+node's stack trace differs), which finds the plan on disk.
 Both traces run in the same process, back to back, for each size.
 
 Then the planner alone on synthetic steps of growing bucket counts (`--planner-buckets`; the
@@ -34,6 +36,7 @@ which shows the search's order in buckets.
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import logging
 import os
@@ -136,20 +139,44 @@ def compile_row(args, layers: int, cal) -> dict:
 
 
 def activations_row(model, opt, batch, cal, fraction: float, peak: int) -> dict:
-    """The same step compiled with `activations="auto"` under `fraction` of its predicted peak
-    (the plan cache off: every compile plans): the compile's CPU seconds and what it chose."""
+    """The same step compiled with `activations="auto"` under `fraction` of its predicted peak, on
+    an empty plan cache of its own (so it plans): the compile's CPU seconds and what it chose; then
+    the same step from moved lines of another file (a user's script edited above it, which changes
+    every node's stack trace), which should find that plan on disk."""
     import graphoffload
 
     budget = int(fraction * peak)
-    step = graphoffload.offload_compile(autocast_train_step, offload=graphoffload.Offload(
-        device_updates="auto", calibration=cal, replan_after=0, gpu_memory_budget=budget, activations="auto",
-        plan_cache=False))
-    cpu = time.process_time()
-    graph = step.compile(model, opt, batch)
+
+    def compile_with(step_fn) -> tuple[float, object]:
+        step = graphoffload.offload_compile(step_fn, offload=graphoffload.Offload(
+            device_updates="auto", calibration=cal, replan_after=0, gpu_memory_budget=budget, activations="auto"))
+        cpu = time.process_time()
+        graph = step.compile(model, opt, batch)
+        return time.process_time() - cpu, graph
+
+    was = os.environ.get("XDG_CACHE_HOME")
+    with tempfile.TemporaryDirectory() as cache:
+        os.environ["XDG_CACHE_HOME"] = cache
+        try:
+            cold_s, graph = compile_with(autocast_train_step)
+            moved_s, moved = compile_with(moved_down(autocast_train_step, 40))
+        finally:
+            if was is None:
+                os.environ.pop("XDG_CACHE_HOME")
+            else:
+                os.environ["XDG_CACHE_HOME"] = was
     chosen = graph.notes_of("offload_optimizer", "activations")[0].fields
-    return {"activations_budget": budget, "activations_cpu_s": time.process_time() - cpu,
-            "activations_peak": step.memory().peak, "activations_recomputed": chosen["recompute"],
-            "activations_offloaded": chosen["offload"]}
+    return {"activations_budget": budget, "activations_cpu_s": cold_s,
+            "activations_peak": graphoffload.analyze_memory(graph).peak, "activations_recomputed": chosen["recompute"],
+            "activations_offloaded": chosen["offload"], "activations_moved_cpu_s": moved_s,
+            "activations_moved_reused": bool(moved.notes_of("offload_optimizer", "activations_reused"))}
+
+
+def moved_down(fn, lines: int):
+    """`fn` defined again from its code, `lines` lines further down a file of another name."""
+    scope = dict(fn.__globals__)
+    exec(compile("\n" * lines + inspect.getsource(fn), "edited_train_script.py", "exec"), scope)
+    return scope[fn.__name__]
 
 
 def planner_rows(buckets: list[int]) -> list[dict]:
@@ -204,7 +231,9 @@ def table(rows: list[dict]) -> list[dict]:
                    ("activations='auto' / total compile, CPU", lambda r: r.get("activations_vs_plain_cpu")),
                    ("activations='auto' / make_fx, CPU", lambda r: r.get("activations_vs_make_fx_cpu")),
                    ("activations recomputed / offloaded", lambda r: _counts(r.get("activations_recomputed"),
-                                                                            r.get("activations_offloaded")))]
+                                                                            r.get("activations_offloaded"))),
+                   ("activations='auto', the step's lines moved: compile, CPU (plan reused from disk?)",
+                    lambda r: _reuse(r.get("activations_moved_cpu_s"), r.get("activations_moved_reused")))]
     out = []
     for label, get in stages:
         line = {"stage": label}
@@ -220,6 +249,10 @@ def table(rows: list[dict]) -> list[dict]:
 
 def _counts(a: int | None, b: int | None) -> str | None:
     return None if a is None or b is None else f"{a} / {b}"
+
+
+def _reuse(seconds: float | None, reused: bool | None) -> str | None:
+    return None if seconds is None else f"{seconds:.2f} ({'reused' if reused else 'planned again'})"
 
 
 def _pair(a: float | None, b: float | None) -> str | None:

@@ -76,6 +76,8 @@ def test_compile_time_smoke_run_reports_every_stage(tmp_path):
         # activations="auto" under 0.6 of the plain compile's peak: planned to fit, and timed
         assert row["activations_peak"] <= row["activations_budget"] and row["activations_cpu_s"] > 0
         assert row["activations_recomputed"] + row["activations_offloaded"] > 0
+        # the same step from moved lines of another file finds that plan on disk
+        assert row["activations_moved_reused"] and row["activations_moved_cpu_s"] > 0
     # the planner alone on synthetic steps: each size's work, and its growth against the one before
     assert [r["buckets"] for r in result["planner"]] == [20, 40]
     assert all(r["planner_s"] > 0 and r["simulated"] >= 2 * r["buckets"] for r in result["planner"])
