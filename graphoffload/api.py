@@ -274,25 +274,17 @@ class CompiledStep:
         on-disk plan cache (`_trials_key`) instead of compiling them, and still takes the max."""
         capture = capture_step(self.fn, args, kwargs, self.config, self._accumulation[False])
         device = capture.bindings.device
-        peaks, refused = [], None
-        try:
-            key = self._trials_key(capture.graph, device, "the accumulating variant's trials, sums on the device "
-                                   "and on the host")
-            cached = load_step_trials(key) if key is not None else None
-            if cached is not None and cached["peaks"] is not None:   # a restarted job: this rank's trials as stored
-                peaks, refused = cached["peaks"], cached["refused"]
-                log.info("%s: accumulate_on='auto' trial peaks reused from the on-disk plan cache (%s)", self._name,
-                         plan_path(key, "stepsums"))
-            else:
-                for where in ("device", "host"):
-                    graph, why = self._trial_compile(capture.graph.copy(), device, where)
-                    refused = why or refused
-                    peaks.append(-1 if graph is None else
-                                 analyze_memory(graph).peak + sum(unseen_device_bytes(graph.graph, device).values()))
-                if key is not None:
-                    store_step_trials(key, peaks, refused)
-        finally:
-            capture.discard_created_state()
+
+        def run() -> tuple[list[int], str | None]:
+            peaks, refused = [], None
+            for where in ("device", "host"):
+                graph, why = self._trial_compile(capture.graph.copy(), device, where)
+                refused = why or refused
+                peaks.append(-1 if graph is None else
+                             analyze_memory(graph).peak + sum(unseen_device_bytes(graph.graph, device).values()))
+            return peaks, refused
+        peaks, refused = self._trials(capture, "the accumulating variant's trials, sums on the device and on the host",
+                                      run, with_peaks=True)
         # every rank takes the max, cached or not: a rank whose entry is missing ran its own trials
         device_peak, host_peak, any_refused = self._max_over_ranks([*peaks, refused is not None], device)
         if any_refused:
@@ -306,22 +298,31 @@ class CompiledStep:
         (`_trial_compile`), dropped with the state its capture made."""
         capture = capture_step(self.fn, args, kwargs, _with_sums(self.config, StepSums("host", None)),
                                self._accumulation[True])
-        try:
-            key = self._trials_key(capture.graph, capture.bindings.device, "the updating variant's trial, sums on "
-                                   "the host")
-            cached = load_step_trials(key) if key is not None else None
-            if cached is not None and cached["peaks"] is None:
-                refused = cached["refused"]
-                log.info("%s: accumulate_on='auto' trial of host sums on the updating call reused from the on-disk "
-                         "plan cache (%s)", self._name, plan_path(key, "stepsums"))
-            else:
-                _, refused = self._trial_compile(capture.graph, capture.bindings.device, "host")
-                if key is not None:
-                    store_step_trials(key, None, refused)
-        finally:
-            capture.discard_created_state()
+        _, refused = self._trials(capture, "the updating variant's trial, sums on the host",
+                                  lambda: (None, self._trial_compile(capture.graph, capture.bindings.device, "host")[1]),
+                                  with_peaks=False)
         (any_refused,) = self._max_over_ranks([refused is not None], capture.bindings.device)
         return (refused or _REFUSED_ELSEWHERE) if any_refused else None
+
+    def _trials(self, capture: Capture, what: str, run: Callable[[], tuple[list[int] | None, str | None]],
+                with_peaks: bool) -> tuple[list[int] | None, str | None]:
+        """What this rank's trial compiles of `capture` (`what`) found: `run()`'s peaks (None where
+        the trial only asks whether host sums are refused: `with_peaks` False) and why host sums
+        are refused (None: they are not), stored in the on-disk plan cache; or, for a restarted
+        job, what it stored there (`_trials_key`). The state the capture made is dropped either way."""
+        try:
+            key = self._trials_key(capture.graph, capture.bindings.device, what)
+            cached = load_step_trials(key) if key is not None else None
+            if cached is not None and (cached["peaks"] is not None) == with_peaks:
+                log.info("%s: accumulate_on='auto': %s reused from the on-disk plan cache (%s)", self._name, what,
+                         plan_path(key, "stepsums"))
+                return cached["peaks"], cached["refused"]
+            peaks, refused = run()
+            if key is not None:
+                store_step_trials(key, peaks, refused)
+            return peaks, refused
+        finally:
+            capture.discard_created_state()
 
     def _trials_key(self, graph: TrainGraph, device: torch.device, what: str) -> str | None:
         """The on-disk plan cache's key of `what` this rank's trial compiles of the captured
