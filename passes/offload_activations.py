@@ -1032,6 +1032,9 @@ def _plan(graph: TrainGraph, budget: int, cal: Calibration, device: torch.device
     storages = StorageMap(graph.graph, cache=cache)
     profile = analyze_memory(graph, storages)
     keep_peak = profile.peak
+    # the schedule's start of each planned node, for every edit's simulation (_simulate)
+    starts_of = dict(zip(planned, schedule.node_start)) if schedule is not None else None
+    choices: dict[str, str] = {}
     began = time.monotonic()
     report_at = began + PROGRESS_S
     log.info("activation plan '%s': predicted peak %s with every activation kept, budget %s", strategy,
@@ -1047,9 +1050,7 @@ def _plan(graph: TrainGraph, budget: int, cal: Calibration, device: torch.device
             log.info("activation plan '%s': %d recomputed, %d offloaded so far, predicted peak %s (budget %s), "
                      "%.0f s", strategy, made.count("recompute"), made.count("offload"), format_bytes(profile.peak),
                      format_bytes(budget), now - began)
-    # the schedule's start of each planned node, for every edit's simulation (_simulate)
-    starts_of = dict(zip(planned, schedule.node_start)) if schedule is not None else None
-    choices: dict[str, str] = {}
+
     specs = list(graph.signature.inputs)
     tried: set[tuple] = set()
     seconds: dict[fx.Node, float] = {}

@@ -15,9 +15,10 @@ With `Offload(activations="auto")` the activation planner's search dominates a c
 outcome is kept too (`activation_key`, `load_activations`, `store_activations`): keyed by the
 graph before the pass (every node's op, target, arguments and meta, values by shape, dtype and
 stride; not its stack traces, so a job restarted from a script whose lines moved finds the
-plan, its re-made nodes taking the new graph's traces), the calibration, the Offload options, the torch version and the code of every module
-the planning runs; what is stored is offload_activation_edits' record of the kept run, which
-offload_optimizer re-applies and checks (its predicted peak and step must come out as stored).
+plan, its re-made nodes taking the new graph's traces), the calibration, the Offload options,
+the torch version and the code of every module the planning runs; what is stored is
+offload_activation_edits' record of the kept run, which offload_optimizer re-applies and checks
+(its predicted peak and step must come out as stored).
 
 With `Offload(accumulate_on="auto")` (without ZeRO) the sum placement's trial compiles are kept
 too (`load_sum_peaks`, `store_sum_peaks`): each variant's predicted device peak for every count
