@@ -45,8 +45,9 @@ from graphoffload.errors import CaptureError, GraphOffloadError, UnsupportedErro
 from graphoffload.graph import (TENSOR_SLOT, GraphSignature, InputSpec, OutputSpec, TrainGraph, fake_mode_of,
                                 placeholder_name)
 from graphoffload.recompute import CheckpointRegions, is_checkpoint_code, mark_recomputed, refuse_reentrant
-from graphoffload.torch_private import (GRAD_SCALER_STATE_ATTRIBUTES, DataDependentOutputException,
-                                       DynamicOutputShapeException, FakeTensorMode, ShapeEnv, functorch_config,
+from graphoffload.torch_private import (GRAD_SCALER_STATE_ATTRIBUTES, STACK_TRACE_FILE_SUFFIX,
+                                       DataDependentOutputException, DynamicOutputShapeException, FakeTensorMode,
+                                       ShapeEnv, functorch_config,
                                        given_stack_trace, grad_fn_sequence_number,
                                        grad_fn_sequence_numbers_supported, grad_scaler_state, make_fx, pytree,
                                        recorded_stack_trace, rename_node, reset_grad_fn_sequence_number,
@@ -429,7 +430,6 @@ _METADATA_READS = frozenset(
 
 
 _TORCH_INIT = os.path.join(os.path.dirname(torch.__file__), "__init__.py")
-_TORCH_INIT_SUFFIX = "torch/__init__.py"
 
 
 @dataclass(frozen=True)
@@ -470,7 +470,7 @@ class _StackFacts:
                            checkpoint if checkpoint is not None else base.checkpoint)
             code = frame.f_code
             name, filename = code.co_name, code.co_filename
-            if name == "forward" or filename.endswith(_TORCH_INIT_SUFFIX):   # the tracer's filter
+            if name == "forward" or filename.endswith(STACK_TRACE_FILE_SUFFIX):   # the tracer's filter
                 frames.append((filename, frame.f_lineno, name))
                 if not kept and (name == "forward" or filename == _TORCH_INIT):
                     kept = True

@@ -164,6 +164,10 @@ def stack_trace_recording(enabled: bool) -> Iterator[bool]:
         tracer.record_stack_traces = before
 
 
+# make_fx's stack-trace filter keeps frames of functions named `forward` and of files ending so
+STACK_TRACE_FILE_SUFFIX = "torch/__init__.py"
+
+
 def recorded_stack_trace(frames: Sequence[tuple[str, int, str]]) -> str | None:
     """The stack trace make_fx's tracer records for a node created under `frames` (filename,
     line, function name; innermost first): those of them its filter keeps, formatted as it
@@ -173,7 +177,7 @@ def recorded_stack_trace(frames: Sequence[tuple[str, int, str]]) -> str | None:
 
     ignored = uninteresting_files()
     kept = [traceback.FrameSummary(filename, line, name) for filename, line, name in reversed(frames)
-            if (name == "forward" or filename.endswith("torch/__init__.py")) and filename not in ignored]
+            if (name == "forward" or filename.endswith(STACK_TRACE_FILE_SUFFIX)) and filename not in ignored]
     if not kept:
         return None
     return "".join(traceback.StackSummary.from_list(kept).format()).strip() or None
