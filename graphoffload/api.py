@@ -621,14 +621,16 @@ class CompiledStep:
         if self._accumulation is None:
             return {"step": self.compile(*args, **kwargs)}
         graphs: dict[str, TrainGraph] = {}
-        micro_step = self._micro_step
+        variants: dict[str, CompiledVariant] = {}
+        micro_step, update_at = self._micro_step, self.config.accumulation_steps - 1
         try:
-            for name, at in (("accumulate", 0), ("update", self.config.accumulation_steps - 1)):
+            for name, at in (("accumulate", 0), ("update", update_at)):
                 self._micro_step = at
                 graphs[name] = self.compile(*args, **kwargs)
+                variants[name] = self._last
         finally:
             self._micro_step = micro_step
-        self.compile(*args, **kwargs)   # compiled above: only `last` is set to the next call's
+        self._last = variants["update" if micro_step == update_at else "accumulate"]   # the next call's
         return graphs
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
